@@ -1,0 +1,25 @@
+"""shardfuse: fused kernels and drop-in Flax NNX layers for model-parallel transformers.
+
+Example:
+  >>> import jax, shardfuse as sf
+  >>> q = jax.random.normal(jax.random.key(0), (1, 64, 4, 32))
+  >>> k = v = jax.random.normal(jax.random.key(1), (1, 64, 2, 32))
+  >>> sf.flash_attention(q, k, v, causal=True).shape
+  (1, 64, 4, 32)
+"""
+
+from shardfuse import collectives, kernels, layers
+from shardfuse._info import info
+from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockSizes",
+    "attention_reference",
+    "collectives",
+    "flash_attention",
+    "info",
+    "kernels",
+    "layers",
+]

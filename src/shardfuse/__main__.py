@@ -1,0 +1,46 @@
+"""Command line: `shardfuse info | demo`.
+
+shardfuse info            versions, devices, usable implementations and why not
+shardfuse demo            every op against its reference on 8 CPU devices
+"""
+
+import argparse
+import sys
+
+
+def _use_cpu_devices(count: int) -> None:
+    """Ask for `count` CPU devices; must run before any JAX backend starts."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="shardfuse", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--cpu-devices", type=int, default=8, help="number of CPU devices to simulate (default 8)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="versions, backend, devices, usable implementations")
+    demo = commands.add_parser("demo", help="run every op against its reference")
+    demo.add_argument("--seq-len", type=int, default=512, help="sequence length (default 512)")
+    args = parser.parse_args(argv)
+    if args.cpu_devices < 1:
+        parser.error(f"--cpu-devices={args.cpu_devices} must be >= 1")
+    _use_cpu_devices(args.cpu_devices)
+
+    if args.command == "info":
+        from shardfuse._info import info
+
+        info()
+    elif args.command == "demo":
+        if args.seq_len < 1:
+            parser.error(f"--seq-len={args.seq_len} must be >= 1")
+        from shardfuse import demo as demo_module
+
+        demo_module.run(seq_len=args.seq_len)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Per-shard multi-device algorithms, called inside `jax.shard_map`."""

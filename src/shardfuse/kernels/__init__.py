@@ -1,0 +1,1 @@
+"""Single-device compute kernels: one package per op."""

@@ -1,0 +1,208 @@
+"""Public attention entry points and the dispatch over implementations.
+
+`flash_attention` validates once, before anything is traced, then calls the
+requested implementation, or with `implementation=None` the best one for the
+platform: a backend that raises `NotImplementedError` (valid input it cannot
+handle: dtype, head dim, platform) hands over to the next one.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from shardfuse.kernels.attention import base
+
+# name -> (module, function). Modules are imported on first use only, so that
+# optional dependencies (triton, jax_triton) are never imported by `import shardfuse`.
+IMPLEMENTATIONS = {
+    "reference": ("shardfuse.kernels.attention.reference", "reference_attention"),
+    "xla": ("shardfuse.kernels.attention.xla", "flash_attention"),
+    "pallas_tpu": ("shardfuse.kernels.attention.pallas_tpu", "flash_attention"),
+    "triton": ("shardfuse.kernels.attention.triton_gpu", "flash_attention"),
+}
+
+# What `implementation=None` tries, best first, per platform.
+PREFERENCE = {
+    "tpu": ("pallas_tpu", "xla"),
+    "gpu": ("triton", "xla"),
+    "cuda": ("triton", "xla"),
+    "rocm": ("xla",),
+    "cpu": ("xla",),
+}
+
+
+def load_implementation(name: str):
+    """Returns the backend function `name`, or raises NotImplementedError saying why not."""
+    module_name, function_name = IMPLEMENTATIONS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            raise NotImplementedError(
+                f"implementation {name!r} is not part of this version of shardfuse"
+            ) from e
+        raise NotImplementedError(f"implementation {name!r} needs {e.name!r}: {e}") from e
+    return getattr(module, function_name)
+
+
+def _candidates(implementation):
+    if implementation is None:
+        platform = jax.default_backend()
+        return PREFERENCE.get(platform, ("xla",))
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is not one of {[None, *IMPLEMENTATIONS]}"
+        )
+    return (implementation,)
+
+
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    q_positions=None,
+    kv_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    window=None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+    block_sizes: base.BlockSizes | None = None,
+):
+    """Memory-efficient multi-head attention with GQA, masks on positions and a float32 lse.
+
+    Computes, for query head h reading kv head `h // (H // K)`:
+
+        s[t, j] = cap(scale * q[t] . k[j]),   cap(x) = softcap * tanh(x / softcap)
+        out[t] = sum_j softmax_j(s[t, j] over visible j) v[j]
+        lse[t] = log sum_{visible j} exp(s[t, j])
+
+    Key j is visible to query t iff every given mask allows it: `causal`:
+    `kv_pos[j] <= q_pos[t]`; `window=(left, right)`:
+    `q_pos[t] - left <= kv_pos[j] <= q_pos[t] + right` (None: unbounded side);
+    segment ids: `q_segment_ids[b, t] == kv_segment_ids[b, j]`. A query with no
+    visible key returns 0 and lse = -inf, with zero gradients.
+
+    Args:
+      q: `[B, T, H, D]` queries, float32, bfloat16 or float16.
+      k: `[B, S, K, D]` keys, same dtype, `H % K == 0` (K = 1: MQA).
+      v: `[B, S, K, D]` values.
+      causal: mask keys after the query position.
+      q_positions: int32 `[T]` absolute positions. Default `arange(T) + S - T`
+        (bottom-right aligned, so the last query sees the last key).
+      kv_positions: int32 `[S]`. Default `arange(S)`.
+      q_segment_ids: int `[B, T]`; pass together with `kv_segment_ids` `[B, S]`.
+      kv_segment_ids: int `[B, S]`.
+      window: `(left, right)` local attention window, ints >= 0 or None.
+      logit_softcap: cap the scaled logits with `softcap * tanh(x / softcap)`.
+      scale: logit scale; default `1 / sqrt(D)`.
+      return_lse: also return the float32 log-sum-exp `[B, H, T]`.
+      implementation: None (best for the platform), "reference", "xla",
+        "pallas_tpu" or "triton".
+      block_sizes: optional `BlockSizes(block_q, block_kv)` for the tiled paths.
+
+    Returns:
+      `out` `[B, T, H, D]` in q's dtype, or `(out, lse)` with `return_lse=True`.
+
+    Raises:
+      ValueError: invalid shapes, head counts, window, softcap, scale or implementation.
+      TypeError: unsupported or mismatched dtypes.
+      NotImplementedError: the requested implementation cannot run these inputs
+        here (with `implementation=None`: none could, with each reason).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, shardfuse as sf
+      >>> q = jax.random.normal(jax.random.key(0), (2, 128, 8, 64))
+      >>> k = v = jax.random.normal(jax.random.key(1), (2, 128, 2, 64))
+      >>> out, lse = sf.flash_attention(q, k, v, causal=True, return_lse=True)
+      >>> out.shape, lse.shape
+      ((2, 128, 8, 64), (2, 8, 128))
+    """
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    config = base.validate(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        window=window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+        block_sizes=block_sizes,
+    )
+    candidates = _candidates(implementation)
+    B, T, _, _ = q.shape
+    S = k.shape[1]
+    if B == 0 or T == 0 or S == 0:
+        return base.empty_result(q, return_lse)
+    q_pos, kv_pos = base.default_positions(T, S, q_positions, kv_positions)
+    reasons = []
+    for name in candidates:
+        try:
+            fn = load_implementation(name)
+            out, lse = fn(config, q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
+        except NotImplementedError as e:
+            if implementation is not None:
+                raise
+            reasons.append(f"{name}: {e}")
+            continue
+        return (out, lse) if return_lse else out
+    raise NotImplementedError("no attention implementation can run here: " + "; ".join(reasons))
+
+
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    q_positions=None,
+    kv_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    window=None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """The attention oracle: the same function as `flash_attention`, computed naively.
+
+    Materialises the `[B, H, T, S]` scores in float32 (HIGHEST precision for
+    float32 inputs), applies every mask, and normalises with a safe softmax:
+    rows without a visible key give 0 and lse = -inf, and their gradients
+    (plain autodiff, no custom_vjp) are 0, never NaN. Keys no query can see
+    are zeroed first, so NaN there never leaks. Memory O(B * H * T * S).
+
+    Args and returns as `flash_attention` (without `implementation`).
+
+    Example:
+      >>> import jax, shardfuse as sf
+      >>> q = jax.random.normal(jax.random.key(0), (1, 16, 4, 32))
+      >>> k = v = jax.random.normal(jax.random.key(1), (1, 16, 1, 32))
+      >>> out = sf.attention_reference(q, k, v, causal=True, window=(4, 0))
+      >>> out.shape
+      (1, 16, 4, 32)
+    """
+    return flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        window=window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+        return_lse=return_lse,
+        implementation="reference",
+    )

@@ -1,0 +1,1 @@
+"""Flax NNX layers that wrap `jax.shard_map` around the collectives."""

@@ -1,0 +1,122 @@
+"""Tolerance helpers shared by shardfuse's tests and usable by its users' tests.
+
+The rules (see TESTING.md of the project):
+
+- float32: atol = rtol = 1e-5 for outputs and lse, 2e-5 for gradients, against
+  a reference computed at `Precision.HIGHEST`.
+- bfloat16 / float16 (the flash-attention rule): with `ref32` the reference on
+  inputs upcast to float32 and `ref_lp` the reference run in the low precision,
+  `max|actual - ref32| <= factor * max|ref_lp - ref32| + floor` (factor 2 for
+  outputs, 3 for gradients, floor = a few ulps at the output's magnitude) and
+  `max|actual - ref32| <= cap` (bf16: 1e-2 outputs, 5e-2 gradients).
+- Both sides are checked for finiteness first; `-inf` entries (lse of rows
+  without a visible key) must match exactly.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from shardfuse.testing import assert_close
+  >>> assert_close(jnp.ones(3), jnp.ones(3) + 1e-7, name="out")
+"""
+
+import numpy as np
+
+F32_TOLERANCE = {"output": 1e-5, "grad": 2e-5}
+LOW_PRECISION_FACTOR = {"output": 2.0, "grad": 3.0}
+ABSOLUTE_CAP = {
+    "bfloat16": {"output": 1e-2, "grad": 5e-2},
+    "float16": {"output": 2e-3, "grad": 1e-2},
+}
+_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
+
+
+def _as_f32(x):
+    return np.asarray(np.asarray(x, dtype=np.float32), dtype=np.float64)
+
+
+def _split_infinite(actual, expected, name):
+    """Checks finiteness and -inf agreement; returns the mask of finite expected entries."""
+    if np.isnan(expected).any():
+        raise AssertionError(
+            f"{name}: the reference itself has NaN at {np.argwhere(np.isnan(expected))[:5].tolist()}"
+        )
+    if np.isnan(actual).any():
+        raise AssertionError(f"{name}: NaN at {np.argwhere(np.isnan(actual))[:5].tolist()}")
+    if np.isposinf(expected).any() or np.isposinf(actual).any():
+        raise AssertionError(
+            f"{name}: +inf in {'reference' if np.isposinf(expected).any() else 'result'}"
+        )
+    exp_neg, act_neg = np.isneginf(expected), np.isneginf(actual)
+    if not np.array_equal(exp_neg, act_neg):
+        where = np.argwhere(exp_neg != act_neg)[:5].tolist()
+        raise AssertionError(f"{name}: -inf entries differ from the reference, e.g. at {where}")
+    return ~exp_neg
+
+
+def max_abs_error(actual, expected) -> float:
+    """max |actual - expected| over entries where the reference is finite (0 if none)."""
+    actual, expected = _as_f32(actual), _as_f32(expected)
+    finite = np.isfinite(expected) & np.isfinite(actual)
+    if not finite.any():
+        return 0.0
+    return float(np.max(np.abs(actual[finite] - expected[finite])))
+
+
+def assert_close(actual, expected, *, kind: str = "output", atol=None, rtol=None, name="value"):
+    """float32 comparison: `|actual - expected| <= atol + rtol * |expected|` everywhere.
+
+    Args:
+      actual, expected: arrays of one shape; `expected` from the reference.
+      kind: "output" (1e-5) or "grad" (2e-5) picks the default atol = rtol.
+      atol, rtol: override the defaults.
+      name: what is compared, for the message.
+    """
+    if np.shape(actual) != np.shape(expected):
+        raise AssertionError(f"{name}: shape {np.shape(actual)} != reference {np.shape(expected)}")
+    tol = F32_TOLERANCE[kind]
+    atol = tol if atol is None else atol
+    rtol = tol if rtol is None else rtol
+    actual, expected = _as_f32(actual), _as_f32(expected)
+    finite = _split_infinite(actual, expected, name)
+    err = np.abs(actual - expected)
+    bad = finite & (err > atol + rtol * np.abs(expected))
+    if bad.any():
+        worst = np.unravel_index(np.argmax(np.where(finite, err, -1)), err.shape)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {err.size} entries beyond atol={atol}, rtol={rtol}; "
+            f"max error {err[worst]:.3g} at {tuple(int(i) for i in worst)} "
+            f"(got {actual[worst]:.6g}, expected {expected[worst]:.6g})"
+        )
+
+
+def assert_close_low_precision(actual, ref32, ref_lp, *, kind: str = "output", name="value"):
+    """The flash-attention rule for bfloat16 / float16 results.
+
+    Args:
+      actual: the result under test (low-precision inputs), any float dtype.
+      ref32: the reference on the inputs upcast to float32.
+      ref_lp: the reference run on the low-precision inputs.
+      kind: "output" (factor 2) or "grad" (factor 3).
+      name: what is compared, for the message.
+    """
+    dtype = np.dtype(getattr(ref_lp, "dtype", np.float32)).name
+    if dtype not in ABSOLUTE_CAP:
+        dtype = np.dtype(getattr(actual, "dtype", np.float32)).name
+    if dtype not in ABSOLUTE_CAP:  # float32 statistics (lse) of a low-precision run
+        dtype = "bfloat16"
+    actual, ref32, ref_lp = _as_f32(actual), _as_f32(ref32), _as_f32(ref_lp)
+    finite = _split_infinite(actual, ref32, name)
+    _split_infinite(ref_lp, ref32, f"{name} (low-precision reference)")
+    if not finite.any():
+        return
+    err = float(np.max(np.abs(actual - ref32)[finite]))
+    ref_err = float(np.max(np.abs(ref_lp - ref32)[finite]))
+    scale = float(np.max(np.abs(ref32[finite])))
+    floor = _EPS[dtype] * max(scale, 1e-3)  # about two ulps at the largest magnitude
+    bound = LOW_PRECISION_FACTOR[kind] * ref_err + floor
+    cap = ABSOLUTE_CAP[dtype][kind]
+    if err > bound or err > cap:
+        raise AssertionError(
+            f"{name}: max error {err:.3g} vs float32 reference exceeds "
+            f"{LOW_PRECISION_FACTOR[kind]} x {ref_err:.3g} (low-precision reference error) "
+            f"+ {floor:.3g} = {bound:.3g}, or the cap {cap} for {dtype} {kind}s"
+        )
