@@ -37,7 +37,8 @@ def _split_infinite(actual, expected, name):
     """Checks finiteness and -inf agreement; returns the mask of finite expected entries."""
     if np.isnan(expected).any():
         raise AssertionError(
-            f"{name}: the reference itself has NaN at {np.argwhere(np.isnan(expected))[:5].tolist()}"
+            f"{name}: the reference itself has NaN at "
+            f"{np.argwhere(np.isnan(expected))[:5].tolist()}"
         )
     if np.isnan(actual).any():
         raise AssertionError(f"{name}: NaN at {np.argwhere(np.isnan(actual))[:5].tolist()}")

@@ -9,7 +9,6 @@ rows without a visible key give 0, lse = -inf and zero (finite) gradients.
 Memory is O(T * S); use it to check other implementations, not to train.
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -177,7 +177,7 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
         i, q_blk = xs
 
         def kv_step(j, carry):
-            m, l, acc = carry
+            m, denom, acc = carry
             mask = tiles.tile_mask(config, i, j)  # [B|1, bq, bk]
             s, _ = _logits(config, q_blk, k_tiles[j], precision)
             s = jnp.where(mask[:, None, None], s, -jnp.inf)
@@ -194,7 +194,7 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
                 preferred_element_type=jnp.float32,
                 precision=precision,
             )
-            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+            return m_new, alpha * denom + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
         def maybe_step(j, carry):
             return lax.cond(tiles.visible[i, j], lambda c: kv_step(j, c), lambda c: c, carry)
@@ -204,11 +204,11 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
             jnp.zeros((B, K, G, tiles.block_q), jnp.float32),
             jnp.zeros((B, K, G, tiles.block_q, D), jnp.float32),
         )
-        m, l, acc = lax.fori_loop(0, tiles.nk, maybe_step, init)
-        has_key = l > 0
-        safe_l = jnp.where(has_key, l, 1.0)
-        out = (acc / safe_l[..., None]).astype(q.dtype)
-        lse = jnp.where(has_key, m + jnp.log(safe_l), -jnp.inf)
+        m, denom, acc = lax.fori_loop(0, tiles.nk, maybe_step, init)
+        has_key = denom > 0
+        safe_denom = jnp.where(has_key, denom, 1.0)
+        out = (acc / safe_denom[..., None]).astype(q.dtype)
+        lse = jnp.where(has_key, m + jnp.log(safe_denom), -jnp.inf)
         return None, (out, lse)
 
     _, (out, lse) = lax.scan(query_block, None, (jnp.arange(tiles.nq), q_tiles))
