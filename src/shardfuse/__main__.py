@@ -36,9 +36,9 @@ def main(argv=None) -> int:
     elif args.command == "demo":
         if args.seq_len < 1:
             parser.error(f"--seq-len={args.seq_len} must be >= 1")
-        from shardfuse import demo as demo_module
+        from shardfuse import demos
 
-        demo_module.run(seq_len=args.seq_len)
+        demos.run(seq_len=args.seq_len)
     return 0
 
 

@@ -167,7 +167,13 @@ def _logits(config, q_blk, k_blk, precision):
     return config.logit_softcap * t, t
 
 
-def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    """Blockwise forward on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
+
+    Positions must be int32 `[T]` / `[S]`; segment ids None or `[B, T]` / `[B, S]`.
+    Used by `flash_attention` and by collectives (ring attention) that merge
+    partial results themselves.
+    """
     tiles = _Tiles(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, S, H, K, G, D = tiles.shape
     precision = dot_precision(q.dtype)
@@ -215,7 +221,13 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     return tiles.untile_queries(out), tiles.untile_row_stats(lse)
 
 
-def _backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
+def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
+    """Blockwise backward from saved `out` and `lse`: float32 `(dq, dk, dv)`.
+
+    `out` and `lse` may be those of a larger attention that this call is one
+    block of (ring attention): `delta = rowsum(d_out * out) - d_lse` and
+    `p = exp(s - lse)` then give this block's share of the gradients.
+    """
     tiles = _Tiles(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, S, H, K, G, D = tiles.shape
     precision = dot_precision(q.dtype)
@@ -281,29 +293,29 @@ def _backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_
 
         zeros = jnp.zeros((B, K, tiles.block_kv, D), jnp.float32)
         dk, dv, dq_acc = lax.fori_loop(0, tiles.nq, maybe_step, (zeros, zeros, dq_acc))
-        return dq_acc, (dk.astype(k.dtype), dv.astype(v.dtype))
+        return dq_acc, (dk, dv)
 
     dq_init = jnp.zeros((tiles.nq, B, K, G, tiles.block_q, D), jnp.float32)
     dq, (dk, dv) = lax.scan(kv_block, dq_init, (jnp.arange(tiles.nk), k_tiles, v_tiles))
-    dq = tiles.untile_queries(dq).astype(q.dtype)
+    dq = tiles.untile_queries(dq)
     return dq, tiles.untile_keys(dk), tiles.untile_keys(dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    return _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
 
 
 def _flash_fwd(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    out, lse = forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
 
 
 def _flash_bwd(config, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv = _backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

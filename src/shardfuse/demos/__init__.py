@@ -1,0 +1,62 @@
+"""`shardfuse demo`: runs each op that exists against its reference and prints a table.
+
+Every row is one implementation on one case: the largest absolute error
+against the reference and the median time of a few calls after compilation.
+"""
+
+import importlib
+import time
+
+import jax
+
+
+def time_call(fn, *args, repeats: int = 3) -> float:
+    """Median seconds of `fn(*args)` after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+# Sections, in order: (title shown while it runs, module with `rows() -> list[dict]`).
+# Each row: op, implementation, case, shape, error (max |err| vs reference), seconds.
+SECTIONS = [
+    ("flash attention: xla vs reference", "shardfuse.demos.attention"),
+]
+
+
+def run(seq_len: int = 512):
+    """Runs the demo and prints its table. Returns the rows.
+
+    Example:
+      >>> from shardfuse import demos
+      >>> rows = demos.run(seq_len=64)  # doctest: +SKIP
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"jax {jax.__version__} on {jax.default_backend()} with {jax.device_count()} devices"
+    )
+    rows = []
+    for title, module_name in SECTIONS:
+        with console.status(f"{title} ..."):
+            rows += importlib.import_module(module_name).rows(seq_len=seq_len)
+    table = Table(title="shardfuse demo: each implementation vs the reference")
+    for column in ("op", "implementation", "case", "shape", "max |err|", "time"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["op"],
+            row["implementation"],
+            row["case"],
+            row["shape"],
+            f"{row['error']:.2e}",
+            f"{row['seconds'] * 1e3:.1f} ms",
+        )
+    console.print(table)
+    return rows
