@@ -11,15 +11,18 @@ Example:
 from shardfuse import collectives, kernels, layers
 from shardfuse._info import info
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
+from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockSizes",
+    "MatmulBlockSizes",
     "attention_reference",
     "collectives",
     "flash_attention",
     "info",
     "kernels",
     "layers",
+    "matmul",
 ]

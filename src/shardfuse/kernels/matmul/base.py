@@ -1,0 +1,127 @@
+"""Shared pieces of the matmul op: validation, the static config, block sizes.
+
+Every backend receives inputs that `validate` has already checked and a
+`MatmulConfig` holding the static options, so a backend only ever raises
+`NotImplementedError` (valid input it cannot handle), never `ValueError`.
+
+Axis glossary: M rows of `a` (all leading dims of `a` flattened with its
+second-to-last), C the contracted dim, N columns of `b`.
+"""
+
+import dataclasses
+import numbers
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulBlockSizes:
+    """Tile sizes of the tiled matmul kernels (pallas_tpu, triton).
+
+    Attributes:
+      block_m: rows of `a` (and of the output) per tile.
+      block_n: columns of `b` (and of the output) per tile.
+      block_k: contracted elements per step of the float32 accumulation loop.
+
+    `None` fields take the backend's default. A backend may refuse sizes it
+    cannot tile with (NotImplementedError).
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+            ):
+                raise ValueError(
+                    f"MatmulBlockSizes.{name}={value!r} must be a positive int or None"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Static (hashable) matmul options after validation and defaulting."""
+
+    out_dtype: jnp.dtype
+    block_sizes: MatmulBlockSizes = MatmulBlockSizes()
+
+
+def _check_array(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; supported dtypes are float32, bfloat16 and float16"
+        )
+
+
+def output_shape(a, b) -> tuple[int, ...]:
+    """`[..., M, N]`: the leading dims and rows of `a`, the columns of `b`."""
+    return (*a.shape[:-1], b.shape[1])
+
+
+def validate(a, b, *, c=None, bias=None, out_dtype=None, block_sizes=None) -> MatmulConfig:
+    """Checks the inputs of `matmul` and returns its `MatmulConfig`.
+
+    Raises:
+      ValueError: ranks or shapes do not fit `a [..., M, C] @ b [C, N] + c [..., M, N] + bias [N]`.
+      TypeError: a non-array input, an unsupported dtype (integers, float64),
+        `a` and `b` of different dtypes, or a bad `out_dtype` / `block_sizes`.
+    """
+    _check_array("a", a)
+    _check_array("b", b)
+    if a.ndim < 2:
+        raise ValueError(f"a has rank {a.ndim} (shape {tuple(a.shape)}); expected [..., M, C]")
+    if b.ndim != 2:
+        raise ValueError(f"b has rank {b.ndim} (shape {tuple(b.shape)}); expected [C, N]")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share one dtype; got a {a.dtype} and b {b.dtype}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(
+            f"contracted dims differ: a {tuple(a.shape)} has C={a.shape[-1]}, "
+            f"b {tuple(b.shape)} has C={b.shape[0]}"
+        )
+    expected = output_shape(a, b)
+    if c is not None:
+        _check_array("c", c)
+        if tuple(c.shape) != expected:
+            raise ValueError(
+                f"c has shape {tuple(c.shape)}; expected the output shape [..., M, N] = {expected}"
+            )
+    if bias is not None:
+        _check_array("bias", bias)
+        if tuple(bias.shape) != (b.shape[1],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [N] = ({b.shape[1]},)")
+    if out_dtype is None:
+        out_dtype = jnp.dtype(a.dtype)
+    else:
+        try:
+            out_dtype = jnp.dtype(out_dtype)
+        except TypeError as e:
+            raise TypeError(f"out_dtype={out_dtype!r} is not a dtype") from e
+        if out_dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"out_dtype={out_dtype} is not supported; use float32, bfloat16 or float16"
+            )
+    if block_sizes is None:
+        block_sizes = MatmulBlockSizes()
+    elif not isinstance(block_sizes, MatmulBlockSizes):
+        raise TypeError(
+            f"block_sizes must be a MatmulBlockSizes or None, got {type(block_sizes).__name__}"
+        )
+    return MatmulConfig(out_dtype=out_dtype, block_sizes=block_sizes)
+
+
+def epilogue(acc, c, bias, out_dtype):
+    """`acc (+ c) (+ bias)` in float32, then cast: the fused add of every backend."""
+    if c is not None:
+        acc = acc + c.astype(jnp.float32)
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32)
+    return acc.astype(out_dtype)

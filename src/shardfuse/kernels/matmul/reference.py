@@ -1,0 +1,25 @@
+"""The matmul oracle: one einsum at float32 accumulation, then the epilogue.
+
+    out[..., m, n] = sum_c a[..., m, c] b[c, n]  (+ c[..., m, n])  (+ bias[n])
+
+`Precision.HIGHEST` for float32 inputs (no TF32 / bf16 passes), float32
+accumulation for every input dtype, the additions in float32, one cast to
+`out_dtype` at the end. No tiling, no custom_vjp: gradients are autodiff's.
+"""
+
+import jax.numpy as jnp
+
+from shardfuse.kernels.attention.reference import dot_precision
+from shardfuse.kernels.matmul import base
+
+
+def reference_matmul(config: base.MatmulConfig, a, b, c, bias):
+    """`a [..., M, C] @ b [C, N] (+ c [..., M, N]) (+ bias [N])` on validated inputs."""
+    acc = jnp.einsum(
+        "...MC,CN->...MN",
+        a,
+        b,
+        preferred_element_type=jnp.float32,
+        precision=dot_precision(a.dtype),
+    )
+    return base.epilogue(acc, c, bias, config.out_dtype)
