@@ -78,7 +78,7 @@ def assert_close(actual, expected, *, kind: str = "output", atol=None, rtol=None
     rtol = tol if rtol is None else rtol
     actual, expected = _as_f32(actual), _as_f32(expected)
     finite = _split_infinite(actual, expected, name)
-    err = np.abs(actual - expected)
+    err = np.abs(np.where(finite, actual, 0.0) - np.where(finite, expected, 0.0))
     bad = finite & (err > atol + rtol * np.abs(expected))
     if bad.any():
         worst = np.unravel_index(np.argmax(np.where(finite, err, -1)), err.shape)
@@ -109,8 +109,8 @@ def assert_close_low_precision(actual, ref32, ref_lp, *, kind: str = "output", n
     _split_infinite(ref_lp, ref32, f"{name} (low-precision reference)")
     if not finite.any():
         return
-    err = float(np.max(np.abs(actual - ref32)[finite]))
-    ref_err = float(np.max(np.abs(ref_lp - ref32)[finite]))
+    err = float(np.max(np.abs(actual[finite] - ref32[finite])))
+    ref_err = float(np.max(np.abs(ref_lp[finite] - ref32[finite])))
     scale = float(np.max(np.abs(ref32[finite])))
     floor = _EPS[dtype] * max(scale, 1e-3)  # about two ulps at the largest magnitude
     bound = LOW_PRECISION_FACTOR[kind] * ref_err + floor
@@ -121,3 +121,26 @@ def assert_close_low_precision(actual, ref32, ref_lp, *, kind: str = "output", n
             f"{LOW_PRECISION_FACTOR[kind]} x {ref_err:.3g} (low-precision reference error) "
             f"+ {floor:.3g} = {bound:.3g}, or the cap {cap} for {dtype} {kind}s"
         )
+
+
+def compiled_memory(fn, *args, **kwargs) -> dict:
+    """Bytes XLA plans for `jax.jit(fn)(*args)`: temp, argument, output, generated code.
+
+    Compiles without running, so it works for shapes too big to execute. On
+    XLA:CPU set `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=` before JAX
+    starts, or YNNPACK fusions hide temporaries from the analysis.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> compiled_memory(lambda x: jnp.outer(x, x).sum(), jnp.ones(1024))["temp"] >= 0
+      True
+    """
+    import jax
+
+    stats = jax.jit(fn).lower(*args, **kwargs).compile().memory_analysis()
+    return {
+        "temp": int(stats.temp_size_in_bytes),
+        "argument": int(stats.argument_size_in_bytes),
+        "output": int(stats.output_size_in_bytes),
+        "code": int(stats.generated_code_size_in_bytes),
+    }

@@ -1,0 +1,147 @@
+"""Dispatch and validation of `sf.flash_attention`: bad inputs fail clearly, before tracing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.kernels.attention import api
+
+Q = jnp.zeros((2, 16, 4, 8), jnp.float32)
+KV = jnp.zeros((2, 24, 2, 8), jnp.float32)
+
+
+def _call(q=Q, k=KV, v=KV, **kwargs):
+    return sf.flash_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(q=jnp.zeros((16, 4, 8))), ValueError, r"q has rank 3 .*\[B, T, H, D\]"),
+        (dict(k=jnp.zeros((2, 24, 8))), ValueError, r"k has rank 3"),
+        (dict(v=jnp.zeros((2, 24, 2, 16))), ValueError, r"k and v must have the same shape"),
+        (dict(k=jnp.zeros((3, 24, 2, 8)), v=jnp.zeros((3, 24, 2, 8))), ValueError, r"B=2.*B=3"),
+        (dict(k=jnp.zeros((2, 24, 2, 4)), v=jnp.zeros((2, 24, 2, 4))), ValueError, r"D=8.*D=4"),
+        (dict(k=jnp.zeros((2, 24, 3, 8)), v=jnp.zeros((2, 24, 3, 8))), ValueError, r"H=4 .* K=3"),
+        (dict(q=Q.astype(jnp.bfloat16)), TypeError, r"share one dtype.*bfloat16"),
+        (dict(q=Q.astype(jnp.int32)), TypeError, r"q has dtype int32"),
+        (dict(q_positions=jnp.arange(15)), ValueError, r"q_positions has shape \(15,\).*\(16,\)"),
+        (dict(kv_positions=jnp.arange(24.0)), TypeError, r"kv_positions has dtype float32"),
+        (dict(q_segment_ids=jnp.zeros((2, 16), jnp.int32)), ValueError, r"both q_segment_ids"),
+        (
+            dict(
+                q_segment_ids=jnp.zeros((2, 16), jnp.int32),
+                kv_segment_ids=jnp.zeros((2, 16), jnp.int32),
+            ),
+            ValueError,
+            r"kv_segment_ids has shape \(2, 16\).*\(2, 24\)",
+        ),
+        (dict(window=5), ValueError, r"window=5 must be None or a pair"),
+        (dict(window=(-1, 0)), ValueError, r"window left=-1"),
+        (dict(window=(2, 1.5)), ValueError, r"window right=1.5"),
+        (dict(logit_softcap=0.0), ValueError, r"logit_softcap=0.0 must be a finite number > 0"),
+        (dict(logit_softcap="big"), TypeError, r"logit_softcap='big'"),
+        (dict(scale=float("nan")), ValueError, r"scale=nan"),
+        (dict(causal="yes"), TypeError, r"causal='yes' must be a bool"),
+        (dict(implementation="cuda"), ValueError, r"implementation='cuda' is not one of"),
+        (dict(block_sizes=(8, 8)), TypeError, r"block_sizes must be a BlockSizes"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _call(**kwargs)
+
+
+def test_block_sizes_validated_on_construction():
+    with pytest.raises(ValueError, match=r"BlockSizes.block_kv=-3"):
+        sf.BlockSizes(8, -3)
+    with pytest.raises(ValueError, match=r"BlockSizes.block_q=0"):
+        sf.BlockSizes(0, 8)
+
+
+def test_validation_happens_before_tracing(monkeypatch):
+    traced = []
+    monkeypatch.setattr(api, "load_implementation", lambda name: traced.append(name))
+    with pytest.raises(ValueError):
+        _call(q=jnp.zeros((2, 16, 5, 8)))
+    assert traced == []
+
+
+def test_float64_rejected():
+    with jax.enable_x64(True):
+        q = jnp.zeros((1, 4, 2, 8), jnp.float64)
+        with pytest.raises(TypeError, match="float64.*supported dtypes are float32, bfloat16"):
+            sf.flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("shape", [(0, 16, 4, 8), (2, 0, 4, 8)])
+def test_empty_queries_return_empty(shape):
+    q = jnp.zeros(shape)
+    kv = jnp.zeros((shape[0], 24, 2, 8))
+    out, lse = sf.flash_attention(q, kv, kv, return_lse=True)
+    assert out.shape == shape and lse.shape == (shape[0], 4, shape[1])
+
+
+def test_no_keys_means_every_row_masked():
+    k = jnp.zeros((2, 0, 2, 8))
+    out, lse = sf.flash_attention(Q, k, k, return_lse=True)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+    grad = jax.grad(lambda q: sf.flash_attention(q, k, k).sum())(Q)
+    assert np.all(np.asarray(grad) == 0)
+
+
+def test_default_implementation_on_cpu_is_xla(monkeypatch):
+    calls = []
+    real = api.load_implementation
+    monkeypatch.setattr(api, "load_implementation", lambda name: calls.append(name) or real(name))
+    _call(causal=True)
+    assert calls == ["xla"]
+
+
+def test_dispatch_falls_back_and_reports_every_reason(monkeypatch):
+    def refuses(reason):
+        def fn(*args):
+            raise NotImplementedError(reason)
+
+        return fn
+
+    real = api.load_implementation
+
+    def fake_load(name):
+        return refuses("head dim 8 is too small") if name == "triton" else real(name)
+
+    monkeypatch.setattr(api, "load_implementation", fake_load)
+    monkeypatch.setitem(api.PREFERENCE, "cpu", ("triton", "xla"))
+    out = _call()  # triton refuses, xla runs
+    assert out.shape == Q.shape
+    with pytest.raises(NotImplementedError, match="head dim 8 is too small"):
+        _call(implementation="triton")  # an explicit request is not silently replaced
+    monkeypatch.setattr(api, "load_implementation", lambda name: refuses(f"{name} cannot"))
+    with pytest.raises(NotImplementedError, match="triton: triton cannot; xla: xla cannot"):
+        _call()
+
+
+def test_missing_backend_is_not_implemented():
+    # The Triton path needs an NVIDIA GPU; on this CPU machine it must say why.
+    with pytest.raises(NotImplementedError):
+        _call(implementation="triton")
+
+
+def test_numpy_inputs_accepted():
+    out = sf.flash_attention(
+        np.zeros((1, 4, 2, 8), np.float32),
+        np.ones((1, 4, 1, 8), np.float32),
+        np.ones((1, 4, 1, 8), np.float32),
+    )
+    np.testing.assert_allclose(np.asarray(out), 1.0)
+
+
+def test_info_lists_implementations():
+    report = sf.info(print_report=False)
+    attention = report["implementations"]["attention"]
+    assert attention["xla"][0] and attention["reference"][0]
+    usable, why = attention["triton"]
+    assert not usable and why
+    assert report["backend"] == "cpu" and len(report["devices"]) == 8
