@@ -1,7 +1,8 @@
-"""Command line: `shardfuse info | demo`.
+"""Command line: `shardfuse info | demo | bench`.
 
 shardfuse info            versions, devices, usable implementations and why not
 shardfuse demo            every op against its reference on 8 CPU devices
+shardfuse bench           the benchmark suites of bench/: table, JSON, compare, plot
 """
 
 import argparse
@@ -24,6 +25,9 @@ def main(argv=None) -> int:
     commands.add_parser("info", help="versions, backend, devices, usable implementations")
     demo = commands.add_parser("demo", help="run every op against its reference")
     demo.add_argument("--seq-len", type=int, default=512, help="sequence length (default 512)")
+    from shardfuse.bench import cli as bench_cli
+
+    bench_cli.add_arguments(commands.add_parser("bench", help="run the benchmark suites"))
     args = parser.parse_args(argv)
     if args.cpu_devices < 1:
         parser.error(f"--cpu-devices={args.cpu_devices} must be >= 1")
@@ -39,6 +43,11 @@ def main(argv=None) -> int:
         from shardfuse import demos
 
         demos.run(seq_len=args.seq_len)
+    elif args.command == "bench":
+        try:
+            return bench_cli.main(args)
+        except (ValueError, FileNotFoundError) as e:
+            parser.error(str(e))
     return 0
 
 

@@ -1,0 +1,67 @@
+"""pytest setup of the benchmark suites: options, the run's scale, baseline ratios in the JSON.
+
+Options (also set by `shardfuse bench`):
+  --bench-quick        the small scale (CPU: a few minutes for every suite together)
+  --bench-scale NAME   force "cpu", "cpu-quick", "device" or "device-quick"
+  --bench-interpret    on CPU, also time Pallas kernels in interpret mode (slow)
+"""
+
+import jax
+import pytest
+
+# Collective suites need several devices; `shardfuse bench --cpu-devices N` may have set it.
+if jax.config.jax_num_cpu_devices < 0:
+    jax.config.update("jax_num_cpu_devices", 8)
+
+from shardfuse.bench import harness, results, shapes  # noqa: E402
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("shardfuse bench")
+    group.addoption("--bench-quick", action="store_true", help="the small scale")
+    group.addoption(
+        "--bench-scale", choices=sorted(shapes.SCALES), default=None, help="force a scale"
+    )
+    group.addoption(
+        "--bench-interpret",
+        action="store_true",
+        help="on CPU, also time Pallas kernels in interpret mode (times the simulator)",
+    )
+
+
+def pytest_configure(config):
+    config.bench_scale = shapes.pick_scale(
+        jax.default_backend(),
+        quick=config.getoption("--bench-quick"),
+        override=config.getoption("--bench-scale"),
+    )
+    config.bench_interpret = config.getoption("--bench-interpret")
+
+
+def pytest_report_header(config):
+    info = harness.device_info()
+    return (
+        f"shardfuse bench: scale {config.bench_scale.name}, {info['backend']} "
+        f"{info['device_kind']} x{info['num_devices']}, jax {info['jax_version']}"
+    )
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    results.attach_baseline_ratios(output_json["benchmarks"])
+    output_json["shardfuse"] = {"scale": config.bench_scale.name, **harness.device_info()}
+
+
+@pytest.fixture(scope="session")
+def bench_scale(pytestconfig):
+    """The run's `shardfuse.bench.shapes.Scale`."""
+    return pytestconfig.bench_scale
+
+
+@pytest.fixture
+def measure(benchmark, bench_scale):
+    """`measure(fn, args, case)`: compile, time and describe one case (see `harness.measure`)."""
+
+    def run(fn, args, case):
+        return harness.measure(benchmark, fn, args, case, bench_scale, skip=pytest.skip)
+
+    return run

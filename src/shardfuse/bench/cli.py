@@ -1,0 +1,216 @@
+"""`shardfuse bench`: runs the pytest-benchmark suites of `bench/`, reports, compares, plots.
+
+The suites run in this process through `pytest.main`, serially, with a
+progress bar; pytest-benchmark writes the run's JSON; then the run is printed
+as one table, compared with a saved run (regressions flagged) and plotted.
+`--load PATH` reports a saved run without running anything.
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_THRESHOLD = 0.1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the `shardfuse bench` options to its sub-parser."""
+    parser.add_argument(
+        "--suite",
+        action="append",
+        metavar="NAME",
+        help="run bench/bench_NAME.py only (repeatable; default: every suite)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the small scale (CPU: a few minutes in all)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the run's JSON here")
+    parser.add_argument("--compare", metavar="PATH", help="compare with a saved run's JSON")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="relative slow-down that counts as a regression (default 0.1 = 10%%)",
+    )
+    parser.add_argument(
+        "--fail-on-regression",
+        action="store_true",
+        help="exit with status 3 when --compare finds a regression",
+    )
+    parser.add_argument(
+        "--plot", metavar="PATH", help="draw TFLOP/s vs sequence length (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--scale",
+        choices=("cpu", "cpu-quick", "device", "device-quick"),
+        help="force a scale (default: by backend and --quick)",
+    )
+    parser.add_argument("-k", dest="filter", metavar="EXPR", help="pytest -k expression")
+    parser.add_argument(
+        "--interpret",
+        action="store_true",
+        help="on CPU, also time Pallas kernels in interpret mode (slow; times the simulator)",
+    )
+    parser.add_argument(
+        "--load", metavar="PATH", help="do not run: report (and compare, plot) a saved run"
+    )
+    parser.add_argument(
+        "--bench-dir", metavar="DIR", help="the folder of the suites (default: ./bench)"
+    )
+
+
+def find_bench_dir(explicit=None) -> Path:
+    """The `bench/` folder: `explicit`, else ./bench, else the one beside `src/` of this checkout.
+
+    Raises:
+      FileNotFoundError: none has a `conftest.py` (an installed wheel has no suites).
+    """
+    if explicit is not None:
+        candidates = [Path(explicit)]
+    else:
+        import shardfuse
+
+        candidates = [Path.cwd() / "bench", Path(shardfuse.__file__).resolve().parents[2] / "bench"]
+    for candidate in candidates:
+        if (candidate / "conftest.py").is_file() and (candidate / "pytest.ini").is_file():
+            return candidate.resolve()
+    raise FileNotFoundError(
+        f"no benchmark suites found in {', '.join(str(c) for c in candidates)}: run from a "
+        "shardfuse checkout or pass --bench-dir DIR"
+    )
+
+
+def suites(bench_dir: Path) -> dict:
+    """`{name: path}` of the suites `bench_NAME.py` in `bench_dir`."""
+    return {p.stem.removeprefix("bench_"): p for p in sorted(bench_dir.glob("bench_*.py"))}
+
+
+class ProgressPlugin:
+    """A pytest plugin that drives a rich progress bar and keeps failures and skip reasons."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.task = None
+        self.failures = []
+        self.skips = {}
+        self.passed = 0
+
+    def pytest_collection_finish(self, session):
+        self.task = self.progress.add_task("benchmarks", total=len(session.items))
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        if self.task is not None:
+            self.progress.update(self.task, description=nodeid.split("::")[-1][:70])
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failures.append((report.nodeid, report.when, report.longreprtext))
+        elif report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"
+            self.skips[reason] = self.skips.get(reason, 0) + 1
+        elif report.when == "call":
+            self.passed += 1
+        if report.when == "teardown" and self.task is not None:
+            self.progress.advance(self.task)
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.failures.append((report.nodeid, "collect", report.longreprtext))
+
+
+def run_suites(args, bench_dir: Path, json_path: Path, console) -> int:
+    """Runs the chosen suites with pytest-benchmark; returns pytest's exit status."""
+    import pytest
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    available = suites(bench_dir)
+    chosen = args.suite or list(available)
+    unknown = [s for s in chosen if s not in available]
+    if unknown:
+        raise ValueError(f"--suite {unknown[0]!r} is not one of {sorted(available)}")
+    pytest_args = [
+        *(str(available[s]) for s in chosen),
+        "-c",
+        str(bench_dir / "pytest.ini"),
+        "--rootdir",
+        str(bench_dir),
+        "-p",
+        "no:terminal",
+        "-p",
+        "no:cacheprovider",
+        "--capture=sys",
+        f"--benchmark-json={json_path}",
+    ]
+    if args.quick:
+        pytest_args.append("--bench-quick")
+    if args.scale:
+        pytest_args.append(f"--bench-scale={args.scale}")
+    if args.interpret:
+        pytest_args.append("--bench-interpret")
+    if args.filter:
+        pytest_args += ["-k", args.filter]
+    columns = (*Progress.get_default_columns()[:2], BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as progress:
+        plugin = ProgressPlugin(progress)
+        status = int(pytest.main(pytest_args, plugins=[plugin]))
+    console.print(f"{plugin.passed} case(s) timed, {sum(plugin.skips.values())} skipped")
+    for reason, count in sorted(plugin.skips.items()):
+        console.print(f"  skipped {count}x: {reason}")
+    for nodeid, when, text in plugin.failures:
+        console.rule(f"[red]FAILED[/] {nodeid} ({when})")
+        console.print(text, markup=False, highlight=False)
+    return status
+
+
+def main(args) -> int:
+    """Runs `shardfuse bench` with parsed arguments; returns the exit status.
+
+    Example:
+      >>> # shardfuse bench --quick --json run.json --plot run.png
+    """
+    from rich.console import Console
+
+    from shardfuse.bench import report, results
+
+    console = Console(file=sys.stdout)
+    if not console.is_terminal:  # logs and pipes: wide enough for the tables
+        console.width = max(console.width, 130)
+    if args.threshold <= 0:
+        raise ValueError(f"--threshold={args.threshold} must be > 0 (0.1 = 10%)")
+    if args.plot and not report.matplotlib_available():
+        console.print(f"[red]--plot {args.plot}:[/] {report.PLOT_HINT}")
+        return 2
+    if args.compare and not Path(args.compare).is_file():
+        raise FileNotFoundError(f"--compare {args.compare}: no such file")
+    status = 0
+    if args.load:
+        data = results.load(args.load)
+    else:
+        bench_dir = find_bench_dir(args.bench_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            json_path = Path(args.json) if args.json else Path(tmp) / "run.json"
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            status = run_suites(args, bench_dir, json_path, console)
+            if not json_path.is_file():
+                console.print("[red]no results were written[/] (no case ran)")
+                return status or 1
+            data = results.load(json_path)
+            if args.json:
+                results.save(data, json_path)
+                console.print(f"results written to {json_path}")
+    run = results.records(data)
+    info = data.get("machine_info", {})
+    console.print(f"machine: {info.get('node', '?')} {info.get('cpu', {}).get('brand_raw', '')}")
+    report.print_table(run, console)
+    if args.compare:
+        comparisons = results.compare(
+            results.records(results.load(args.compare)), run, args.threshold
+        )
+        report.print_comparison(comparisons, args.threshold, console)
+        if args.fail_on_regression and results.regressions(comparisons) and status == 0:
+            status = 3
+    if args.plot:
+        panels = report.plot(run, args.plot)
+        console.print(f"plot with {panels} panel(s) written to {args.plot}")
+    return status

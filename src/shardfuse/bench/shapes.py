@@ -1,0 +1,172 @@
+"""Shapes from real models, in one place, and the scale-downs that fit a CPU.
+
+Every suite takes its shapes from `MODELS` through a `Scale`: on accelerators
+the real head counts and head dims at sequence lengths 1k to 16k with a
+constant number of tokens per batch (16k, the FlashAttention benchmark
+convention); on CPU the head counts and attention windows are divided by 8
+(the GQA ratio kept) at short sequence lengths, so that a run takes minutes.
+
+Model configs are those of the published checkpoints (`config.json` on the
+Hugging Face Hub): meta-llama/Meta-Llama-3-8B and -70B, mistralai/Mistral-7B-v0.1,
+google/gemma-7b and google/gemma-2-9b.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The sizes of one transformer that the benchmarks use.
+
+    Attributes:
+      name: short name used in benchmark groups ("llama3-8b").
+      hidden: model width.
+      heads: query heads H.
+      kv_heads: key/value heads K (H % K == 0).
+      head_dim: D.
+      ffn_hidden: MLP hidden size.
+      window: sliding-window size of its local attention layers, or None.
+      logit_softcap: attention logit softcap, or None.
+    """
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    window: int | None = None
+    logit_softcap: float | None = None
+
+
+MODELS = {
+    m.name: m
+    for m in (
+        ModelShape("llama3-8b", 4096, 32, 8, 128, 14336),
+        ModelShape("llama3-70b", 8192, 64, 8, 128, 28672),
+        ModelShape("mistral-7b", 4096, 32, 8, 128, 14336, window=4096),
+        ModelShape("gemma-7b", 3072, 16, 16, 256, 24576),
+        ModelShape("gemma2-9b", 3584, 16, 8, 256, 14336, window=4096, logit_softcap=50.0),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How big a benchmark run is.
+
+    Attributes:
+      name: "cpu", "cpu-quick", "device" or "device-quick".
+      models: which entries of `MODELS` the suites use.
+      seq_lens: sequence lengths T (= S for self-attention).
+      tokens_per_batch: batch size B = max(1, tokens_per_batch // T).
+      divisor: heads, kv heads, widths and windows are divided by it
+        (never below 1), so CPU runs keep each model's GQA ratio and head dim.
+      dtype: the input dtype.
+      target_seconds: timed rounds per case are about `target_seconds` divided
+        by the time of one call, clamped to `[min_rounds, max_rounds]`.
+      min_rounds, max_rounds: bounds on the timed rounds.
+    """
+
+    name: str
+    models: tuple[str, ...]
+    seq_lens: tuple[int, ...]
+    tokens_per_batch: int
+    divisor: int
+    dtype: str
+    target_seconds: float
+    min_rounds: int
+    max_rounds: int
+
+    def batch(self, seq_len: int) -> int:
+        """Batch size at `seq_len`: constant tokens per batch, at least 1."""
+        return max(1, self.tokens_per_batch // seq_len)
+
+    def scaled(self, model: ModelShape) -> ModelShape:
+        """`model` with heads, widths and window divided by `divisor` (at least 1)."""
+        d = self.divisor
+
+        def down(x):
+            return None if x is None else max(1, x // d)
+
+        return dataclasses.replace(
+            model,
+            hidden=down(model.hidden),
+            heads=down(model.heads),
+            kv_heads=down(model.kv_heads),
+            ffn_hidden=down(model.ffn_hidden),
+            window=down(model.window),
+        )
+
+    def models_scaled(self) -> list[ModelShape]:
+        """The run's models, scaled."""
+        return [self.scaled(MODELS[name]) for name in self.models]
+
+
+SCALES = {
+    "cpu": Scale(
+        "cpu",
+        models=("llama3-8b", "llama3-70b", "mistral-7b", "gemma2-9b"),
+        seq_lens=(512, 1024, 2048),
+        tokens_per_batch=1,
+        divisor=8,
+        dtype="float32",
+        target_seconds=1.0,
+        min_rounds=3,
+        max_rounds=20,
+    ),
+    "cpu-quick": Scale(
+        "cpu-quick",
+        models=("llama3-8b", "gemma2-9b"),
+        seq_lens=(256, 512),
+        tokens_per_batch=1,
+        divisor=8,
+        dtype="float32",
+        target_seconds=0.3,
+        min_rounds=3,
+        max_rounds=10,
+    ),
+    "device": Scale(
+        "device",
+        models=("llama3-8b", "llama3-70b", "mistral-7b", "gemma-7b", "gemma2-9b"),
+        seq_lens=(1024, 2048, 4096, 8192, 16384),
+        tokens_per_batch=16384,
+        divisor=1,
+        dtype="bfloat16",
+        target_seconds=1.0,
+        min_rounds=10,
+        max_rounds=100,
+    ),
+    "device-quick": Scale(
+        "device-quick",
+        models=("llama3-8b", "gemma2-9b"),
+        seq_lens=(2048, 8192),
+        tokens_per_batch=16384,
+        divisor=1,
+        dtype="bfloat16",
+        target_seconds=0.3,
+        min_rounds=5,
+        max_rounds=30,
+    ),
+}
+
+
+def pick_scale(backend: str, quick: bool, override: str | None = None) -> Scale:
+    """The `Scale` for a run: `override` if given, else by backend ("cpu" or not) and `quick`.
+
+    Raises:
+      ValueError: `override` is not a key of `SCALES`.
+
+    Example:
+      >>> from shardfuse.bench.shapes import pick_scale
+      >>> pick_scale("cpu", quick=True).name
+      'cpu-quick'
+      >>> pick_scale("gpu", quick=False).name
+      'device'
+    """
+    if override is not None:
+        if override not in SCALES:
+            raise ValueError(f"scale={override!r} is not one of {sorted(SCALES)}")
+        return SCALES[override]
+    name = "cpu" if backend == "cpu" else "device"
+    return SCALES[f"{name}-quick" if quick else name]
