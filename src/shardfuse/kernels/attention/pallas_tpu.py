@@ -1,0 +1,213 @@
+"""Flash attention as Pallas kernels lowered by Mosaic for TPU, forward and backward.
+
+FlashAttention-2 (Dao 2023; FlashAttention, Dao et al. 2022): the forward
+kernel streams K/V blocks past a resident query block with an online softmax
+and writes the output and the float32 lse; the backward recomputes the
+probabilities from lse in two kernels, one for dQ and one for dK and dV
+(kernel bodies in pallas_tpu_kernels, tiling in pallas_tpu_blocks).
+
+The wrapper lays q out as `[B, H, T, D]` and k, v as `[B, K, S, D]`, pads the
+sequences to block multiples (the padding is masked by index, so the kernels
+never read out of bounds), and passes per-block tables as scalar prefetch: a
+block that no query of the tile can see (causal, window, disjoint segment
+ids, padding) does no MXU work, and its K/V are not copied: the index map
+clamps it to the next computed block, as splash attention does. GQA/MQA read
+kv head `h // G` through the index map; K/V are never repeated.
+
+On a CPU backend the kernels run in TPU interpret mode (`pltpu.InterpretParams`),
+so the TPU path can be debugged and tested on a laptop; `interpret_params`
+picks the mode explicitly (tests use it to pass stricter params, and to emit
+Mosaic for `lower(lowering_platforms=("tpu",))` from a CPU host).
+
+Axis glossary: B batch, T query length, S key length, H query heads, K kv
+heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
+from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
+from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, BlockSizes
+from shardfuse.kernels.attention.pallas_tpu_bwd import backward
+from shardfuse.kernels.attention.pallas_tpu_layout import (
+    Layout,
+    check_supported,
+    checked_call,
+    cost_estimate,
+)
+
+__all__ = ["BlockSizes", "backward", "flash_attention", "forward", "interpret_params"]
+
+_AUTO = object()
+_interpret_setting = _AUTO  # see interpret_params
+
+
+@contextlib.contextmanager
+def interpret_params(params):
+    """Chooses how `pallas_tpu` attention calls traced inside the block run.
+
+    Args:
+      params: a `pltpu.InterpretParams` (TPU interpret mode with these
+        params, on any backend), `False` (always emit Mosaic: run on TPU, or
+        lower for TPU from another host), or `None` (the default: Mosaic on a
+        TPU backend, interpret mode with default params on CPU).
+
+    The choice is read when `flash_attention` is traced and kept for its
+    backward pass.
+
+    Example:
+      >>> from jax.experimental.pallas import tpu as pltpu
+      >>> strict = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+      >>> with interpret_params(strict):
+      ...     pass  # sf.flash_attention(q, k, v, implementation="pallas_tpu") here
+    """
+    global _interpret_setting
+    if not (params is None or params is False or isinstance(params, pltpu.InterpretParams)):
+        raise TypeError(
+            f"params={params!r} must be a pltpu.InterpretParams, False (emit Mosaic) or None (auto)"
+        )
+    previous = _interpret_setting
+    _interpret_setting = _AUTO if params is None else params
+    try:
+        yield
+    finally:
+        _interpret_setting = previous
+
+
+def _resolve_interpret():
+    """The `interpret=` argument for pallas_call, or NotImplementedError off TPU and CPU."""
+    if _interpret_setting is not _AUTO:
+        return _interpret_setting
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return False
+    if platform == "cpu":
+        return pltpu.InterpretParams()
+    raise NotImplementedError(
+        f"pallas_tpu runs on TPU, or on CPU in TPU interpret mode; the backend is {platform!r}"
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("interpret",))
+def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
+    """Forward kernel on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
+
+    Positions are int32 `[T]` / `[S]`, segment ids None or `[B, T]` / `[B, S]`;
+    `interpret` is the pallas_call `interpret=` value (see `interpret_params`).
+    Used by `flash_attention` and by collectives that merge partial results.
+    """
+    sizes = check_supported(q, config.block_sizes)
+    lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q, sizes.block_kv)
+    B, H, G, D, bq, bk = lay.B, lay.H, lay.G, lay.D, lay.block_q, lay.block_kv
+    q_t, k_t, v_t = (
+        lay.heads_first(q, lay.Tp),
+        lay.heads_first(k, lay.Sp),
+        lay.heads_first(v, lay.Sp),
+    )
+
+    def kv_block(b, h, i, j, states_ref, fetch_ref):
+        return fetch_ref[b, i, j]
+
+    def q_block(b, h, i, j, *_):
+        return i
+
+    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
+    kv_spec = pl.BlockSpec(
+        (None, None, bk, D), lambda b, h, *a: (b, lax.div(h, G), kv_block(b, h, *a), 0)
+    )
+    in_specs = [q_spec, kv_spec, kv_spec, *lay.mask_specs(q_block, kv_block)]
+    out_shape = [
+        jax.ShapeDtypeStruct(q_t.shape, q.dtype),
+        jax.ShapeDtypeStruct((B, H, lay.Tp, NUM_LANES), jnp.float32),
+    ]
+    out_specs = [
+        q_spec,
+        pl.BlockSpec((None, None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, h, i, 0)),
+    ]
+    scratch = [
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+        pltpu.VMEM((bq, D), jnp.float32),
+    ]
+    args = (lay.states, blocks.fetch_indices(lay.states), q_t, k_t, v_t, *lay.mask_arrays)
+    out, lse = checked_call(
+        functools.partial(kernels.forward_kernel, st=lay.static(config, q.dtype)),
+        name="shardfuse_flash_attention_fwd",
+        grid=(B, H, lay.nq, lay.nk),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch=scratch,
+        args=args,
+        cost=cost_estimate(lay, config, matmuls=2, arrays=args, outputs=out_shape),
+        interp=interpret,
+    )
+    out = out[:, :, : lay.T].transpose(0, 2, 1, 3)
+    return out, lse[:, :, : lay.T, 0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(config, interpret, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    return forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)
+
+
+def _flash_fwd(config, interpret, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    out, lse = forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(config, interpret, residuals, cotangents):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv = backward(
+        config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
+        interpret=interpret, grad_dtype=q.dtype,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    """Pallas TPU flash attention on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
+
+    Differentiable (custom_vjp: FlashAttention-2 backward kernels). Called by
+    `shardfuse.flash_attention(..., implementation="pallas_tpu")`, which
+    validates the inputs first; the kernels run as Mosaic on TPU and in TPU
+    interpret mode on CPU (see `interpret_params`).
+
+    Args:
+      config: the validated `AttentionConfig` (masks, softcap, scale, block sizes).
+      q: `[B, T, H, D]` float32 or bfloat16.
+      k, v: `[B, S, K, D]`, `H % K == 0`.
+      q_pos, kv_pos: int32 `[T]`, `[S]` absolute positions.
+      q_seg, kv_seg: None or int `[B, T]`, `[B, S]` segment ids.
+
+    Returns:
+      `out` `[B, T, H, D]` in q's dtype and `lse` float32 `[B, H, T]` (-inf
+      for rows without a visible key, whose output is 0).
+
+    Raises:
+      NotImplementedError: float16, a head dim other than 64 or a multiple of
+        128, block sizes that are not multiples of 128, or a backend that is
+        neither TPU nor CPU.
+
+    Example:
+      >>> import jax, shardfuse as sf
+      >>> q = jax.random.normal(jax.random.key(0), (1, 128, 4, 128))
+      >>> k = v = jax.random.normal(jax.random.key(1), (1, 128, 2, 128))
+      >>> out = sf.flash_attention(q, k, v, causal=True, implementation="pallas_tpu")
+      >>> out.shape
+      (1, 128, 4, 128)
+    """
+    check_supported(q, config.block_sizes)  # NotImplementedError before any tracing
+    return _flash(config, _resolve_interpret(), q, k, v, q_pos, kv_pos, q_seg, kv_seg)
