@@ -1,0 +1,346 @@
+"""`sf.ring_attention`: ring attention on global, natural-order arrays over a mesh.
+
+Pads the sequences to a multiple of the ring (2N for zigzag), permutes them
+into ring order (`to_ring_layout`), runs `jax.shard_map` with the sequence
+over `seq_axis` (and batch / heads over other mesh axes if asked), and undoes
+both on the way out. Padding is masked by position where causality already
+hides it (a pad key sits after every real query) and otherwise by a segment
+id no real query has (`INT32_MIN`), so any length works.
+
+strategy="ring" runs the ring of `ring.py` (K/V travel by `ppermute`,
+O(local length) memory); strategy="all_gather" gathers K/V once over the
+axis and runs one block per device (less latency for short sequences,
+O(global length) memory for K/V), with the same positions and results.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.ring_attention import api, blocks, layouts, ring
+from shardfuse.kernels.attention import api as attention_api
+from shardfuse.kernels.attention import base
+
+STRATEGIES = ("ring", "all_gather")
+PAD_SEGMENT_ID = int(jnp.iinfo(jnp.int32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one global call (hashable: the jit cache key)."""
+
+    mesh: Hashable
+    seq_axis: str
+    batch_axes: tuple | None
+    head_axes: tuple | None
+    kv_head_axes: tuple | None
+    layout: str
+    strategy: str
+    config: base.AttentionConfig
+    implementation: str | None
+    lengths: tuple  # (T, S, padded T, padded S)
+    explicit_axes: tuple  # mesh axes of AxisType.Explicit: run under auto_axes
+    pad_by_segment: bool  # padding needs segment ids (not hidden by causality)
+
+
+def _axes(name, value, mesh):
+    """`batch_axis` / `head_axis` as a tuple of mesh axes, or None."""
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for axis in names:
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"{name}={value!r}: axis {axis!r} is not in the mesh, whose axes are "
+                f"{list(mesh.axis_names)}"
+            )
+    return names or None
+
+
+def _plan(q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strategy, impl):
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(
+            f"seq_axis={seq_axis!r} is not in the mesh, whose axes are {list(mesh.axis_names)}"
+        )
+    layouts.check_layout(layout)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
+    blocks.candidates(impl)
+    batch_axes = _axes("batch_axis", batch_axis, mesh)
+    head_axes = _axes("head_axis", head_axis, mesh)
+    used = [seq_axis, *(batch_axes or ()), *(head_axes or ())]
+    if len(set(used)) != len(used):
+        raise ValueError(
+            f"seq_axis={seq_axis!r}, batch_axis={batch_axis!r} and head_axis={head_axis!r} "
+            "must name different mesh axes"
+        )
+    B, T, H, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    batch_size = math.prod(mesh.shape[a] for a in batch_axes or ())
+    head_size = math.prod(mesh.shape[a] for a in head_axes or ())
+    if B % batch_size:
+        raise ValueError(
+            f"batch size B={B} must be a multiple of the {batch_axes} size {batch_size}"
+        )
+    if H % head_size:
+        raise ValueError(f"num heads H={H} must be a multiple of the {head_axes} size {head_size}")
+    kv_head_axes = head_axes
+    if K % head_size:
+        if K != 1:
+            raise ValueError(
+                f"num kv heads K={K} must be a multiple of the {head_axes} size {head_size} "
+                "(or 1: MQA, replicated over it)"
+            )
+        kv_head_axes = None  # MQA: every head shard reads the one kv head
+    multiple = mesh.shape[seq_axis] * layouts.shards_per_device(layout)
+    padded = (-(-T // multiple) * multiple, -(-S // multiple) * multiple)
+    needs_padding = padded != (T, S)
+    return _Plan(
+        mesh=mesh,
+        seq_axis=seq_axis,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+        kv_head_axes=kv_head_axes,
+        layout=layout,
+        strategy=strategy,
+        config=config,
+        implementation=impl,
+        lengths=(T, S, *padded),
+        explicit_axes=tuple(
+            name
+            for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+            if kind == jax.sharding.AxisType.Explicit
+        ),
+        pad_by_segment=needs_padding and not config.causal,
+    )
+
+
+def _mesh_context(mesh, explicit_axes):
+    """`set_mesh(mesh)` unless a mesh context is already there (auto_axes needs one)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    try:
+        return jax.sharding.set_mesh(mesh)
+    except ValueError:  # inside a trace: set_mesh is for outside jit only
+        raise ValueError(
+            f"the mesh has Explicit axes {list(explicit_axes)}: call sf.ring_attention under "
+            "`with jax.sharding.set_mesh(mesh):`, or build the mesh with AxisType.Auto axes"
+        ) from None
+
+
+def _pad_seq(x, length, value=0, mode="constant"):
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    if mode == "edge":
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _all_gather_shard(plan, q, k, v, q_seg, kv_seg):
+    """strategy="all_gather": gather K/V (ring order) once, one block with global positions."""
+    n = plan.mesh.shape[plan.seq_axis]
+    T, S, Tp, Sp = plan.lengths
+    index = lax.axis_index(plan.seq_axis)
+    q_pos = layouts.shard_positions(index, q.shape[1], n, plan.layout) + (S - T)
+    kv_pos = layouts.shard_positions(jnp.arange(n), Sp // n, n, plan.layout).reshape(-1)
+    with jax.named_scope("ring_attention_all_gather_kv"):
+        k, v = (lax.all_gather(x, plan.seq_axis, axis=1, tiled=True) for x in (k, v))
+        if kv_seg is not None:
+            kv_seg = lax.all_gather(kv_seg, plan.seq_axis, axis=1, tiled=True)
+    config = plan.config
+    return attention_api.flash_attention(
+        q,
+        k,
+        v,
+        causal=config.causal,
+        q_positions=q_pos,
+        kv_positions=kv_pos,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        window=config.window,
+        logit_softcap=config.logit_softcap,
+        scale=config.scale,
+        return_lse=True,
+        implementation=plan.implementation,
+        block_sizes=config.block_sizes,
+    )
+
+
+def _ring_shard(plan, q, k, v, q_seg, kv_seg):
+    n = plan.mesh.shape[plan.seq_axis]
+    T, S, _, _ = plan.lengths
+
+    def make_spec(name):
+        config = ring.aligned_block_sizes(plan.config, plan.layout, name, q.shape[1], k.shape[1])
+        return ring.RingSpec(plan.seq_axis, n, plan.layout, config, S - T, name)
+
+    return api.run(make_spec, plan.implementation, q, k, v, q_seg, kv_seg)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
+    T, S, Tp, Sp = plan.lengths
+    n, layout = plan.mesh.shape[plan.seq_axis], plan.layout
+    if plan.pad_by_segment and q_seg is None:
+        q_seg = jnp.zeros((q.shape[0], T), jnp.int32)
+        kv_seg = jnp.zeros((k.shape[0], S), jnp.int32)
+    q, k, v = _pad_seq(q, Tp), _pad_seq(k, Sp), _pad_seq(v, Sp)
+    if q_seg is not None:
+        # Pad queries keep a real id (no wider id ranges); pad keys get one no query has.
+        q_seg = _pad_seq(q_seg.astype(jnp.int32), Tp, mode="edge")
+        kv_seg = _pad_seq(kv_seg.astype(jnp.int32), Sp, value=PAD_SEGMENT_ID)
+    ring_order = lambda x: x if x is None else layouts.to_ring_layout(x, n, layout)  # noqa: E731
+    q, k, v, q_seg, kv_seg = map(ring_order, (q, k, v, q_seg, kv_seg))
+
+    batch, seq = plan.batch_axes, plan.seq_axis
+    q_spec = P(batch, seq, plan.head_axes, None)
+    kv_spec = P(batch, seq, plan.kv_head_axes, None)
+    seg_spec = P(batch, seq)
+    shard = _ring_shard if plan.strategy == "ring" else _all_gather_shard
+    has_seg = q_seg is not None
+
+    def per_shard(q, k, v, *segs):
+        return shard(plan, q, k, v, *(segs if has_seg else (None, None)))
+
+    # check_vma=False: the single-device kernels' loop carries are not varying-typed.
+    out, lse = jax.shard_map(
+        per_shard,
+        # Under auto_axes (explicit meshes) the context mesh is the Auto version of plan.mesh.
+        mesh=jax.sharding.get_abstract_mesh() if plan.explicit_axes else plan.mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, *((seg_spec, seg_spec) if has_seg else ())),
+        out_specs=(q_spec, P(batch, plan.head_axes, seq)),
+        check_vma=False,
+    )(q, k, v, *((q_seg, kv_seg) if has_seg else ()))
+    out = layouts.from_ring_layout(out, n, layout)[:, :T]
+    lse = layouts.from_ring_layout(lse, n, layout, axis=2)[:, :, :T]
+    return out, lse
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh,
+    seq_axis: str = "sequence",
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    batch_axis=None,
+    head_axis=None,
+    causal: bool = False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    window=None,
+    logit_softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+    block_sizes: base.BlockSizes | None = None,
+):
+    """Context-parallel attention on global arrays: the sequence is split over `mesh[seq_axis]`.
+
+    Same result as `sf.flash_attention(q, k, v, ...)` on one device (default
+    positions: bottom-right aligned), computed by ring attention over the
+    `seq_axis` devices: inputs and outputs are natural-order global arrays;
+    the layout permutation and any padding happen inside. Lengths need not
+    divide the ring: they are padded to a multiple of N (2N for zigzag) and
+    the padding is masked. Batch and heads may be split over other mesh axes
+    at the same time (`batch_axis`, `head_axis`); an MQA kv head is then
+    replicated over the head axes.
+
+    Args:
+      q: `[B, T, H, D]` queries, float32, bfloat16 or float16.
+      k: `[B, S, K, D]` keys, `H % K == 0`.
+      v: `[B, S, K, D]` values.
+      mesh: the `jax.sharding.Mesh` to run on.
+      seq_axis: mesh axis of the ring (default "sequence").
+      layout: "zigzag" (default: balanced causal work), "contiguous" or "striped".
+      strategy: "ring" (K/V rotate by ppermute, memory O(S / N)) or
+        "all_gather" (K/V gathered once: fewer, larger messages for short sequences).
+      batch_axis: mesh axis name (or tuple of names) the batch is split over, or None.
+      head_axis: mesh axis name (or tuple) the heads are split over, or None.
+      causal, q_segment_ids, kv_segment_ids, window, logit_softcap, scale,
+        return_lse, implementation, block_sizes: as `sf.flash_attention`
+        (segment ids are global `[B, T]` / `[B, S]`; `INT32_MIN` is reserved
+        for padding).
+
+    Returns:
+      `out` `[B, T, H, D]` in q's dtype, or `(out, lse)` with lse float32 `[B, H, T]`.
+
+    Raises:
+      ValueError: invalid attention inputs (as `sf.flash_attention`), an axis
+        not in the mesh (the message lists its axes), the same axis used twice,
+        batch or heads not divisible by their axes, unknown layout or strategy.
+      TypeError: unsupported or mismatched dtypes, or `mesh` not a Mesh.
+      NotImplementedError: the implementation cannot run these inputs here.
+
+    Example:
+      >>> import jax, shardfuse as sf
+      >>> from jax.sharding import Mesh
+      >>> mesh = Mesh(jax.devices()[:4], ("sequence",))
+      >>> q = jax.random.normal(jax.random.key(0), (1, 100, 4, 32))  # 100: padded to 104
+      >>> k = v = jax.random.normal(jax.random.key(1), (1, 100, 1, 32))
+      >>> out = sf.ring_attention(q, k, v, mesh=mesh, causal=True)
+      >>> out.shape
+      (1, 100, 4, 32)
+    """
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    config = base.validate(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_positions=None,
+        kv_positions=None,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        window=window,
+        logit_softcap=logit_softcap,
+        scale=scale,
+        block_sizes=block_sizes,
+    )
+    plan = _plan(
+        q,
+        k,
+        config,
+        mesh=mesh,
+        seq_axis=seq_axis,
+        batch_axis=batch_axis,
+        head_axis=head_axis,
+        layout=layout,
+        strategy=strategy,
+        impl=implementation,
+    )
+    if 0 in (q.shape[0], q.shape[1], k.shape[1]):
+        return base.empty_result(q, return_lse)
+    args = (q, k, v, q_segment_ids, kv_segment_ids)
+    if not plan.explicit_axes:
+        out, lse = _global(plan, *args)
+    else:
+        # Explicit sharding types cannot follow the layout reshapes: run on Auto axes
+        # and hand back batch and heads sharded as asked, the sequence replicated.
+        def spec(*names):
+            return P(*(n if n and set(n) <= set(plan.explicit_axes) else None for n in names))
+
+        out_sharding = (
+            spec(plan.batch_axes, None, plan.head_axes, None),
+            spec(plan.batch_axes, plan.head_axes, None),
+        )
+        with _mesh_context(mesh, plan.explicit_axes):
+            run = jax.sharding.auto_axes(
+                functools.partial(_global, plan), axes=plan.explicit_axes, out_sharding=out_sharding
+            )
+            out, lse = run(*args)
+    return (out, lse) if return_lse else out
