@@ -10,6 +10,8 @@ Example:
 
 from shardfuse import collectives, kernels, layers
 from shardfuse._info import info
+from shardfuse.collectives.ring_attention import from_ring_layout, ring_positions, to_ring_layout
+from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
 from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
 
@@ -21,8 +23,12 @@ __all__ = [
     "attention_reference",
     "collectives",
     "flash_attention",
+    "from_ring_layout",
     "info",
     "kernels",
     "layers",
     "matmul",
+    "ring_attention",
+    "ring_positions",
+    "to_ring_layout",
 ]
