@@ -1,0 +1,139 @@
+"""Launch configurations of the Triton attention kernels, per GPU generation and head dim.
+
+A `KernelConfig` is the tile shape and the launch options of one kernel:
+`block_m` query rows and `block_n` key rows per tile, `num_warps`, and
+`num_stages` (software-pipelining depth of the inner loop). `TUNED` maps
+(GPU generation, padded head dim, input class) to the four kernels' configs.
+
+How the table was chosen: the starting points are the configurations the
+Triton fused-attention tutorial autotunes to on A100/H100 for 16-bit inputs
+(forward 128 x 64 tiles with 8 warps at head dim 128, backward 32 x 128 for
+dK/dV and 128 x 32 for dQ), shrunk where `scripts/triton_compile_stats.py`
+showed register spills or shared memory above the device limit (A100
+166912 B, H100 232448 B per block). float32 inputs use exact IEEE dots
+(no TF32, to match the HIGHEST-precision oracle), which need smaller tiles.
+Every entry compiles for its generation with 0 spills; the committed table
+`bench/results/triton_compile_stats.md` lists registers and shared memory.
+The choice was not timed on a GPU (none was available when it was made):
+re-tune with `bench/` on the target GPU and edit the table.
+
+Generations: "sm80" (A100, compute capability 8.x) and "sm90" (H100/H200,
+9.x; newer GPUs use the sm90 table). Head dims are padded to the next power
+of two >= 16 in registers (masked loads), up to 256.
+"""
+
+import dataclasses
+
+import numpy as np
+
+MAX_HEAD_DIM = 256
+SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}  # bytes per block (opt-in maximum)
+GENERATIONS = ("sm80", "sm90")
+KERNELS = ("forward", "delta", "dkdv", "dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch options of one kernel.
+
+    Attributes:
+      block_m: query rows per tile (a power of two >= 16).
+      block_n: key rows per tile (a power of two >= 16; unused by "delta").
+      num_warps: warps per program.
+      num_stages: software-pipelining stages of the inner loop.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfigs:
+    """The configs of the four kernels of one attention call."""
+
+    forward: KernelConfig
+    delta: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+
+    def get(self, kernel: str) -> KernelConfig:
+        return getattr(self, kernel)
+
+
+def _configs(forward, dkdv, dq, delta=(128, 16, 4, 1)):
+    return AttentionConfigs(
+        forward=KernelConfig(*forward),
+        delta=KernelConfig(*delta),
+        dkdv=KernelConfig(*dkdv),
+        dq=KernelConfig(*dq),
+    )
+
+
+# (generation, padded head dim, "16bit" | "float32") -> configs.
+# Tuples are (block_m, block_n, num_warps, num_stages).
+TUNED = {
+    ("sm90", 16, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm90", 32, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm90", 64, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm90", 128, "16bit"): _configs((128, 64, 8, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm90", 256, "16bit"): _configs((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)),
+    ("sm80", 16, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm80", 32, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm80", 64, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
+    ("sm80", 128, "16bit"): _configs((128, 64, 8, 2), (32, 128, 4, 2), (128, 32, 4, 2)),
+    ("sm80", 256, "16bit"): _configs((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)),
+}
+for _generation in GENERATIONS:
+    for _head_dim in (16, 32, 64, 128, 256):
+        small = _head_dim <= 64
+        TUNED[(_generation, _head_dim, "float32")] = _configs(
+            (64, 32, 4, 2) if small else (32, 32, 4, 2),
+            (32, 32, 4, 2) if small else (16, 32, 4, 1),
+            (32, 32, 4, 2) if small else (32, 16, 4, 1),
+            delta=(64, 16, 4, 1),
+        )
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The register tile width of a head dim: the next power of two, at least 16."""
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
+
+
+def generation(compute_capability: int) -> str:
+    """The table generation of a compute capability given as an int (80, 86, 90, ...)."""
+    if compute_capability < 80:
+        raise NotImplementedError(
+            f"the Triton attention kernels need an NVIDIA GPU of compute capability >= 8.0 "
+            f"(Ampere); this one is {compute_capability // 10}.{compute_capability % 10}"
+        )
+    return "sm80" if compute_capability < 90 else "sm90"
+
+
+def default_configs(compute_capability: int, head_dim: int, dtype) -> AttentionConfigs:
+    """The tuned configs of an attention call.
+
+    Args:
+      compute_capability: e.g. 80 for A100, 90 for H100.
+      head_dim: D of the inputs (<= 256).
+      dtype: the input dtype (float32 uses the IEEE-dot table).
+
+    Returns:
+      The `AttentionConfigs` of the forward, delta, dK/dV and dQ kernels.
+
+    Raises:
+      NotImplementedError: a GPU before Ampere or a head dim above 256.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.kernels.attention import triton_configs
+      >>> triton_configs.default_configs(90, 128, jnp.bfloat16).forward
+      KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    """
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"the Triton attention kernels support head dims up to {MAX_HEAD_DIM}; got D={head_dim}"
+        )
+    kind = "float32" if np.dtype(dtype) == np.float32 else "16bit"
+    return TUNED[(generation(compute_capability), padded_head_dim(head_dim), kind)]

@@ -1,0 +1,301 @@
+"""Flash attention on NVIDIA GPUs: Triton kernels called through jax-triton, with a custom VJP.
+
+FlashAttention-2 (Dao 2023, arXiv:2307.08691): the forward keeps an online
+softmax per query block and saves only `out` and the float32 `lse`; the
+backward recomputes probabilities block by block from `lse`, with
+`delta = rowsum(dO * O) - dlse` computed first, then dK/dV (one program per
+key block and kv head, looping over the G query heads that share it: GQA
+without repeating K/V) and dQ (one program per query block), both without
+atomics, so results are deterministic. The kernels are in `triton_kernels.py`,
+their tile sizes and launch options in `triton_configs.py`.
+
+This wrapper computes, in JAX, which blocks each program visits
+(`ranges [B, n_outer, 4] = (lo, full_lo, full_hi, hi)`): blocks that no query
+of a block can see (causal, window, disjoint segment ids, padding) are never
+loaded, and fully visible blocks run without a mask. Positions need not be
+monotone: the ranges are conservative and the element mask decides.
+
+Axis glossary: B batch, T query length, S key length, H query heads,
+K kv heads, G = H // K, D head dim, nq/nk query/key blocks.
+
+Without an NVIDIA GPU (compute capability >= 8.0), triton or jax_triton,
+`flash_attention` raises NotImplementedError with the reason, so that
+dispatch falls back; on CPU the kernels run under the Triton interpreter
+with `launcher=triton_launch.InterpretLauncher()`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from shardfuse.kernels.attention import base, triton_configs
+from shardfuse.kernels.attention.triton_launch import gpu_launcher
+
+_I32_MAX = jnp.iinfo(jnp.int32).max
+_I32_MIN = jnp.iinfo(jnp.int32).min
+_MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (B * H programs)
+
+
+def _tile(length: int, configured: int, requested: int | None, name: str) -> int:
+    """Rows per tile: the requested size, else the configured one shrunk to fit short inputs."""
+    if requested is not None:
+        if requested < 16 or requested & (requested - 1):
+            raise NotImplementedError(
+                f"implementation 'triton' needs block sizes that are powers of two >= 16; "
+                f"got BlockSizes.{name}={requested}"
+            )
+        return requested
+    return min(configured, triton_configs.padded_head_dim(length))
+
+
+def kernel_config(config, kernel_config, T, S):
+    """`KernelConfig` with the user's `BlockSizes` applied and tiles fitted to T and S."""
+    block_m = _tile(T, kernel_config.block_m, config.block_sizes.block_q, "block_q")
+    block_n = _tile(S, kernel_config.block_n, config.block_sizes.block_kv, "block_kv")
+    return triton_configs.KernelConfig(
+        block_m, block_n, kernel_config.num_warps, kernel_config.num_stages
+    )
+
+
+def _block_stats(values, block):
+    """Per-block min, max over real entries of `values [..., L]`, and whether a block is whole."""
+    length = values.shape[-1]
+    n = -(-length // block)
+    pad = [(0, 0)] * (values.ndim - 1) + [(0, n * block - length)]
+    values = jnp.pad(values, pad).reshape(*values.shape[:-1], n, block)
+    real = (jnp.arange(n * block) < length).reshape(n, block)
+    lo = jnp.min(jnp.where(real, values, _I32_MAX), axis=-1)
+    hi = jnp.max(jnp.where(real, values, _I32_MIN), axis=-1)
+    return lo, hi, jnp.all(real, axis=-1)
+
+
+def _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n):
+    """bool `[B | 1, nq, nk]`: may any query see any key (visible); do all see all (full)."""
+    q_lo, q_hi, q_whole = (x[:, None] for x in _block_stats(q_pos, block_m))
+    kv_lo, kv_hi, kv_whole = (x[None, :] for x in _block_stats(kv_pos, block_n))
+    visible = jnp.ones(q_lo.shape[:1] + kv_lo.shape[1:], jnp.bool_)[None]
+    full = (q_whole & kv_whole)[None]
+    # Differences of int32 positions, as in base.visibility_mask.
+    if config.causal:
+        visible &= (kv_lo <= q_hi)[None]
+        full &= (kv_hi <= q_lo)[None]
+    if config.window is not None:
+        left, right = config.window
+        if left is not None:
+            visible &= (q_lo - kv_hi <= left)[None]
+            full &= (q_hi - kv_lo <= left)[None]
+        if right is not None:
+            visible &= (kv_lo - q_hi <= right)[None]
+            full &= (kv_hi - q_lo <= right)[None]
+    if q_seg is not None:
+        qs_lo, qs_hi, _ = (x[:, :, None] for x in _block_stats(q_seg, block_m))  # [B, nq, 1]
+        ks_lo, ks_hi, _ = (x[:, None, :] for x in _block_stats(kv_seg, block_n))  # [B, 1, nk]
+        visible &= (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
+        full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+    return visible, full
+
+
+def _ranges(visible, full, batch):
+    """int32 `[B, n_outer, 4]`: `(lo, full_lo, full_hi, hi)` over the inner blocks of each row.
+
+    `[lo, hi)` spans every visible inner block; `[full_lo, full_hi)` is the
+    first run of fully visible ones (empty, at lo, if there is none).
+    """
+    visible = jnp.broadcast_to(visible, (batch, *visible.shape[1:]))
+    full = jnp.broadcast_to(full, visible.shape) & visible
+    n = visible.shape[-1]
+    index = jnp.arange(n)
+    any_visible = jnp.any(visible, axis=-1)
+    lo = jnp.where(any_visible, jnp.argmax(visible, axis=-1), 0)
+    hi = jnp.where(any_visible, n - jnp.argmax(visible[..., ::-1], axis=-1), 0)
+    any_full = jnp.any(full, axis=-1)
+    full_lo = jnp.where(any_full, jnp.argmax(full, axis=-1), lo)
+    run = full | (index < full_lo[..., None])
+    full_hi = jnp.where(any_full, jnp.sum(jnp.cumprod(run.astype(jnp.int32), axis=-1), -1), lo)
+    return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+def kernel_options(config, dtype, q_seg):
+    """The kernels' shared `tl.constexpr` options."""
+    left, right = config.window if config.window is not None else (None, None)
+    return dict(
+        SCALE=float(config.scale),
+        SOFTCAP=float(config.logit_softcap or 0.0),
+        CAUSAL=bool(config.causal),
+        WINDOW_LEFT=-1 if left is None else int(left),
+        WINDOW_RIGHT=-1 if right is None else int(right),
+        HAS_SEGMENTS=q_seg is not None,
+        IEEE=jnp.dtype(dtype) == jnp.float32,
+    )
+
+
+def _segments(q_seg, kv_seg):
+    """int32 segment ids, or 1-element placeholders the kernels never read."""
+    if q_seg is None:
+        placeholder = jnp.zeros((1,), jnp.int32)
+        return placeholder, placeholder
+    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    configs = triton_configs.default_configs(launcher.compute_capability, D, q.dtype)
+    tile = kernel_config(config, configs.forward, T, S)
+    visible, full = _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n)
+    ranges = _ranges(visible, full, B)  # [B, nq, 4] over key blocks
+    q_seg_arg, kv_seg_arg = _segments(q_seg, kv_seg)
+    out, lse = launcher(
+        "attention_forward_kernel",
+        [q, k, v, q_pos, kv_pos, q_seg_arg, kv_seg_arg, ranges],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        (ranges.shape[1], B * H),
+        tile,
+        dict(
+            T=T,
+            S=S,
+            H=H,
+            K=K,
+            D=D,
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_D=triton_configs.padded_head_dim(D),
+            **kernel_options(config, q.dtype, q_seg),
+        ),
+    )
+    return out, lse
+
+
+def _backward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    configs = triton_configs.default_configs(launcher.compute_capability, D, q.dtype)
+    shape = dict(T=T, S=S, H=H, K=K, D=D, BLOCK_D=triton_configs.padded_head_dim(D))
+    options = kernel_options(config, q.dtype, q_seg)
+    q_seg_arg, kv_seg_arg = _segments(q_seg, kv_seg)
+    d_out = d_out.astype(q.dtype)
+
+    delta_tile = kernel_config(config, configs.delta, T, S)
+    (delta,) = launcher(
+        "attention_backward_delta_kernel",
+        [out, d_out, d_lse.astype(jnp.float32)],
+        [jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+        (-(-T // delta_tile.block_m), B * H),
+        delta_tile,
+        dict(T=T, H=H, D=D, BLOCK_M=delta_tile.block_m, BLOCK_D=shape["BLOCK_D"]),
+    )
+    inputs = [q, k, v, q_pos, kv_pos, q_seg_arg, kv_seg_arg]
+
+    tile = kernel_config(config, configs.dkdv, T, S)
+    visible, full = _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n)
+    ranges = _ranges(visible.transpose(0, 2, 1), full.transpose(0, 2, 1), B)  # [B, nk, 4]
+    dk, dv = launcher(
+        "attention_backward_dkdv_kernel",
+        [*inputs, ranges, d_out, lse, delta],
+        [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+        (ranges.shape[1], B * K),
+        tile,
+        dict(**shape, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **options),
+    )
+
+    tile = kernel_config(config, configs.dq, T, S)
+    visible, full = _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n)
+    ranges = _ranges(visible, full, B)  # [B, nq, 4]
+    (dq,) = launcher(
+        "attention_backward_dq_kernel",
+        [*inputs, ranges, d_out, lse, delta],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        (ranges.shape[1], B * H),
+        tile,
+        dict(**shape, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **options),
+    )
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    return _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _flash_fwd(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    out, lse = _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(config, launcher, residuals, cotangents):
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv = _backward(
+        config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _check_supported(q, k):
+    """NotImplementedError for valid inputs these kernels cannot index or tile."""
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if D > triton_configs.MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"implementation 'triton' supports head dims up to {triton_configs.MAX_HEAD_DIM}; "
+            f"got D={D}"
+        )
+    if B * H > _MAX_GRID_Y:
+        raise NotImplementedError(
+            f"implementation 'triton' launches B * H = {B * H} programs on the second grid "
+            f"axis; CUDA allows at most {_MAX_GRID_Y}"
+        )
+    # Offsets inside one batch element, and lse rows, are int32 in the kernels.
+    if max(T * H * D, S * K * D, B * H * T) >= 2**31:
+        raise NotImplementedError(
+            f"implementation 'triton' indexes one batch element with int32: T * H * D = "
+            f"{T * H * D}, S * K * D = {S * K * D} and B * H * T = {B * H * T} must be < 2**31"
+        )
+
+
+def flash_attention(
+    config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, launcher=None
+):
+    """Flash attention with Triton kernels on validated inputs (see `api.flash_attention`).
+
+    Args:
+      config: the validated `AttentionConfig`; `config.block_sizes` (powers of
+        two >= 16) override every kernel's tile sizes.
+      q: `[B, T, H, D]` float32, bfloat16 or float16.
+      k, v: `[B, S, K, D]`, `H % K == 0`.
+      q_pos, kv_pos: int32 `[T]`, `[S]` absolute positions.
+      q_seg, kv_seg: None or int `[B, T]`, `[B, S]` segment ids.
+      launcher: None for jax-triton on this machine's GPU, or
+        `triton_launch.InterpretLauncher()` to run the kernels on CPU.
+
+    Returns:
+      `(out [B, T, H, D] in q's dtype, lse float32 [B, H, T])`, differentiable
+      in q, k and v.
+
+    Raises:
+      NotImplementedError: no usable NVIDIA GPU, triton or jax_triton (with
+        launcher=None), head dim > 256, block sizes that are not powers of
+        two >= 16, or sizes beyond the kernels' int32 indexing.
+
+    Example:
+      >>> import jax, shardfuse as sf
+      >>> q = jax.random.normal(jax.random.key(0), (1, 256, 8, 128), jax.numpy.bfloat16)
+      >>> k = v = jax.random.normal(jax.random.key(1), (1, 256, 2, 128), jax.numpy.bfloat16)
+      >>> out = sf.flash_attention(q, k, v, causal=True, implementation="triton")  # doctest: +SKIP
+    """
+    _check_supported(q, k)
+    if launcher is None:
+        launcher = gpu_launcher()
+    triton_configs.default_configs(launcher.compute_capability, q.shape[3], q.dtype)
+    for size, name in (
+        (config.block_sizes.block_q, "block_q"),
+        (config.block_sizes.block_kv, "block_kv"),
+    ):
+        _tile(1, 16, size, name)
+    q_pos = jnp.asarray(q_pos, jnp.int32)
+    kv_pos = jnp.asarray(kv_pos, jnp.int32)
+    return _flash(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg)

@@ -1,0 +1,414 @@
+"""Triton kernels of flash attention: forward, delta preprocessing, dK/dV and dQ.
+
+FlashAttention-2 (Dao 2023, arXiv:2307.08691), written in Triton after the
+Triton fused-attention tutorial (Tillet et al.). One program owns a block of
+rows and loops over the blocks of the other side:
+
+- forward, grid `(nq, B * H)`: a query block keeps the running row maximum
+  `m`, the normaliser `denom` and a float32 accumulator, all in the base-2 domain
+  (`exp2`, scores pre-multiplied by `log2 e`); `lse = (m + log2 denom) ln 2`.
+- delta, grid `(nq, B * H)`: `delta = rowsum(dO * O) - dlse`.
+- dK/dV, grid `(nk, B * K)`: a key block of one kv head loops over the
+  `G = H / K` query heads that read it and over their query blocks, so GQA
+  never repeats K/V and dK/dV are written once, without atomics.
+- dQ, grid `(nq, B * H)`: a query block loops over key blocks.
+
+Which blocks a program visits comes from a table `ranges [B, n_outer, 4]`
+computed by the JAX wrapper (`triton_gpu.py`): `(lo, full_lo, full_hi, hi)`.
+Blocks outside `[lo, hi)` are invisible and skipped; blocks in
+`[full_lo, full_hi)` are fully visible and run without a mask; the rest run
+masked (positions, causal, window, segment ids, sequence padding). Every load
+is masked, so any T, S and head dim (padded to a power of two) work.
+
+Layouts are the JAX ones, contiguous: q, out `[B, T, H, D]`, k, v `[B, S, K, D]`,
+lse and delta float32 `[B, H, T]`. Shapes and options are `tl.constexpr`.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """float32-accumulated `a @ b`; exact float32 products when IEEE (no TF32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _logits(s, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Raw scores -> base-2 logits `log2(e) * cap(scale * s)`, and tanh for the cap's derivative."""
+    if SOFTCAP > 0:
+        tanh = 2.0 * tl.sigmoid((2.0 * SCALE / SOFTCAP) * s) - 1.0
+        return tanh * (SOFTCAP * LOG2E), tanh
+    return s * (SCALE * LOG2E), s
+
+
+@triton.jit
+def _visible(
+    diff,
+    same_segment,
+    valid,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+):
+    """The mask of `base.visibility_mask` from `diff = q_pos - kv_pos` (-1: unbounded side)."""
+    mask = valid
+    if CAUSAL:
+        mask = mask & (diff >= 0)
+    if WINDOW_LEFT >= 0:
+        mask = mask & (diff <= WINDOW_LEFT)
+    if WINDOW_RIGHT >= 0:
+        mask = mask & (diff >= -WINDOW_RIGHT)
+    if HAS_SEGMENTS:
+        mask = mask & same_segment
+    return mask
+
+
+@triton.jit
+def _block_range(ranges_ref, row):
+    """`(lo, full_lo, full_hi, hi)` of one outer block: see the module docstring."""
+    base = ranges_ref + row * 4
+    return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
+
+
+@triton.jit
+def _stage_bounds(stage: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Block bounds of stage 0 (masked), 1 (fully visible, unmasked) or 2 (masked)."""
+    if stage == 0:
+        return lo, full_lo
+    if stage == 1:
+        return full_lo, full_hi
+    return full_hi, hi
+
+
+@triton.jit
+def attention_forward_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    q_pos_ref,
+    kv_pos_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    ranges_ref,
+    out_ref,
+    lse_ref,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One query block of one head: `out [B, T, H, D]` and float32 `lse [B, H, T]`."""
+    block_q = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    kv_head = h // (H // K)
+    offs_m = block_q * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in = offs_m < T
+    q_tile = q_in[:, None] & (offs_d < D)[None, :]
+    b64 = b.to(tl.int64)
+    q_offsets = b64 * (T * H * D) + offs_m[:, None] * (H * D) + h * D + offs_d[None, :]
+    q = tl.load(q_ref + q_offsets, mask=q_tile, other=0.0)
+    q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
+    q_seg = q_pos
+    if HAS_SEGMENTS:
+        q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
+    kv_offset = b64 * (S * K * D) + kv_head * D
+    lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(T, BLOCK_M) + block_q)
+
+    k_head_ref = k_ref + kv_offset
+    v_head_ref = v_ref + kv_offset
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for stage in tl.static_range(3):  # masked, full (no mask), masked
+        start, end = _stage_bounds(stage, lo, full_lo, full_hi, hi)
+        for block in range(start, end):
+            offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_in = offs_n < S
+            kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
+            kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
+            k = tl.load(k_head_ref + kv_offsets, mask=kv_tile, other=0.0)
+            v = tl.load(v_head_ref + kv_offsets, mask=kv_tile, other=0.0)
+            s, _ = _logits(_dot(q, tl.trans(k), IEEE), SCALE, SOFTCAP)  # [BLOCK_M, BLOCK_N]
+            if stage != 1:
+                kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
+                same_segment = q_in[:, None]
+                if HAS_SEGMENTS:
+                    kv_seg = tl.load(kv_seg_ref + b * S + offs_n, mask=kv_in, other=0)
+                    same_segment = q_seg[:, None] == kv_seg[None, :]
+                mask = _visible(
+                    q_pos[:, None] - kv_pos[None, :],
+                    same_segment,
+                    q_in[:, None] & kv_in[None, :],
+                    CAUSAL,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    HAS_SEGMENTS,
+                )
+                s = tl.where(mask, s, float("-inf"))
+                # Keys nobody in this tile sees are zeroed: 0 * NaN would leak.
+                key_seen = tl.max(mask.to(tl.int32), axis=0) > 0
+                v = tl.where(key_seen[:, None], v, 0.0)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+            m = m_new
+
+    has_key = denom > 0.0
+    denom_safe = tl.where(has_key, denom, 1.0)
+    out = acc / denom_safe[:, None]
+    lse = tl.where(has_key, (m + tl.math.log2(denom_safe)) * LN2, float("-inf"))
+    tl.store(out_ref + q_offsets, out.to(out_ref.dtype.element_ty), mask=q_tile)
+    tl.store(lse_ref + (b * H + h) * T + offs_m, lse, mask=q_in)
+
+
+@triton.jit
+def attention_backward_delta_kernel(
+    out_ref,
+    d_out_ref,
+    d_lse_ref,
+    delta_ref,
+    T: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`delta [B, H, T] = rowsum(dO * O) - dlse` in float32 (d lse / d s = p)."""
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in = offs_m < T
+    tile = q_in[:, None] & (offs_d < D)[None, :]
+    offsets = b.to(tl.int64) * (T * H * D) + offs_m[:, None] * (H * D) + h * D + offs_d[None, :]
+    out = tl.load(out_ref + offsets, mask=tile, other=0.0).to(tl.float32)
+    d_out = tl.load(d_out_ref + offsets, mask=tile, other=0.0).to(tl.float32)
+    rows = (b * H + h) * T + offs_m
+    d_lse = tl.load(d_lse_ref + rows, mask=q_in, other=0.0)
+    tl.store(delta_ref + rows, tl.sum(out * d_out, axis=1) - d_lse, mask=q_in)
+
+
+@triton.jit
+def attention_backward_dkdv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    q_pos_ref,
+    kv_pos_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    ranges_ref,
+    d_out_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One key block of one kv head: dK, dV summed over its G query heads and their rows.
+
+    Works on transposed tiles `[BLOCK_N, BLOCK_M]` (keys x queries), so
+    `dV += P^T dO` and `dK += dS^T Q` need no transposed accumulator.
+    """
+    block_kv = tl.program_id(0)
+    b = tl.program_id(1) // K
+    kv_head = tl.program_id(1) % K
+    G: tl.constexpr = H // K
+    offs_n = block_kv * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_in = offs_n < S
+    d_in = offs_d < D
+    kv_tile = kv_in[:, None] & d_in[None, :]
+    b64 = b.to(tl.int64)
+    kv_offsets = b64 * (S * K * D) + offs_n[:, None] * (K * D) + kv_head * D + offs_d[None, :]
+    k = tl.load(k_ref + kv_offsets, mask=kv_tile, other=0.0)
+    v = tl.load(v_ref + kv_offsets, mask=kv_tile, other=0.0)
+    kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
+    kv_seg = kv_pos
+    if HAS_SEGMENTS:
+        kv_seg = tl.load(kv_seg_ref + b * S + offs_n, mask=kv_in, other=0)
+    lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(S, BLOCK_N) + block_kv)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(G):
+        h = kv_head * G + g
+        for stage in tl.static_range(3):  # masked, full (no mask), masked
+            start, end = _stage_bounds(stage, lo, full_lo, full_hi, hi)
+            for block in range(start, end):
+                offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+                q_in = offs_m < T
+                q_tile = q_in[:, None] & d_in[None, :]
+                q_offsets = b64 * (T * H * D) + offs_m[:, None] * (H * D) + h * D
+                q_offsets = q_offsets + offs_d[None, :]
+                q = tl.load(q_ref + q_offsets, mask=q_tile, other=0.0)
+                d_out = tl.load(d_out_ref + q_offsets, mask=q_tile, other=0.0)
+                rows = (b * H + h) * T + offs_m
+                lse = tl.load(lse_ref + rows, mask=q_in, other=0.0)
+                lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+                delta = tl.load(delta_ref + rows, mask=q_in, other=0.0)
+                s, tanh = _logits(_dot(k, tl.trans(q), IEEE), SCALE, SOFTCAP)  # [N, M]
+                s = s - lse[None, :]
+                if stage != 1:
+                    q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
+                    same_segment = kv_in[:, None]
+                    if HAS_SEGMENTS:
+                        q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
+                        same_segment = kv_seg[:, None] == q_seg[None, :]
+                    mask = _visible(
+                        q_pos[None, :] - kv_pos[:, None],
+                        same_segment,
+                        kv_in[:, None] & q_in[None, :],
+                        CAUSAL,
+                        WINDOW_LEFT,
+                        WINDOW_RIGHT,
+                        HAS_SEGMENTS,
+                    )
+                    s = tl.where(mask, s, float("-inf"))
+                    # Queries that see nothing here are zeroed: 0 * NaN would leak into dK.
+                    query_sees = tl.max(mask.to(tl.int32), axis=0) > 0
+                    q = tl.where(query_sees[:, None], q, 0.0)
+                p = tl.math.exp2(s)  # [N, M]
+                dv += _dot(p.to(d_out.dtype), d_out, IEEE)
+                ds = p * (_dot(v, tl.trans(d_out), IEEE) - delta[None, :])
+                if SOFTCAP > 0:
+                    ds = ds * (1.0 - tanh * tanh)
+                if stage != 1:
+                    ds = tl.where(mask, ds, 0.0)
+                dk += _dot((ds * SCALE).to(q.dtype), q, IEEE)
+    tl.store(dk_ref + kv_offsets, dk.to(dk_ref.dtype.element_ty), mask=kv_tile)
+    tl.store(dv_ref + kv_offsets, dv.to(dv_ref.dtype.element_ty), mask=kv_tile)
+
+
+@triton.jit
+def attention_backward_dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    q_pos_ref,
+    kv_pos_ref,
+    q_seg_ref,
+    kv_seg_ref,
+    ranges_ref,
+    d_out_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One query block of one head: `dQ = sum_j dS_j K_j * scale`, no atomics."""
+    block_q = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    kv_head = h // (H // K)
+    offs_m = block_q * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in = offs_m < T
+    q_tile = q_in[:, None] & (offs_d < D)[None, :]
+    b64 = b.to(tl.int64)
+    q_offsets = b64 * (T * H * D) + offs_m[:, None] * (H * D) + h * D + offs_d[None, :]
+    q = tl.load(q_ref + q_offsets, mask=q_tile, other=0.0)
+    d_out = tl.load(d_out_ref + q_offsets, mask=q_tile, other=0.0)
+    rows = (b * H + h) * T + offs_m
+    lse = tl.load(lse_ref + rows, mask=q_in, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    delta = tl.load(delta_ref + rows, mask=q_in, other=0.0)
+    q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
+    q_seg = q_pos
+    if HAS_SEGMENTS:
+        q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
+    k_head_ref = k_ref + b64 * (S * K * D) + kv_head * D
+    v_head_ref = v_ref + b64 * (S * K * D) + kv_head * D
+    lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(T, BLOCK_M) + block_q)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for stage in tl.static_range(3):  # masked, full (no mask), masked
+        start, end = _stage_bounds(stage, lo, full_lo, full_hi, hi)
+        for block in range(start, end):
+            offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_in = offs_n < S
+            kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
+            kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
+            k = tl.load(k_head_ref + kv_offsets, mask=kv_tile, other=0.0)
+            v = tl.load(v_head_ref + kv_offsets, mask=kv_tile, other=0.0)
+            s, tanh = _logits(_dot(q, tl.trans(k), IEEE), SCALE, SOFTCAP)  # [M, N]
+            s = s - lse[:, None]
+            if stage != 1:
+                kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
+                same_segment = q_in[:, None]
+                if HAS_SEGMENTS:
+                    kv_seg = tl.load(kv_seg_ref + b * S + offs_n, mask=kv_in, other=0)
+                    same_segment = q_seg[:, None] == kv_seg[None, :]
+                mask = _visible(
+                    q_pos[:, None] - kv_pos[None, :],
+                    same_segment,
+                    q_in[:, None] & kv_in[None, :],
+                    CAUSAL,
+                    WINDOW_LEFT,
+                    WINDOW_RIGHT,
+                    HAS_SEGMENTS,
+                )
+                s = tl.where(mask, s, float("-inf"))
+                # Keys nobody in this tile sees are zeroed: 0 * NaN would leak into dQ.
+                key_seen = tl.max(mask.to(tl.int32), axis=0) > 0
+                k = tl.where(key_seen[:, None], k, 0.0)
+            p = tl.math.exp2(s)
+            ds = p * (_dot(d_out, tl.trans(v), IEEE) - delta[:, None])
+            if SOFTCAP > 0:
+                ds = ds * (1.0 - tanh * tanh)
+            if stage != 1:
+                ds = tl.where(mask, ds, 0.0)
+            dq += _dot((ds * SCALE).to(k.dtype), k, IEEE)
+    tl.store(dq_ref + q_offsets, dq.to(dq_ref.dtype.element_ty), mask=q_tile)

@@ -1,0 +1,210 @@
+"""How `triton_gpu.py` launches a Triton kernel: jax-triton on a GPU, the interpreter on CPU.
+
+A launcher is called as `launcher(kernel_name, inputs, out_shapes, grid, config,
+constexprs)` and returns the kernel's outputs as JAX arrays. Kernels take their
+inputs' pointers, then their outputs' pointers, then `tl.constexpr` keywords.
+
+- `JaxTritonLauncher`: `jax_triton.triton_call`, the real GPU path (jit-able).
+- `InterpretLauncher`: the same kernels under the Triton interpreter on torch
+  CPU tensors, in a worker process started with `TRITON_INTERPRET=1`, wrapped
+  in `jax.pure_callback`, so that the whole JAX wrapper (tables, custom_vjp,
+  jit) runs on CPU exactly as on a GPU. This is how the tests check the
+  kernels without a GPU.
+
+triton, jax_triton and torch are imported lazily, inside these functions:
+`import shardfuse` never imports them.
+"""
+
+import atexit
+import dataclasses
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import traceback
+
+import jax
+import numpy as np
+
+KERNELS_MODULE = "shardfuse.kernels.attention.triton_kernels"
+
+
+def kernel_module():
+    """The module of `@triton.jit` kernels (imports triton)."""
+    return importlib.import_module(KERNELS_MODULE)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxTritonLauncher:
+    """Launches the compiled kernels with `jax_triton.triton_call` (NVIDIA GPUs)."""
+
+    compute_capability: int
+
+    def __call__(self, kernel_name, inputs, out_shapes, grid, config, constexprs):
+        import jax_triton
+
+        return jax_triton.triton_call(
+            *inputs,
+            kernel=getattr(kernel_module(), kernel_name),
+            out_shape=list(out_shapes),
+            grid=grid,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            name=kernel_name,
+            **constexprs,
+        )
+
+
+def _to_torch(x):
+    import ml_dtypes
+    import torch
+
+    x = np.array(x, copy=True, order="C")
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def _to_numpy(tensor, dtype):
+    import ml_dtypes
+    import torch
+
+    if np.dtype(dtype) == ml_dtypes.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _interpret_kernel(kernel_name, arrays, out_shapes, grid, num_warps, constexprs):
+    """Runs one kernel under the interpreter on torch CPU tensors; returns numpy outputs."""
+    kernel = getattr(kernel_module(), kernel_name)
+    tensors = [_to_torch(a) for a in arrays]
+    # Every output of these kernels is floating point: NaN marks unwritten entries.
+    outs = [_to_torch(np.full(shape, np.nan, dtype=dtype)) for shape, dtype in out_shapes]
+    kernel[grid](*tensors, *outs, **constexprs, num_warps=num_warps)
+    return tuple(_to_numpy(t, dtype) for t, (_, dtype) in zip(outs, out_shapes, strict=True))
+
+
+def interpreter_worker_main():
+    """Entry point of the interpreter worker: pickled requests on stdin, replies on stdout."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
+        raise RuntimeError("the interpreter worker must start with TRITON_INTERPRET=1")
+    requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a kernel prints goes to stderr, not into the replies
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            reply = ("ok", _interpret_kernel(*request))
+        except Exception:
+            reply = ("error", traceback.format_exc())
+        pickle.dump(reply, replies)
+        replies.flush()
+
+
+class _InterpreterWorker:
+    """A child process running the Triton interpreter (TRITON_INTERPRET=1 from its start).
+
+    The interpreter is chosen when triton is imported (even `tl.max` is a
+    `@triton.jit` function), and this process may hold compiled kernels (the
+    compile checks), so interpreted kernels run in their own process.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._process = None
+
+    def _start(self):
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        command = f"from {__name__} import interpreter_worker_main; interpreter_worker_main()"
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+        atexit.register(self._process.kill)
+
+    def run(self, *request):
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._start()
+            pickle.dump(request, self._process.stdin)
+            self._process.stdin.flush()
+            try:
+                status, value = pickle.load(self._process.stdout)
+            except EOFError:
+                raise RuntimeError(
+                    f"the Triton interpreter worker exited with code {self._process.wait()}"
+                ) from None
+        if status != "ok":
+            raise RuntimeError(f"{request[0]} failed in the Triton interpreter:\n{value}")
+        return value
+
+
+_WORKER = _InterpreterWorker()
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretLauncher:
+    """Runs the kernels under the Triton interpreter on CPU (slow: keep shapes tiny).
+
+    The call is a `jax.pure_callback`, so the JAX wrapper around it (tables,
+    custom_vjp, jit) is the one that runs on GPUs. Outputs start as NaN, so an
+    element that a kernel forgets to write shows up in the comparison.
+
+    Attributes:
+      compute_capability: which tuned config table to use (tests override the
+        block sizes anyway).
+    """
+
+    compute_capability: int = 90
+
+    def __call__(self, kernel_name, inputs, out_shapes, grid, config, constexprs):
+        out_shapes = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes]
+        specs = [(s.shape, np.dtype(s.dtype)) for s in out_shapes]
+
+        def host(*arrays):
+            arrays = [np.asarray(a) for a in arrays]
+            return _WORKER.run(
+                kernel_name, arrays, specs, tuple(grid), config.num_warps, constexprs
+            )
+
+        return list(jax.pure_callback(host, tuple(out_shapes), *inputs))
+
+
+def gpu_launcher() -> JaxTritonLauncher:
+    """The jax-triton launcher for this machine's GPU.
+
+    Raises:
+      NotImplementedError: no NVIDIA GPU of compute capability >= 8.0, or
+        triton / jax_triton missing or unusable, with the reason.
+    """
+    backend = jax.default_backend()
+    if backend not in ("gpu", "cuda"):
+        raise NotImplementedError(
+            f"implementation 'triton' needs an NVIDIA GPU; the JAX backend is {backend!r}"
+        )
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        raise NotImplementedError(
+            f"implementation 'triton' needs an NVIDIA (CUDA) GPU; device {device.device_kind!r} "
+            "reports no compute capability"
+        )
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    if major < 8:
+        raise NotImplementedError(
+            f"implementation 'triton' needs compute capability >= 8.0 (Ampere); "
+            f"{device.device_kind} has {major}.{minor}"
+        )
+    for module in ("triton", "jax_triton"):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # jax_triton raises more than ImportError on some jaxlibs
+            raise NotImplementedError(
+                f"implementation 'triton' needs {module} (pip install 'shardfuse[gpu]'): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+    return JaxTritonLauncher(compute_capability=10 * major + minor)
