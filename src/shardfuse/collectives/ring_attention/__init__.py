@@ -6,6 +6,7 @@ and `ring_balance`, each device's block work under a layout.
 """
 
 from shardfuse.collectives.ring_attention.api import ring_attention
+from shardfuse.collectives.ring_attention.balance import RingBalance, ring_balance
 from shardfuse.collectives.ring_attention.layouts import (
     LAYOUTS,
     from_ring_layout,
@@ -15,8 +16,10 @@ from shardfuse.collectives.ring_attention.layouts import (
 
 __all__ = [
     "LAYOUTS",
+    "RingBalance",
     "from_ring_layout",
     "ring_attention",
+    "ring_balance",
     "ring_positions",
     "to_ring_layout",
 ]
