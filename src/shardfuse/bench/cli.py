@@ -179,7 +179,7 @@ def main(args) -> int:
     if args.threshold <= 0:
         raise ValueError(f"--threshold={args.threshold} must be > 0 (0.1 = 10%)")
     if args.plot and not report.matplotlib_available():
-        console.print(f"[red]--plot {args.plot}:[/] {report.PLOT_HINT}")
+        console.print(f"--plot {args.plot}: {report.PLOT_HINT}", markup=False, style="red")
         return 2
     if args.compare and not Path(args.compare).is_file():
         raise FileNotFoundError(f"--compare {args.compare}: no such file")

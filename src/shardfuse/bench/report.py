@@ -3,6 +3,8 @@
 import importlib.util
 from collections import defaultdict
 
+from rich.markup import escape
+
 from shardfuse.bench.peaks import NOT_AVAILABLE
 from shardfuse.bench.results import IMPROVEMENT, MISSING, NEW, REGRESSION
 
@@ -83,7 +85,7 @@ def print_table(records, console=None, title="shardfuse bench") -> None:
         families[(rec.op, rec.mode, rec.model, rec.variant, rec.dtype)].append(rec)
     console.rule(title)
     for family, members in sorted(families.items()):
-        table = Table(title=" | ".join(p for p in family if p), title_justify="left")
+        table = Table(title=escape(" | ".join(p for p in family if p)), title_justify="left")
         for column in ("shape", "implementation"):
             table.add_column(column)
         for column in ("median", "TFLOP/s", "% peak", "GB/s", "temp mem", "vs baseline"):
@@ -94,8 +96,8 @@ def print_table(records, console=None, title="shardfuse bench") -> None:
                 table.add_section()
             previous_group = rec.group
             table.add_row(
-                rec.shape_text,
-                rec.implementation,
+                escape(rec.shape_text),
+                escape(rec.implementation),
                 format_seconds(rec.median_s),
                 _number(rec.tflops_per_s, ".3g"),
                 _number(rec.pct_peak_flops, ".1f"),
@@ -116,7 +118,8 @@ def print_comparison(comparisons, threshold, console=None) -> None:
 
     Example:
       >>> from shardfuse.bench import report
-      >>> report.print_comparison([], 0.1)
+      >>> report.print_comparison([], 0.1)  # doctest: +ELLIPSIS
+      0 regression(s), 0 case(s) within 10%...
     """
     from rich.console import Console
     from rich.table import Table
@@ -132,7 +135,7 @@ def print_comparison(comparisons, threshold, console=None) -> None:
     for c in changed:
         table.add_row(
             f"[{style.get(c.status, '')}]{c.status}[/]" if c.status in style else c.status,
-            c.key,
+            escape(c.key),
             format_seconds(c.old.median_s if c.old else None),
             format_seconds(c.new.median_s if c.new else None),
             "-" if c.time_ratio is None else f"{c.time_ratio:.2f}",
