@@ -1,1 +1,9 @@
 """Per-shard multi-device algorithms, called inside `jax.shard_map`."""
+
+from shardfuse.collectives.collective_matmul import (
+    all_gather_matmul,
+    matmul_all_reduce,
+    matmul_reduce_scatter,
+)
+
+__all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter"]
