@@ -6,6 +6,8 @@ Options (also set by `shardfuse bench`):
   --bench-interpret    on CPU, also time Pallas kernels in interpret mode (slow)
 """
 
+import os
+
 import jax
 import pytest
 
@@ -36,6 +38,15 @@ def pytest_configure(config):
         override=config.getoption("--bench-scale"),
     )
     config.bench_interpret = config.getoption("--bench-interpret")
+    config.bench_load_at_start = _load_average()
+
+
+def _load_average():
+    """1, 5 and 15 minute load averages of the host, or None where the OS has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def pytest_report_header(config):
@@ -48,7 +59,14 @@ def pytest_report_header(config):
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     results.attach_baseline_ratios(output_json["benchmarks"])
-    output_json["shardfuse"] = {"scale": config.bench_scale.name, **harness.device_info()}
+    output_json["shardfuse"] = {
+        "scale": config.bench_scale.name,
+        **harness.device_info(),
+        "host_cpu_count": os.cpu_count(),
+        # Others' work on a shared machine slows every case: read ratios, not absolute times.
+        "load_average_at_start": config.bench_load_at_start,
+        "load_average_at_end": _load_average(),
+    }
 
 
 @pytest.fixture(scope="session")

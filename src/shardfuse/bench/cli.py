@@ -201,7 +201,14 @@ def main(args) -> int:
                 console.print(f"results written to {json_path}")
     run = results.records(data)
     info = data.get("machine_info", {})
-    console.print(f"machine: {info.get('node', '?')} {info.get('cpu', {}).get('brand_raw', '')}")
+    run_info = data.get("shardfuse", {})
+    console.print(
+        f"machine: {info.get('node', '?')} {info.get('cpu', {}).get('brand_raw', '')}, "
+        f"{run_info.get('device_kind', '?')} x{run_info.get('num_devices', '?')}, "
+        f"scale {run_info.get('scale', '?')}, load average at start "
+        f"{run_info.get('load_average_at_start')} and end {run_info.get('load_average_at_end')}",
+        markup=False,
+    )
     report.print_table(run, console)
     if args.compare:
         comparisons = results.compare(
