@@ -93,12 +93,12 @@ def all_gather_matmul(
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ("model",))
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
       >>> x = jnp.ones((4, 8, 16)); w = jnp.ones((16, 32))
-      >>> f = jax.shard_map(
+      >>> f = jax.jit(jax.shard_map(
       ...     lambda x, w: sf.collectives.all_gather_matmul(x, w, "model", gather_axis=1),
       ...     mesh=mesh, in_specs=(P(None, "model"), P(None, "model")),
-      ...     out_specs=P(None, None, "model"))
+      ...     out_specs=P(None, None, "model")))
       >>> f(x, w).shape
       (4, 8, 32)
     """
@@ -152,11 +152,11 @@ def matmul_reduce_scatter(
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ("model",))
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
       >>> x = jnp.ones((8, 16)); w = jnp.ones((16, 4))
-      >>> f = jax.shard_map(
+      >>> f = jax.jit(jax.shard_map(
       ...     lambda x, w: sf.collectives.matmul_reduce_scatter(x, w, "model"),
-      ...     mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P("model"))
+      ...     mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P("model")))
       >>> f(x, w)[0]
       Array([16., 16., 16., 16.], dtype=float32)
     """
@@ -207,11 +207,11 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None):
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ("model",))
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
       >>> x = jnp.ones((8, 16)); w = jnp.ones((16, 4))
-      >>> f = jax.shard_map(
+      >>> f = jax.jit(jax.shard_map(
       ...     lambda x, w: sf.collectives.matmul_all_reduce(x, w, "model"),
-      ...     mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P())
+      ...     mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P()))
       >>> f(x, w).shape
       (8, 4)
     """
