@@ -160,4 +160,7 @@ def test_attention(measure, bench_scale, model_name, seq_len, mode, implementati
     if mode == flops.FWD_BWD:
         fn = _with_backward(fn)
         args += (jax.random.normal(keys[3], (B, T, H, D), dtype),)
-    measure(fn, args, case)
+    # JAX's Pallas kernels and cuDNN have limits of their own (head dims, shared memory):
+    # a compile error there skips the case with the error instead of failing the run.
+    third_party = implementation in ("jax.pallas", "jax.nn.cudnn")
+    measure(fn, args, case, skip_on=(Exception,) if third_party else None)

@@ -77,9 +77,11 @@ def bench_scale(pytestconfig):
 
 @pytest.fixture
 def measure(benchmark, bench_scale):
-    """`measure(fn, args, case)`: compile, time and describe one case (see `harness.measure`)."""
+    """`measure(fn, args, case, skip_on=None)`: compile, time, describe (`harness.measure`)."""
 
-    def run(fn, args, case):
-        return harness.measure(benchmark, fn, args, case, bench_scale, skip=pytest.skip)
+    def run(fn, args, case, *, skip_on=None):
+        return harness.measure(
+            benchmark, fn, args, case, bench_scale, skip=pytest.skip, skip_on=skip_on
+        )
 
     return run

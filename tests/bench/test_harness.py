@@ -109,6 +109,20 @@ def test_measure_skips_what_an_implementation_cannot_run():
 
     with pytest.raises(pytest.skip.Exception):
         harness.measure(FakeBenchmark(), refuses, ARGS, _case(), SCALE, skip=skip)
-    assert reasons == ["jnp.dot cannot run this case: no such kernel here"]
+    assert reasons == ["jnp.dot cannot run this case: NotImplementedError: no such kernel here"]
     with pytest.raises(NotImplementedError):
         harness.measure(FakeBenchmark(), refuses, ARGS, _case(), SCALE)
+
+    def fails_to_compile(a, b):
+        raise ValueError("head dim too large for shared memory")
+
+    with pytest.raises(ValueError, match="shared memory"):  # ours: a failure, not a skip
+        harness.measure(FakeBenchmark(), fails_to_compile, ARGS, _case(), SCALE, skip=skip)
+    with pytest.raises(pytest.skip.Exception):  # a third-party baseline: skipped
+        harness.measure(
+            FakeBenchmark(), fails_to_compile, ARGS, _case(), SCALE, skip=skip, skip_on=(Exception,)
+        )
+    assert (
+        reasons[-1]
+        == "jnp.dot cannot run this case: ValueError: head dim too large for shared memory"
+    )

@@ -160,7 +160,7 @@ def throughput_info(case: BenchCase, median_s: float | None, device_kind: str) -
     }
 
 
-def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None):
+def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None):
     """Compiles `fn(*args)`, times it with `benchmark.pedantic`, fills `benchmark.extra_info`.
 
     Args:
@@ -170,14 +170,19 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None):
       case: what is measured; `benchmark.group` becomes `case.group`.
       scale: the run's `shardfuse.bench.shapes.Scale` (rounds and time budget).
       skip: `pytest.skip` (passed in so that this module does not import pytest).
+      skip_on: exception types raised while tracing or compiling that mean "this
+        implementation cannot run the case": the case is skipped with the error.
+        Default `(NotImplementedError,)`; suites pass `(Exception,)` for
+        third-party baselines (cuDNN, JAX's Pallas kernels) whose limits are
+        not ours to report as failures.
 
     Returns:
       The `extra_info` dict.
 
     Raises:
-      AssertionError: the outputs are not all finite.
       NotImplementedError: from `fn`, when the implementation cannot run the case
         (with `skip` given, the case is skipped with that reason instead).
+      AssertionError: the outputs are not all finite.
 
     Example:
       >>> # inside a pytest-benchmark test:
@@ -200,14 +205,15 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None):
         scale=scale.name,
     )
     benchmark.extra_info.update(info)
+    unsupported = tuple(skip_on) if skip_on else (NotImplementedError,)
     try:
         start = time.perf_counter()
         compiled = jax.jit(fn).lower(*args).compile()
         info["compile_s"] = time.perf_counter() - start
-    except NotImplementedError as e:
+    except unsupported as e:
         if skip is None:
             raise
-        skip(f"{case.implementation} cannot run this case: {e}")
+        skip(f"{case.implementation} cannot run this case: {type(e).__name__}: {e}")
     info["memory"] = compiled_memory(compiled)
     limit = _device_memory_limit()
     if info["memory"] and limit:
