@@ -1,0 +1,186 @@
+"""Ring attention's structure: which collectives it issues, and memory that stays flat in N."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.ring_attention.api import ring_attention
+from tests.collectives.ring_attention.ring_cases import ring_mesh
+
+pytestmark = pytest.mark.timeout(300)
+
+COLLECTIVES = {
+    "ppermute",
+    "all_gather",
+    "all_to_all",
+    "psum",
+    "psum_invariant",
+    "pmax",
+    "pmin",
+    "reduce_scatter",
+    "psum_scatter",
+    "pbroadcast",
+    "ragged_all_to_all",
+}
+
+
+def _sub_jaxprs(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _sub_jaxprs(item)
+
+
+def collectives_in(jaxpr):
+    """`[(primitive name, [(shape, dtype) of each operand])]` over the jaxpr and every sub-jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in COLLECTIVES or "all_gather" in name or "all_to_all" in name:
+            found.append((name, [(tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars]))
+        for param in eqn.params.values():
+            for sub in _sub_jaxprs(param):
+                found += collectives_in(sub)
+    return found
+
+
+def _forward_and_backward_jaxpr(strategy_fn, n, B, L, H, K, D, dtype, segments):
+    mesh = ring_mesh(n)
+    spec = P(None, "sequence")
+    seg_specs = (spec, spec) if segments else ()
+
+    def shard(q, k, v, *segs):
+        q_seg, kv_seg = segs if segments else (None, None)
+        return strategy_fn(q, k, v, q_seg, kv_seg)
+
+    mapped = jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(spec, spec, spec, *seg_specs),
+        out_specs=spec,
+        check_vma=False,
+    )
+    q = jnp.zeros((B, n * L, H, D), dtype)
+    k = jnp.zeros((B, n * L, K, D), dtype)
+    segs = (jnp.zeros((B, n * L), jnp.int32),) * 2 if segments else ()
+
+    def forward_backward(q, k, v, d_out, *segs):
+        out, vjp = jax.vjp(lambda q, k, v: mapped(q, k, v, *segs), q, k, v)
+        return out, vjp(d_out)
+
+    return jax.make_jaxpr(forward_backward)(q, k, k, q, *segs).jaxpr
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_ring_moves_only_kv_sized_tensors_by_ppermute(segments):
+    n, B, L, H, K, D = 4, 1, 16, 4, 2, 8
+
+    def ring(q, k, v, q_seg, kv_seg):
+        return ring_attention(
+            q,
+            k,
+            v,
+            "sequence",
+            layout="zigzag",
+            causal=True,
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg,
+        )
+
+    jaxpr = _forward_and_backward_jaxpr(ring, n, B, L, H, K, D, jnp.bfloat16, segments)
+    found = collectives_in(jaxpr)
+    names = {name for name, _ in found}
+    assert names == {"ppermute"}, f"collectives other than ppermute: {found}"
+    allowed = {
+        ((B, L, K, D), "bfloat16"),  # K, V
+        ((B, L, K, D), "float32"),  # their dK, dV accumulators
+        ((B, L), "int32"),  # kv segment ids travel with K/V
+    }
+    for _, operands in found:
+        for operand in operands:
+            assert operand in allowed, f"ppermute of {operand}, not K/V-sized: {found}"
+    shapes = [op for _, ops in found for op in ops]
+    assert ((B, L, K, D), "float32") in shapes  # the backward ring is there
+    # The forward sends K/V once per loop iteration; no query-sized tensor ever moves.
+    assert all(shape[2] == K for shape, _ in shapes if len(shape) == 4)
+
+
+def test_all_gather_strategy_gathers_kv_and_the_walker_sees_it():
+    from shardfuse.collectives.ring_attention import sharded
+
+    mesh = ring_mesh(4)
+    q = jnp.zeros((1, 32, 4, 8))
+    k = jnp.zeros((1, 32, 2, 8))
+    for strategy, expected in (("all_gather", "all_gather"), ("ring", "ppermute")):
+        jaxpr = jax.make_jaxpr(
+            lambda q, k, v, s=strategy: sharded.ring_attention(
+                q, k, v, mesh=mesh, strategy=s, causal=True
+            )
+        )(q, k, k).jaxpr
+        names = {name for name, _ in collectives_in(jaxpr)}
+        assert expected in names, (strategy, names)
+        assert "all_to_all" not in names
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jax.sharding import Mesh, PartitionSpec as P
+    import numpy as np
+    from shardfuse.collectives.ring_attention.api import ring_attention
+
+    B, L, H, K, D = 1, 256, 4, 2, 32
+    result = {}
+    for n in (2, 4, 8):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("sequence",))
+        spec = P(None, "sequence")
+        mapped = jax.shard_map(
+            lambda q, k, v: ring_attention(q, k, v, "sequence", layout="zigzag", causal=True),
+            mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+        def loss(q, k, v, d_out):
+            out, vjp = jax.vjp(mapped, q, k, v)
+            return vjp(d_out)
+
+        q = jax.ShapeDtypeStruct((B, n * L, H, D), jnp.float32)
+        kv = jax.ShapeDtypeStruct((B, n * L, K, D), jnp.float32)
+        compiled = jax.jit(loss).trace(q, kv, kv, q).lower().compile()
+        result[n] = compiled.memory_analysis().temp_size_in_bytes
+    json.dump(result, sys.stdout)
+    """
+)
+
+
+def test_memory_is_flat_in_ring_size():
+    """Per-device compiled temp memory of forward + backward at fixed local length, N = 2, 4, 8."""
+    env = dict(os.environ)
+    # XLA:CPU's YNNPACK fusion hides temporaries; the flag must be set before the backend starts.
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type="
+    ).strip()
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    temp = {int(n): size for n, size in json.loads(done.stdout).items()}
+    assert all(size > 0 for size in temp.values()), temp
+    assert max(temp.values()) <= 1.10 * min(temp.values()), f"temp bytes by ring size: {temp}"
