@@ -127,7 +127,6 @@ def ring_attention(
       >>> out.shape
       (1, 64, 4, 32)
     """
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     config = base.validate(
         q,
         k,
@@ -142,6 +141,8 @@ def ring_attention(
         scale=scale,
         block_sizes=block_sizes,
     )
+    # After validation, so that float64 NumPy inputs are refused, not downcast.
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     layouts.check_layout(layout)
     blocks.candidates(implementation)  # validates the name
     n = ring_size(axis_name)

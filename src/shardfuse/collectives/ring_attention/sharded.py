@@ -296,7 +296,6 @@ def ring_attention(
       >>> out.shape
       (1, 100, 4, 32)
     """
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     config = base.validate(
         q,
         k,
@@ -311,6 +310,8 @@ def ring_attention(
         scale=scale,
         block_sizes=block_sizes,
     )
+    # After validation, so that float64 NumPy inputs are refused, not downcast.
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     plan = _plan(
         q,
         k,
