@@ -129,6 +129,12 @@ class MaskRefs:
         )
 
 
+def _zero_rows(x, keep):
+    """`x [n, D]` with the rows where `keep [n, 1]` is False zeroed (the select in float32,
+    which every TPU generation's VPU has; bfloat16 VPU ops need v5 or later)."""
+    return jnp.where(keep, x.astype(jnp.float32), 0.0).astype(x.dtype)
+
+
 def _any_along_lanes(mask):
     """bool `[n, 1]`: any True in each row of `mask [n, m]` (a float32 max reduction)."""
     return jnp.max(mask.astype(jnp.float32), axis=1, keepdims=True) > 0
@@ -161,7 +167,7 @@ def forward_kernel(
         s, _ = _scores(st, q_ref[...], k_ref[...])  # [bq, bk]
         if masked:
             s = jnp.where(masks.queries_by_keys(st, i, j), s, -jnp.inf)
-            v = jnp.where(_any_along_lanes(masks.keys_by_queries(st, i, j)), v, 0)
+            v = _zero_rows(v, _any_along_lanes(masks.keys_by_queries(st, i, j)))
         m_prev, l_prev = m_ref[...], l_ref[...]  # [bq, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
@@ -214,8 +220,7 @@ def dq_kernel(
             mask = masks.queries_by_keys(st, i, j)
             s = jnp.where(mask, s, -jnp.inf)
             key_visible = _any_along_lanes(masks.keys_by_queries(st, i, j))  # [bk, 1]
-            k = jnp.where(key_visible, k, 0)
-            v = jnp.where(key_visible, v, 0)
+            k, v = _zero_rows(k, key_visible), _zero_rows(v, key_visible)
         p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))
         dp = _dot(do_ref[...], v, NT_DIMS, st.precision)  # [bq, bk]
         ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
@@ -265,8 +270,7 @@ def dkv_kernel(
             mask = masks.keys_by_queries(st, i, j)
             s = jnp.where(mask, s, -jnp.inf)
             query_visible = _any_along_lanes(masks.queries_by_keys(st, i, j))  # [bq, 1]
-            q = jnp.where(query_visible, q, 0)
-            do = jnp.where(query_visible, do, 0)
+            q, do = _zero_rows(q, query_visible), _zero_rows(do, query_visible)
         p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq]
         dv_acc_ref[...] += _dot(p.astype(do.dtype), do, NN_DIMS, st.precision)
         dp = _dot(v_ref[...], do, NT_DIMS, st.precision)  # [bk, bq]
