@@ -5,5 +5,11 @@ from shardfuse.collectives.collective_matmul import (
     matmul_all_reduce,
     matmul_reduce_scatter,
 )
+from shardfuse.collectives.ring_attention.api import ring_attention
 
-__all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter"]
+__all__ = [
+    "all_gather_matmul",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "ring_attention",
+]
