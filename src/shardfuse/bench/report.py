@@ -190,13 +190,24 @@ def plot(records, path) -> int:
     columns = min(count, 3)
     rows = -(-count // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
+    # One colour per implementation across all panels.
+    names = sorted({name for lines in panels.values() for name in lines})
+    colours = {name: f"C{i % 10}" for i, name in enumerate(names)}
     for ax, (title, lines) in zip(axes.flat, sorted(panels.items()), strict=False):
+        seq_lens = set()
         for implementation, points in sorted(lines.items()):
             points.sort()
+            seq_lens.update(p[0] for p in points)
             ax.plot(
-                [p[0] for p in points], [p[1] for p in points], marker="o", label=implementation
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                color=colours[implementation],
+                label=implementation,
             )
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(seq_lens), [str(x) for x in sorted(seq_lens)])
+        ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
