@@ -25,6 +25,10 @@ def time_call(fn, *args, repeats: int = 3) -> float:
 # Each row: op, implementation, case, shape, error (max |err| vs reference), seconds.
 SECTIONS = [
     ("flash attention: xla vs reference", "shardfuse.demos.attention"),
+    (
+        "flash attention: pallas_tpu (TPU interpret mode on CPU)",
+        "shardfuse.demos.attention_pallas_tpu",
+    ),
     ("matmul and collective matmuls: xla vs reference", "shardfuse.demos.collective_matmul"),
 ]
 
