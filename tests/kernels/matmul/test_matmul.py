@@ -11,7 +11,7 @@ from shardfuse.kernels.matmul import api as matmul_api
 from shardfuse.testing import assert_close, assert_close_low_precision
 
 # Implementations checked on CPU, with what they support.
-IMPLEMENTATIONS = ["xla"]
+IMPLEMENTATIONS = ["xla", "pallas_tpu"]  # pallas_tpu in TPU interpret mode
 
 
 def _inputs(shape_a, n, dtype, *, with_c=True, with_bias=True, c_dtype=jnp.float32, seed=0):
