@@ -30,6 +30,7 @@ SECTIONS = [
         "shardfuse.demos.attention_pallas_tpu",
     ),
     ("matmul and collective matmuls: xla vs reference", "shardfuse.demos.collective_matmul"),
+    ("ring attention: 8-device ring vs one-device reference", "shardfuse.demos.ring_attention"),
 ]
 
 
