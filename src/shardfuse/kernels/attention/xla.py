@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from shardfuse.kernels import vma
 from shardfuse.kernels.attention import base
 from shardfuse.kernels.attention.reference import dot_precision
 
@@ -174,6 +175,8 @@ def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     Used by `flash_attention` and by collectives (ring attention) that merge
     partial results themselves.
     """
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    axes = vma.common_axes(q)
     tiles = _Tiles(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, S, H, K, G, D = tiles.shape
     precision = dot_precision(q.dtype)
@@ -205,10 +208,13 @@ def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
         def maybe_step(j, carry):
             return lax.cond(tiles.visible[i, j], lambda c: kv_step(j, c), lambda c: c, carry)
 
-        init = (
-            jnp.full((B, K, G, tiles.block_q), -jnp.inf, jnp.float32),
-            jnp.zeros((B, K, G, tiles.block_q), jnp.float32),
-            jnp.zeros((B, K, G, tiles.block_q, D), jnp.float32),
+        init = tuple(
+            vma.to_varying(x, axes)
+            for x in (
+                jnp.full((B, K, G, tiles.block_q), -jnp.inf, jnp.float32),
+                jnp.zeros((B, K, G, tiles.block_q), jnp.float32),
+                jnp.zeros((B, K, G, tiles.block_q, D), jnp.float32),
+            )
         )
         m, denom, acc = lax.fori_loop(0, tiles.nk, maybe_step, init)
         has_key = denom > 0
@@ -228,6 +234,10 @@ def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_l
     block of (ring attention): `delta = rowsum(d_out * out) - d_lse` and
     `p = exp(s - lse)` then give this block's share of the gradients.
     """
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse = vma.match_varying(
+        q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse
+    )
+    axes = vma.common_axes(q)
     tiles = _Tiles(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, S, H, K, G, D = tiles.shape
     precision = dot_precision(q.dtype)
@@ -291,11 +301,11 @@ def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_l
         def maybe_step(i, carry):
             return lax.cond(tiles.visible[i, j], lambda c: q_step(i, c), lambda c: c, carry)
 
-        zeros = jnp.zeros((B, K, tiles.block_kv, D), jnp.float32)
+        zeros = vma.to_varying(jnp.zeros((B, K, tiles.block_kv, D), jnp.float32), axes)
         dk, dv, dq_acc = lax.fori_loop(0, tiles.nq, maybe_step, (zeros, zeros, dq_acc))
         return dq_acc, (dk, dv)
 
-    dq_init = jnp.zeros((tiles.nq, B, K, G, tiles.block_q, D), jnp.float32)
+    dq_init = vma.to_varying(jnp.zeros((tiles.nq, B, K, G, tiles.block_q, D), jnp.float32), axes)
     dq, (dk, dv) = lax.scan(kv_block, dq_init, (jnp.arange(tiles.nk), k_tiles, v_tiles))
     dq = tiles.untile_queries(dq)
     return dq, tiles.untile_keys(dk), tiles.untile_keys(dv)
@@ -323,4 +333,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Blockwise attention on validated inputs; `(out [B, T, H, D], lse float32 [B, H, T])`."""
+    # One vma for all inputs outside the custom_vjp, so that its cotangents match
+    # (inside shard_map, e.g. a kv head replicated over a tensor-parallel axis).
+    q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     return _flash(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)

@@ -1,0 +1,47 @@
+"""Varying-manual-axes (vma) helpers: kernels that run inside `jax.shard_map`.
+
+Inside `jax.shard_map` (with `check_vma`), each value carries the set of mesh
+axes over which it varies. Loop carries and `lax.cond` branches must agree on
+it, so a kernel whose inputs vary over different axes (q sharded over heads,
+a replicated kv head) first casts them to one common set. The cast's
+transpose sums the cotangent over the added axes, which is the gradient of
+an input replicated over them. Outside `shard_map` every set is empty and
+these are no-ops.
+"""
+
+import jax
+from jax import lax
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which `x` varies (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # jax 0.11
+    if vma is None:  # jax 0.10: ShapedArray.manual_axis_type.varying
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma) if vma is not None else frozenset()
+
+
+def to_varying(x, axes: frozenset):
+    """`x` cast to vary over `axes` as well (no-op when it already does)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # older name of the same cast
+
+
+def common_axes(*arrays) -> frozenset:
+    """Union of the vma of every non-None array."""
+    axes = frozenset()
+    for x in arrays:
+        if x is not None:
+            axes |= varying_axes(x)
+    return axes
+
+
+def match_varying(*arrays):
+    """Every non-None array cast to the union of their vma; None stays None."""
+    axes = common_axes(*arrays)
+    return tuple(None if x is None else to_varying(x, axes) for x in arrays)
