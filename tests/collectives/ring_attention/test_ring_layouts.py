@@ -93,3 +93,29 @@ def test_balance_with_window_counts_exactly():
         for p in positions[r]:
             brute[r] += sum(1 for j in range(64) if p - 3 <= j <= p)
     np.testing.assert_array_equal(report.pairs, brute)
+
+
+@pytest.mark.parametrize(
+    "causal, window", [(True, None), (False, (3, 1)), (True, (5, 0)), (False, (None, 0))]
+)
+def test_step_skip_is_sound_and_matches_the_balance_report(causal, window):
+    """A ring step is skipped only if its block has no visible pair (never drops work)."""
+    import jax
+
+    from shardfuse.collectives.ring_attention import balance, ring
+    from shardfuse.kernels.attention import base
+
+    config = base.AttentionConfig(causal=causal, window=window, logit_softcap=None, scale=1.0)
+    n, length = 4, 64
+    for layout in LAYOUTS:
+        positions = np.asarray(sf.ring_positions(length, n, layout))
+        q_pos = np.repeat(positions, n, axis=0)  # pair (r, s) at row r * n + s
+        kv_pos = np.stack([positions[(r - s) % n] for r in range(n) for s in range(n)])
+        visible = jax.jit(jax.vmap(lambda q, kv: ring.step_visible(config, q, kv, None, None)))(
+            q_pos, kv_pos
+        )
+        for row, (qp, kp) in enumerate(zip(q_pos, kv_pos, strict=True)):
+            mask = np.asarray(base.visibility_mask(config, jnp.asarray(qp), jnp.asarray(kp)))
+            if mask.any():
+                assert visible[row], (layout, row)
+            assert bool(visible[row]) == balance._step_computed(config, qp, kp), (layout, row)
