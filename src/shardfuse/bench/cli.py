@@ -108,6 +108,7 @@ class ProgressPlugin:
             self.failures.append((report.nodeid, report.when, report.longreprtext))
         elif report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"
+            reason = str(reason).removeprefix("Skipped: ")
             self.skips[reason] = self.skips.get(reason, 0) + 1
         elif report.when == "call":
             self.passed += 1

@@ -5,7 +5,7 @@ chip (one GPU, one TPU chip), and HBM bandwidth per chip. `float32` is the
 non-tensor-core FP32 peak on GPUs, the rate `Precision.HIGHEST` float32
 matmuls get; TPUs publish no float32 peak, so it is None there ("n/a").
 
-Sources (vendor datasheets and docs, read 2025):
+Sources (vendor datasheets and product pages):
   H100 SXM / NVL / PCIe: https://www.nvidia.com/en-us/data-center/h100/ and the
     "NVIDIA H100 Tensor Core GPU" datasheet: BF16/FP16 1,979 (SXM), 1,671 (NVL),
     1,513 (PCIe) TFLOP/s *with sparsity*, so dense = half; FP32 67 / 60 / 51;

@@ -134,7 +134,7 @@ def load(path) -> dict:
 
     Example:
       >>> from shardfuse.bench import results
-      >>> data = results.load("bench/results/2025-01-01_cpu.json")  # doctest: +SKIP
+      >>> data = results.load("bench/results/2026-11-21_cpu_amd-epyc-2core.json")  # doctest: +SKIP
     """
     path = Path(path)
     with path.open() as f:
