@@ -108,12 +108,13 @@ def scatter_matmul(x, w, plan: RingPlan, *, implementation: str):
     return jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
 
 
-def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
+def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx: bool = True):
     """Gradients of `all_gather(x) @ w` in one fused ring.
 
     `dx = psum_scatter(dy @ w^T)` (a scatter ring over dy) and
     `dw = sum_j x_j^T dy_j` (a gather ring over x, accumulated per step), both
-    float32. Each step issues the two ppermutes, then its two dots.
+    float32. Each step issues the two ppermutes, then its two dots. With
+    `need_dx=False` only the dw ring runs and dx is None.
     """
     i = lax.axis_index(plan.axis_name)
     n, m = plan.size, plan.chunk
@@ -130,7 +131,7 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
             )
             received = (
                 [shift(a, plan, lane.direction) for a, lane in zip(accs, plan.lanes, strict=True)]
-                if s > 0
+                if s > 0 and need_dx
                 else accs
             )
             for k, (h, lane) in enumerate(zip(held, plan.lanes, strict=True)):
@@ -143,6 +144,8 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
                     implementation=implementation,
                     out_dtype=jnp.float32,
                 )
+                if not need_dx:
+                    continue
                 target = (i - lane.direction * (s + 1)) % n
                 dy_target = _rows(dy, plan.axis, target * m + lane.lo, lane.size)
                 accs[k] = _matmul(
@@ -153,15 +156,18 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
                     out_dtype=jnp.float32,
                 )
             held = sent
+    if not need_dx:
+        return None, dw
     dx = jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
     return dx, dw
 
 
-def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
+def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx: bool = True):
     """Gradients of `psum_scatter(x @ w)` in one gather ring over dy.
 
     `dx = all_gather(dy) @ w^T` and `dw = sum_j x[chunk j]^T dy_j` (float32),
-    both from the dy chunk received in the previous step.
+    both from the dy chunk received in the previous step (`need_dx=False`: dw
+    only, dx is None).
     """
     i = lax.axis_index(plan.axis_name)
     n, m = plan.size, plan.chunk
@@ -178,8 +184,9 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
             )
             for h, lane in zip(held, plan.lanes, strict=True):
                 start = (i - s * lane.direction) % n * m + lane.lo
-                dx_rows = _matmul(h, w_t, implementation=implementation, out_dtype=jnp.float32)
-                dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, start, plan.axis)
+                if need_dx:
+                    dx_rows = _matmul(h, w_t, implementation=implementation, out_dtype=jnp.float32)
+                    dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, start, plan.axis)
                 x_rows = _rows(x, plan.axis, start, lane.size)
                 dw = _matmul(
                     _flat(x_rows).T,
@@ -189,4 +196,4 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
                     out_dtype=jnp.float32,
                 )
             held = sent
-    return dx, dw
+    return (dx if need_dx else None), dw

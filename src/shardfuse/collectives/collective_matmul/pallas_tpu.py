@@ -1,0 +1,191 @@
+"""The pallas_tpu implementation: fused remote-DMA ring kernels under `jax.custom_vjp`.
+
+The forward passes are the fused kernels of `pallas_tpu_kernels.py` (remote
+DMAs double-buffered under the matmuls, with a credit handshake,
+bidirectional). x is laid out for them as a 2-D `[rows, C]` matrix whose rows
+are grouped by the gathered / scattered axis (that axis moved to the front,
+the other non-contracted axes flattened behind it), so a chunk, or half a
+chunk for a bidirectional lane, is a contiguous block of rows.
+
+The backward passes reuse the fused kernels where the gradient is itself a
+collective matmul (`dx` of all-gather-matmul is a matmul-reduce-scatter of dy
+by w^T and vice versa); `dw`, a sum over ring steps of `x_j^T dy_j`, comes from
+the xla ring (`ring.py`), which overlaps it the same way through XLA's async
+collectives.
+
+Off TPU the kernels run in TPU interpret mode (`pltpu.InterpretParams`), which
+simulates the remote DMAs and semaphores across the CPU devices;
+`interpret_override(params)` picks its options (race detection, DMA execution
+mode) and `mosaic_lowering()` (from the matmul kernel) forces the real kernels
+for `lower(lowering_platforms=("tpu",))`.
+"""
+
+import contextlib
+import contextvars
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from shardfuse.collectives.collective_matmul import pallas_tpu_kernels as kernels
+from shardfuse.collectives.collective_matmul import ring
+from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying
+from shardfuse.kernels.matmul import pallas_tpu as matmul_pallas
+
+# Per-device bytes the VMEM-resident kernels accept (operands, output, buffers).
+VMEM_BUDGET_BYTES = 24 * 2**20
+
+_INTERPRET = contextvars.ContextVar("shardfuse_collective_interpret", default=None)
+_HANDSHAKE = contextvars.ContextVar("shardfuse_collective_handshake", default=True)
+
+
+@contextlib.contextmanager
+def interpret_override(params: pltpu.InterpretParams, *, handshake: bool = True):
+    """Run the fused kernels off TPU with these interpret-mode options.
+
+    `handshake=False` drops the credit handshake: a deliberately racy kernel
+    for testing the race detector, never for use.
+    """
+    tokens = (_INTERPRET.set(params), _HANDSHAKE.set(handshake))
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(tokens[0])
+        _HANDSHAKE.reset(tokens[1])
+
+
+def _interpret():
+    params = matmul_pallas.interpret_params()
+    if params is None:
+        return None
+    return _INTERPRET.get() or params
+
+
+def _mesh_axes(plan: RingPlan) -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(mesh.axis_names)
+    if set(getattr(mesh, "manual_axes", axes)) != set(axes):
+        raise NotImplementedError(
+            "pallas_tpu collective matmuls need every mesh axis manual in the shard_map; "
+            f"manual: {tuple(mesh.manual_axes)}, mesh: {axes}"
+        )
+    return axes
+
+
+def _to_rows(x, axis: int):
+    """x `[..., M, ..., C]` -> (`[M R, C]` grouped by the M axis, R, the moved shape)."""
+    moved = jnp.moveaxis(x, axis, 0)  # [M, *rest, C]
+    row_factor = math.prod(moved.shape[1:-1])
+    return moved.reshape(-1, x.shape[-1]), row_factor, moved.shape
+
+
+def _from_rows(y2, moved_shape, axis: int, rows: int):
+    """`[rows R, F]` -> `[..., rows, ..., F]` with the row axis back at `axis`."""
+    shape = (rows, *moved_shape[1:-1], y2.shape[-1])
+    return jnp.moveaxis(y2.reshape(shape), 0, axis)
+
+
+def _check_supported(x, w, plan: RingPlan, row_factor: int, extra_bytes: int):
+    if jnp.dtype(x.dtype) == jnp.float16:
+        raise NotImplementedError("pallas_tpu collective matmuls support float32 and bfloat16")
+    working_set = x.size * x.dtype.itemsize + w.size * w.dtype.itemsize + extra_bytes
+    if working_set > VMEM_BUDGET_BYTES:
+        raise NotImplementedError(
+            f"pallas_tpu collective matmul keeps operands in VMEM: {working_set} bytes per "
+            f"device exceed {VMEM_BUDGET_BYTES}"
+        )
+    if _interpret() is None:  # real Mosaic: (8, 128) tiles for the row blocks
+        sublane = 8 if x.dtype == jnp.float32 else 16
+        rows = [lane.size * row_factor for lane in plan.lanes]
+        if any(r % sublane for r in rows) or x.shape[-1] % 128 or w.shape[1] % 128:
+            raise NotImplementedError(
+                f"pallas_tpu collective matmul on TPU needs lane rows {rows} divisible by "
+                f"{sublane} and C={x.shape[-1]}, F={w.shape[1]} divisible by 128"
+            )
+
+
+def _gather_forward(x, w, plan: RingPlan, mesh_axes):
+    x2, row_factor, moved = _to_rows(x, plan.axis)
+    out_bytes = plan.size * x2.shape[0] * w.shape[1] * x.dtype.itemsize
+    _check_supported(x, w, plan, row_factor, out_bytes + 2 * x2.size * x.dtype.itemsize)
+    y2 = kernels.all_gather_matmul_call(
+        x2, w, plan, mesh_axes, row_factor,
+        out_dtype=x.dtype, interpret=_interpret(), handshake=_HANDSHAKE.get(),
+    )  # fmt: skip
+    return _from_rows(y2, moved, plan.axis, plan.size * plan.chunk)
+
+
+def _scatter_forward(x, w, plan: RingPlan, mesh_axes):
+    """float32 `psum_scatter(x @ w)` through the fused kernel."""
+    x2, row_factor, moved = _to_rows(x, plan.axis)
+    buffers = 4 * plan.chunk * row_factor * w.shape[1] * 4
+    _check_supported(x, w, plan, row_factor, buffers)
+    y2 = kernels.matmul_reduce_scatter_call(
+        x2, w, plan, mesh_axes, row_factor, interpret=_interpret(), handshake=_HANDSHAKE.get()
+    )
+    return _from_rows(y2, moved, plan.axis, plan.chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _all_gather_matmul(x, w, plan, mesh_axes):
+    return _gather_forward(x, w, plan, mesh_axes)
+
+
+def _all_gather_matmul_fwd(x, w, plan, mesh_axes):
+    return _gather_forward(x, w, plan, mesh_axes), (x, w)
+
+
+def _all_gather_matmul_bwd(plan, mesh_axes, residuals, dy):
+    x, w = residuals
+    with jax.named_scope("all_gather_matmul_bwd"):
+        dx = _scatter_forward(dy, w.T, plan, mesh_axes)  # psum_scatter(dy @ w^T)
+        _, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=False)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_reduce_scatter(x, w, plan, mesh_axes):
+    return _scatter_forward(x, w, plan, mesh_axes).astype(x.dtype)
+
+
+def _matmul_reduce_scatter_fwd(x, w, plan, mesh_axes):
+    return _matmul_reduce_scatter(x, w, plan, mesh_axes), (x, w)
+
+
+def _matmul_reduce_scatter_bwd(plan, mesh_axes, residuals, dy):
+    x, w = residuals
+    with jax.named_scope("matmul_reduce_scatter_bwd"):
+        dx = _gather_forward(dy, w.T, plan, mesh_axes)  # all_gather(dy) @ w^T
+        _, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=False)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+
+
+def all_gather_matmul(x, w, plan: RingPlan):
+    """`all_gather(x, axis=plan.axis, tiled=True) @ w` through the fused kernel."""
+    mesh_axes = _mesh_axes(plan)
+    x, w = common_varying(x, w, plan.axis_name)
+    with jax.named_scope("all_gather_matmul"):
+        return _all_gather_matmul(x, w, plan, mesh_axes)
+
+
+def matmul_reduce_scatter(x, w, plan: RingPlan):
+    """`psum_scatter(x @ w, scatter_dimension=plan.axis, tiled=True)` through the fused kernel."""
+    mesh_axes = _mesh_axes(plan)
+    x, w = common_varying(x, w, plan.axis_name)
+    with jax.named_scope("matmul_reduce_scatter"):
+        return _matmul_reduce_scatter(x, w, plan, mesh_axes)
+
+
+def matmul_all_reduce(x, w, plan, axis_name):
+    """No fused all-reduce kernel: NotImplementedError (dispatch falls back to the xla ring)."""
+    raise NotImplementedError(
+        "pallas_tpu has no fused matmul_all_reduce; use implementation='xla' (the ring all-reduce)"
+    )

@@ -1,0 +1,293 @@
+"""Fused Pallas TPU kernels of the collective matmuls: remote DMAs under the MXU.
+
+One kernel per op runs the whole ring (the decomposition of Wang et al.,
+ASPLOS 2023, as in the Pallas TPU distributed-computing guide,
+https://docs.jax.dev/en/latest/pallas/tpu/distributed.html): in step s each
+device starts `pltpu.make_async_remote_copy` of what its neighbour needs next
+and multiplies the current chunk while the DMA flies.
+
+- all-gather-matmul: the chunk received in step s-1 is forwarded from the
+  receive buffer it sits in, and multiplied; its product lands in the output
+  rows of the chunk's source device.
+- matmul-reduce-scatter: this device's contribution to chunk `i - d(s+1)` is
+  multiplied first, then the partial sum received in step s-1 is added
+  (the epilogue of a matmul-plus-reduce) and the float32 result is sent on.
+
+Double buffering: receive buffers alternate between two slots, so the DMA of
+step s writes slot `s % 2` while slot `(s - 1) % 2` is read. Handshake: a
+fast upstream device could still overwrite a slot its downstream neighbour is
+reading (two steps behind); so before the DMA of step s >= 2 the sender waits
+for a credit on a REGULAR semaphore, which the receiver signals once it has
+finished reading that slot (its matmul and its own forwarding DMA are done).
+Credits are signalled exactly as often as they are awaited, so every
+semaphore ends at zero. `handshake=False` removes them: the planted race the
+race-detector test must catch. A barrier with both neighbours precedes the
+first DMA. Bidirectional rings run two lanes (half of each chunk's rows each
+way) with their own buffers and semaphores.
+
+Operands live whole in VMEM (no HBM tiling inside a step): the kernels are
+for per-device working sets of a few MiB; larger ones raise
+NotImplementedError and dispatch falls back to the xla ring.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from shardfuse.collectives.collective_matmul.base import Lane, RingPlan
+from shardfuse.kernels.attention.reference import dot_precision
+
+
+def ring_table(plan: RingPlan, mesh_axes: tuple[str, ...], row_factor: int, *, scatter: bool):
+    """int32 `[2 A + N L]` indices the kernel reads from SMEM, computed outside it.
+
+    Entries: the mesh coordinates (A = number of mesh axes) of ring neighbours
+    `i + 1` and `i - 1`, then for each step s and lane l the first row of the
+    chunk rows it multiplies: source `i - s d` (all-gather) or target
+    `i - (s + 1) d` (reduce-scatter), times `m R`, plus the lane's offset.
+    (Computing them here keeps the kernel free of axis-index arithmetic.)
+    """
+    n = plan.size
+    i = lax.axis_index(plan.axis_name)
+    entries = []
+    for direction in (+1, -1):
+        for axis in mesh_axes:
+            if axis == plan.axis_name:
+                entries.append(lax.rem(i + direction + n, n))
+            else:
+                entries.append(lax.axis_index(axis))
+    chunk_rows = plan.chunk * row_factor
+    for s in range(n):
+        for lane in plan.lanes:
+            shift = lane.direction * (s + 1 if scatter else s)
+            index = lax.rem(i - shift + (s + 1) * n, n)
+            entries.append(index * chunk_rows + lane.lo * row_factor)
+    return jnp.stack([jnp.asarray(e, jnp.int32) for e in entries])
+
+
+def _neighbour(table_ref, direction: int, num_axes: int):
+    """Mesh coordinates of ring neighbour `i + direction` (direction = +1 or -1)."""
+    first = 0 if direction == +1 else num_axes
+    return tuple(table_ref[first + a] for a in range(num_axes))
+
+
+def _row_start(table_ref, step: int, lane: int, num_lanes: int, num_axes: int):
+    return table_ref[2 * num_axes + step * num_lanes + lane]
+
+
+def _barrier_with_neighbours(table_ref, num_axes: int):
+    """Both ring neighbours have entered the kernel (their buffers exist) before any DMA."""
+    barrier = pltpu.get_barrier_semaphore()
+    for direction in (+1, -1):
+        pl.semaphore_signal(
+            barrier,
+            1,
+            device_id=_neighbour(table_ref, direction, num_axes),
+            device_id_type=pl.DeviceIdType.MESH,
+        )
+    pl.semaphore_wait(barrier, 2)
+
+
+def out_struct(shape, dtype, like):
+    """`ShapeDtypeStruct` varying over the same manual mesh axes as `like` (for shard_map)."""
+    aval = jax.typeof(like)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:  # jax versions that call it vma
+        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _lane_rows(lane: Lane, row_factor: int):
+    return lane.lo * row_factor, lane.size * row_factor
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=dot_precision(a.dtype))
+
+
+def all_gather_matmul_kernel(
+    table_ref, x_ref, w_ref, out_ref, *scratch, plan: RingPlan, num_axes, row_factor, handshake
+):
+    """table_ref (SMEM, `ring_table`), x_ref `[m R, C]` (this device's chunk), w_ref `[C, F]`,
+    out_ref `[N m R, F]`.
+
+    Scratch per lane: buffers `[2, rows, C]`, DMA send and receive semaphores
+    `[2]`, a REGULAR credit semaphore.
+    """
+    n = plan.size
+    num_lanes = len(plan.lanes)
+    lanes = [scratch[4 * k : 4 * k + 4] for k in range(num_lanes)]
+    _barrier_with_neighbours(table_ref, num_axes)
+    pending = [None] * len(plan.lanes)  # the DMA each lane started in the previous step
+    for s in range(n):
+        with jax.named_scope(f"ring_step_{s}"):
+            held, started = [], []
+            for k, lane in enumerate(plan.lanes):
+                buf, send_sem, recv_sem, credit = lanes[k]
+                lo, rows = _lane_rows(lane, row_factor)
+                if s == 0:
+                    src = x_ref.at[pl.ds(lo, rows)]
+                else:
+                    pending[k].wait_recv()  # the chunk for this step has arrived
+                    src = buf.at[(s - 1) % 2]
+                held.append(src)
+                copy = None
+                if s <= n - 2:
+                    if handshake and s >= 2:
+                        pl.semaphore_wait(credit, 1)  # downstream freed slot s % 2
+                    copy = pltpu.make_async_remote_copy(
+                        src,
+                        buf.at[s % 2],
+                        send_sem.at[s % 2],
+                        recv_sem.at[s % 2],
+                        device_id=_neighbour(table_ref, lane.direction, num_axes),
+                        device_id_type=pl.DeviceIdType.MESH,
+                    )
+                    copy.start()
+                started.append(copy)
+            for k, lane in enumerate(plan.lanes):
+                lo, rows = _lane_rows(lane, row_factor)
+                start = _row_start(table_ref, s, k, num_lanes, num_axes)
+                start = pl.multiple_of(start, math.gcd(plan.chunk * row_factor, lo))
+                product = _dot(held[k][...], w_ref[...])
+                out_ref[pl.ds(start, rows), :] = product.astype(out_ref.dtype)
+            for k, lane in enumerate(plan.lanes):
+                credit = lanes[k][3]
+                if started[k] is not None:
+                    started[k].wait_send()
+                if handshake and 1 <= s <= n - 3:  # slot (s - 1) % 2 is free again
+                    upstream = _neighbour(table_ref, -lane.direction, num_axes)
+                    pl.semaphore_signal(
+                        credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH
+                    )
+            pending = started
+
+
+def matmul_reduce_scatter_kernel(
+    table_ref, x_ref, w_ref, out_ref, *scratch, plan: RingPlan, num_axes, row_factor, handshake
+):
+    """table_ref (SMEM, `ring_table`), x_ref `[N m R, C]`, w_ref `[C, F]`, out_ref `[m R, F]`
+    (this device's chunk of the sum).
+
+    Scratch per lane: float32 send and receive buffers `[2, rows, F]`, DMA send
+    and receive semaphores `[2]`, a REGULAR credit semaphore.
+    """
+    n = plan.size
+    num_lanes = len(plan.lanes)
+    lanes = [scratch[5 * k : 5 * k + 5] for k in range(num_lanes)]
+    _barrier_with_neighbours(table_ref, num_axes)
+    pending = [None] * len(plan.lanes)
+    for s in range(n):
+        with jax.named_scope(f"ring_step_{s}"):
+            started = []
+            for k, lane in enumerate(plan.lanes):
+                send_buf, recv_buf, send_sem, recv_sem, credit = lanes[k]
+                lo, rows = _lane_rows(lane, row_factor)
+                start = _row_start(table_ref, s, k, num_lanes, num_axes)
+                start = pl.multiple_of(start, math.gcd(plan.chunk * row_factor, lo))
+                # This device's contribution first: it does not wait for the DMA in flight.
+                partial = _dot(x_ref[pl.ds(start, rows), :], w_ref[...])
+                if s >= 1:
+                    pending[k].wait_recv()
+                    partial = partial + recv_buf[(s - 1) % 2]
+                    if handshake and s <= n - 3:  # slot (s - 1) % 2 is free again
+                        upstream = _neighbour(table_ref, -lane.direction, num_axes)
+                        pl.semaphore_signal(
+                            credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH
+                        )
+                copy = None
+                if s == n - 1:
+                    out_ref[pl.ds(lo, rows), :] = partial.astype(out_ref.dtype)
+                else:
+                    # Slot s % 2 was last sent from in step s - 2, waited for in step s - 1.
+                    send_buf[s % 2] = partial
+                    if handshake and s >= 2:
+                        pl.semaphore_wait(credit, 1)  # downstream added its slot s % 2
+                    copy = pltpu.make_async_remote_copy(
+                        send_buf.at[s % 2],
+                        recv_buf.at[s % 2],
+                        send_sem.at[s % 2],
+                        recv_sem.at[s % 2],
+                        device_id=_neighbour(table_ref, lane.direction, num_axes),
+                        device_id_type=pl.DeviceIdType.MESH,
+                    )
+                    copy.start()
+                if pending[k] is not None:
+                    pending[k].wait_send()
+                started.append(copy)
+            pending = started
+
+
+def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, interpret, handshake):
+    """The pallas_call of the all-gather-matmul kernel on 2-D operands."""
+    scratch = []
+    for lane in plan.lanes:
+        rows = lane.size * row_factor
+        scratch += [
+            pltpu.VMEM((2, rows, x2.shape[1]), x2.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.REGULAR,
+        ]
+    table = ring_table(plan, mesh_axes, row_factor, scatter=False)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        functools.partial(
+            all_gather_matmul_kernel,
+            plan=plan,
+            num_axes=len(mesh_axes),
+            row_factor=row_factor,
+            handshake=handshake,
+        ),
+        out_shape=out_struct((plan.size * x2.shape[0], w.shape[1]), out_dtype, x2),
+        in_specs=[smem, vmem, vmem],
+        out_specs=vmem,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(collective_id=0),
+        interpret=interpret,
+        name="shardfuse_all_gather_matmul",
+    )(table, x2, w)
+
+
+def matmul_reduce_scatter_call(
+    x2, w, plan, mesh_axes, row_factor, *, interpret, handshake, out_dtype=jnp.float32
+):
+    """The pallas_call of the matmul-reduce-scatter kernel on 2-D operands (float32 result)."""
+    scratch = []
+    for lane in plan.lanes:
+        rows = lane.size * row_factor
+        scratch += [
+            pltpu.VMEM((2, rows, w.shape[1]), jnp.float32),
+            pltpu.VMEM((2, rows, w.shape[1]), jnp.float32),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.REGULAR,
+        ]
+    table = ring_table(plan, mesh_axes, row_factor, scatter=True)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        functools.partial(
+            matmul_reduce_scatter_kernel,
+            plan=plan,
+            num_axes=len(mesh_axes),
+            row_factor=row_factor,
+            handshake=handshake,
+        ),
+        out_shape=out_struct((plan.chunk * row_factor, w.shape[1]), out_dtype, x2),
+        in_specs=[smem, vmem, vmem],
+        out_specs=vmem,
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(collective_id=1),
+        interpret=interpret,
+        name="shardfuse_matmul_reduce_scatter",
+    )(table, x2, w)
