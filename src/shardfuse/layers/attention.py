@@ -1,0 +1,321 @@
+"""Tensor- and context-parallel self-attention with RoPE.
+
+Heads are split over the tensor-parallel axis (Megatron-LM); the query, key
+and value projections run as one column-parallel matmul per shard (one
+overlapped all-gather under sequence parallelism). With grouped-query
+attention the kv heads are split too when `K % tp == 0`; when `tp % K == 0`
+(fewer kv heads than shards) the kv kernel is replicated and each shard uses
+the one kv head its query heads read. Rotary embeddings (RoFormer, Su et al.
+2021) use absolute positions, so tokens may be in any order, e.g. the
+load-balanced ring layouts of context parallelism. Attention itself is ring
+attention over `cp_axis` (Liu et al. 2023), or flash attention when the
+sequence is not split. The output projection is row-parallel
+(reduce-scatter along the sequence, or all-reduce).
+
+Inputs `[B, T, F]` are laid out along the sequence in the ring `layout`
+order when `cp_axis` is set (see `sf.to_ring_layout`): convert once at the
+model input and back at the output; every per-token layer is indifferent
+to the order.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shardfuse import collectives
+from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
+from shardfuse.kernels.attention import api as attention_api
+from shardfuse.kernels.matmul import matmul
+from shardfuse.layers import _sharding
+from shardfuse.layers.linear import default_bias_init, default_kernel_init
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding (rotate-half form) of `x` `[B, T, N, D]` at int `positions` `[T]`."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])  # [D/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class ParallelSelfAttention(nnx.Module):
+    """Multi-head (GQA) self-attention split over heads (`tp_axis`) and sequence (`cp_axis`).
+
+    Parameters (2-D kernels, initialised like `nnx.Linear` kernels):
+    `q_kernel` `[F, H * D]` `P(None, tp)`; `kv_kernel` `[F, K * 2 * D]`
+    (per kv head: its key columns, then its value columns) `P(None, tp)` when
+    `K % tp == 0`, else replicated `P()`; `o_kernel` `[H * D, F]`
+    `P(tp, None)`; with `use_bias`, `q_bias` `[H * D]` `P(tp)`, `kv_bias`
+    `[K * 2 * D]` (like `kv_kernel`) and `o_bias` `[F]` `P()`.
+
+    Masks (causal, window) apply to token positions in natural order (the
+    ring layout's positions when `cp_axis` is set); `positions` given to
+    `__call__` only feed RoPE (e.g. positions that restart per packed
+    sequence, with `segment_ids`).
+
+    Input and output `[B, T, F]`: `P(data, (cp, tp), None)` with
+    `sequence_parallel=True` (Megatron sequence parallelism), else
+    `P(data, cp, None)`.
+
+    Args:
+      features: model width F.
+      num_heads: query heads H, divisible by the size of `tp_axis`.
+      num_kv_heads: kv heads K (default H); `H % K == 0`, and K divisible by or
+        dividing the tp size.
+      head_dim: D (default F // H); even (RoPE).
+      mesh: the mesh.
+      tp_axis: tensor-parallel axis (heads).
+      cp_axis: context-parallel axis (sequence, ring attention), or None.
+      data_axis: batch axis (the default is ignored when the mesh lacks it).
+      sequence_parallel: activations sequence-sharded over `tp_axis` too.
+      causal: causal mask on absolute positions.
+      layout: ring layout of the sequence over `cp_axis`: "contiguous",
+        "zigzag" or "striped".
+      rope_theta: RoPE base.
+      window, logit_softcap: as in `sf.flash_attention`.
+      use_bias, dtype, param_dtype, kernel_init, bias_init, implementation,
+        rngs: as in `nnx.Linear` / `ColumnParallelLinear`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("sequence", "model"))
+      >>> attn = sf.layers.ParallelSelfAttention(32, 4, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> attn(jnp.ones((2, 16, 32))).shape
+      (2, 16, 32)
+    """
+
+    def __init__(
+        self,
+        features: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mesh,
+        tp_axis: str = "model",
+        cp_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
+        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
+        sequence_parallel: bool = False,
+        causal: bool = True,
+        layout: str = "zigzag",
+        rope_theta: float = 10000.0,
+        window=None,
+        logit_softcap: float | None = None,
+        use_bias: bool = False,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_kernel_init,
+        bias_init=default_bias_init,
+        implementation: str | None = None,
+        rngs: nnx.Rngs,
+    ):
+        self.mesh = mesh
+        self.tp_axis = _sharding.require_axis(mesh, tp_axis, "tp_axis")
+        self.cp_axis = _sharding.optional_axis(
+            mesh, cp_axis, "cp_axis", _sharding.DEFAULT_SEQUENCE_AXIS
+        )
+        self.data_axis = _sharding.optional_axis(
+            mesh, data_axis, "data_axis", _sharding.DEFAULT_DATA_AXIS
+        )
+        tp = _sharding.axis_size(mesh, self.tp_axis)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+            )
+        _sharding.check_divisible("num_heads", num_heads, self.tp_axis, tp)
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads={num_kv_heads} must divide or be divisible by the size {tp} of "
+                f"tp_axis {self.tp_axis!r}"
+            )
+        if head_dim is None:
+            if features % num_heads:
+                raise ValueError(
+                    f"features={features} not divisible by num_heads={num_heads}; pass head_dim"
+                )
+            head_dim = features // num_heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} must be one of {tuple(LAYOUTS)}")
+        self.features, self.num_heads, self.num_kv_heads, self.head_dim = (
+            features,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.sequence_parallel = bool(sequence_parallel)
+        self.causal, self.layout, self.rope_theta = bool(causal), layout, float(rope_theta)
+        self.window, self.logit_softcap = window, logit_softcap
+        self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
+        self.kv_sharded = num_kv_heads % tp == 0
+        H, K, D, F = num_heads, num_kv_heads, head_dim, features
+        tp_spec = P(None, self.tp_axis)
+        kv_spec = tp_spec if self.kv_sharded else P()
+
+        def make(init, shape, spec):
+            return _sharding.sharded_param(init, rngs.params(), shape, param_dtype, mesh, spec)
+
+        self.q_kernel = make(kernel_init, (F, H * D), tp_spec)
+        self.kv_kernel = make(kernel_init, (F, K * 2 * D), kv_spec)
+        self.o_kernel = make(kernel_init, (H * D, F), P(self.tp_axis, None))
+        self.use_bias = use_bias
+        self.q_bias = make(bias_init, (H * D,), P(self.tp_axis)) if use_bias else None
+        self.kv_bias = make(bias_init, (K * 2 * D,), P(*kv_spec[1:])) if use_bias else None
+        self.o_bias = make(bias_init, (F,), P()) if use_bias else None
+
+    def _param_specs(self):
+        kv = P(None, self.tp_axis) if self.kv_sharded else P()
+        return dict(
+            q_kernel=P(None, self.tp_axis),
+            kv_kernel=kv,
+            o_kernel=P(self.tp_axis, None),
+            q_bias=P(self.tp_axis),
+            kv_bias=P(*kv[1:]),
+            o_bias=P(),
+        )
+
+    def local_params(self, dtype):
+        """Parameter values cast to `dtype` and their specs, in `local`'s order."""
+        specs = self._param_specs()
+        names = ("q_kernel", "kv_kernel", "o_kernel", "q_bias", "kv_bias", "o_bias")
+        values = [
+            None if getattr(self, n) is None else getattr(self, n)[...].astype(dtype) for n in names
+        ]
+        return values, [specs[n] for n in names]
+
+    def default_positions(self, seq_len: int):
+        """int32 `[T]`: natural positions of the tokens in layout order."""
+        if self.cp_axis is None:
+            return jnp.arange(seq_len, dtype=jnp.int32)
+        ring = _sharding.axis_size(self.mesh, self.cp_axis)
+        return ring_positions(seq_len, ring, self.layout).reshape(-1)
+
+    def local(self, x, positions, segment_ids, q_w, kv_w, o_w, q_b, kv_b, o_b):
+        """Per-shard attention (inside `jax.shard_map`).
+
+        x `[b, t, F]` (t = T / cp, or T / (cp * tp) with sequence parallelism),
+        positions int `[T / cp]`, segment_ids int `[b, T / cp]` or None.
+        """
+        tp = self.tp_axis
+        heads = self.num_heads // _sharding.axis_size(self.mesh, tp)  # local query heads
+        D = self.head_dim
+        if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
+            group = self.num_heads // self.num_kv_heads
+            head = lax.axis_index(tp) * heads // group
+            kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
+            kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
+        w = jnp.concatenate([q_w, kv_w], axis=1)  # one fused QKV matmul per shard
+        if self.sequence_parallel:
+            y = collectives.all_gather_matmul(
+                x, w, tp, gather_axis=1, implementation=self.implementation
+            )
+        else:
+            y = matmul(x, w, implementation=self.implementation)
+        if q_b is not None:
+            y = y + jnp.concatenate([q_b, kv_b])
+        b, t = y.shape[:2]
+        q = y[..., : heads * D].reshape(b, t, heads, D)
+        kv = y[..., heads * D :].reshape(b, t, -1, 2, D)
+        q = rope(q, positions, self.rope_theta)
+        k = rope(kv[..., 0, :], positions, self.rope_theta)
+        v = kv[..., 1, :]
+        masks = dict(
+            causal=self.causal,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            window=self.window,
+            logit_softcap=self.logit_softcap,
+            implementation=self.implementation,
+        )
+        if self.cp_axis is not None:
+            o = ring_attention(q, k, v, self.cp_axis, layout=self.layout, **masks)
+        else:
+            o = attention_api.flash_attention(q, k, v, **masks)
+        o = o.reshape(b, t, heads * D)
+        if self.sequence_parallel:
+            out = collectives.matmul_reduce_scatter(
+                o, o_w, tp, scatter_axis=1, implementation=self.implementation
+            )
+        else:
+            out = collectives.matmul_all_reduce(o, o_w, tp, implementation=self.implementation)
+        return out if o_b is None else out + o_b
+
+    def io_spec(self):
+        """PartitionSpec of the `[B, T, F]` input and output."""
+        seq = tuple(
+            a for a in (self.cp_axis, self.tp_axis if self.sequence_parallel else None) if a
+        )
+        return P(self.data_axis, seq if len(seq) > 1 else (seq[0] if seq else None), None)
+
+    def check_input(self, x, positions, segment_ids):
+        """Validates a `__call__`'s arguments; returns positions (defaulted)."""
+        if x.ndim != 3 or x.shape[-1] != self.features:
+            raise ValueError(f"x has shape {x.shape}; expected [B, T, features={self.features}]")
+        B, T = x.shape[:2]
+        cp = _sharding.axis_size(self.mesh, self.cp_axis)
+        tp = _sharding.axis_size(self.mesh, self.tp_axis) if self.sequence_parallel else 1
+        shards = cp * tp * (2 if self.layout == "zigzag" and cp > 1 else 1)
+        if T % shards:
+            raise ValueError(
+                f"sequence length T={T} must be divisible by {shards} (cp={cp} x "
+                f"{'tp=' + str(tp) + ' (sequence parallel) x ' if tp > 1 else ''}"
+                f"{'2 for the zigzag layout' if shards != cp * tp else '1'})"
+            )
+        _sharding.check_divisible(
+            "batch size B", B, self.data_axis, _sharding.axis_size(self.mesh, self.data_axis)
+        )
+        if positions is None:
+            positions = self.default_positions(T)
+        if tuple(positions.shape) != (T,) or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(
+                f"positions must be int [T] = ({T},); got {positions.dtype}{tuple(positions.shape)}"
+            )
+        if segment_ids is not None and (
+            tuple(segment_ids.shape) != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"segment_ids must be int [B, T] = ({B}, {T}); "
+                f"got {segment_ids.dtype}{tuple(segment_ids.shape)}"
+            )
+        return positions.astype(jnp.int32)
+
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        """Self-attention of `x` `[B, T, F]` -> `[B, T, F]` (sharding: `io_spec()`).
+
+        Args:
+          x: activations in ring-layout order along T when `cp_axis` is set.
+          positions: int `[T]` RoPE positions (default: the tokens' natural positions).
+          segment_ids: int `[B, T]` packed-sequence ids; tokens attend within a segment.
+        """
+        positions = self.check_input(x, positions, segment_ids)
+        dtype = _sharding.compute_dtype(self.dtype, x, self.q_kernel[...])
+        values, specs = self.local_params(dtype)
+        spec = self.io_spec()
+        seg_spec = P(self.data_axis, self.cp_axis)
+        fn = jax.shard_map(
+            self.local,
+            mesh=self.mesh,
+            in_specs=(spec, P(self.cp_axis), seg_spec, *specs),
+            out_specs=spec,
+        )
+        args = [
+            _sharding.place(x.astype(dtype), self.mesh, spec),
+            _sharding.place(positions, self.mesh, P(self.cp_axis)),
+        ]
+        args.append(
+            None if segment_ids is None else _sharding.place(segment_ids, self.mesh, seg_spec)
+        )
+        args += [
+            None if v is None else _sharding.place(v, self.mesh, p)
+            for v, p in zip(values, specs, strict=True)
+        ]
+        return fn(*args)
