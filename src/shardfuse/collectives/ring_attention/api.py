@@ -29,16 +29,12 @@ def ring_size(axis_name) -> int:
         ) from None
 
 
-def run(
-    make_spec,
-    implementation,
-    q,
-    k,
-    v,
-    q_seg,
-    kv_seg,
-):
-    """Runs `ring.ring` with the first implementation that can (NotImplementedError: next)."""
+def run(make_spec, implementation, q, k, v, q_seg, kv_seg):
+    """Runs `ring.ring` with the first implementation that can (NotImplementedError: next).
+
+    `make_spec(name) -> RingSpec`. The fallback happens while the forward is
+    traced; a backend that refuses only in its backward fails there.
+    """
     reasons = []
     for name in blocks.candidates(implementation):
         try:

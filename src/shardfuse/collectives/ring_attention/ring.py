@@ -79,7 +79,11 @@ def _full(shape, value, dtype, *likes):
     x = jnp.full(shape, value, dtype)
     axes = frozenset().union(*(_varying_axes(y) for y in likes if y is not None))
     if axes:
-        x = lax.pcast(x, tuple(sorted(axes, key=str)), to="varying")
+        axes = tuple(sorted(axes, key=str))
+        if hasattr(lax, "pcast"):
+            x = lax.pcast(x, axes, to="varying")
+        else:  # older spelling
+            x = lax.pvary(x, axes)
     return x
 
 

@@ -214,7 +214,8 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
     def per_shard(q, k, v, *segs):
         return shard(plan, q, k, v, *(segs if has_seg else (None, None)))
 
-    # check_vma=False: the single-device kernels' loop carries are not varying-typed.
+    # check_vma=False: not every block kernel types its loop carries as varying over the
+    # mesh axes (the ring itself does, and is tested under check_vma=True).
     out, lse = jax.shard_map(
         per_shard,
         # Under auto_axes (explicit meshes) the context mesh is the Auto version of plan.mesh.
