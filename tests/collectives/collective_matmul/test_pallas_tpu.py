@@ -56,8 +56,8 @@ def _forward(case: Case, mode: str, *, handshake: bool = True):
     [
         Case("all_gather_matmul", 4, bidirectional=True, m=4),
         Case("matmul_reduce_scatter", 4, bidirectional=True, m=4),
-        Case("all_gather_matmul", 4, m=2),
-        Case("matmul_reduce_scatter", 4, m=2),
+        pytest.param(Case("all_gather_matmul", 4, m=2), marks=pytest.mark.slow),
+        pytest.param(Case("matmul_reduce_scatter", 4, m=2), marks=pytest.mark.slow),
     ],
     ids=Case.id,
 )
@@ -75,7 +75,7 @@ def test_forward_race_free(case, mode):
         Case("all_gather_matmul", 4, bidirectional=True, m=4),
         Case("matmul_reduce_scatter", 4, bidirectional=True, m=4),
         Case("all_gather_matmul", 2, data=2, m=3),  # 2-D mesh: the ring on "model"
-        Case("matmul_reduce_scatter", 1, m=3),
+        pytest.param(Case("matmul_reduce_scatter", 1, m=3), marks=pytest.mark.slow),
     ],
     ids=Case.id,
 )
@@ -88,7 +88,9 @@ def test_forward_and_gradients(case):
         assert_close(g, e, kind="output" if name == "y" else "grad", name=f"{case} {name}")
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@pytest.mark.parametrize(
+    "op", [pytest.param("all_gather_matmul", marks=pytest.mark.slow), "matmul_reduce_scatter"]
+)
 def test_bfloat16(op):
     case = Case(op, 2, bidirectional=True, dtype="bfloat16", m=4, c=16, f=16)
     with pallas_tpu.interpret_override(pltpu.InterpretParams(dma_execution_mode="eager")):

@@ -9,7 +9,8 @@ chunk for a bidirectional lane, is a contiguous block of rows.
 
 The backward passes reuse the fused kernels where the gradient is itself a
 collective matmul (`dx` of all-gather-matmul is a matmul-reduce-scatter of dy
-by w^T and vice versa); `dw`, a sum over ring steps of `x_j^T dy_j`, comes from
+by w^T and vice versa; if that transposed problem does not fit the kernel, the
+xla ring computes it); `dw`, a sum over ring steps of `x_j^T dy_j`, comes from
 the xla ring (`ring.py`), which overlaps it the same way through XLA's async
 collectives.
 
@@ -140,8 +141,13 @@ def _all_gather_matmul_fwd(x, w, plan, mesh_axes):
 def _all_gather_matmul_bwd(plan, mesh_axes, residuals, dy):
     x, w = residuals
     with jax.named_scope("all_gather_matmul_bwd"):
-        dx = _scatter_forward(dy, w.T, plan, mesh_axes)  # psum_scatter(dy @ w^T)
-        _, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=False)
+        try:
+            dx = _scatter_forward(dy, w.T, plan, mesh_axes)  # psum_scatter(dy @ w^T)
+            need_dx = False
+        except NotImplementedError:  # the transposed problem does not fit the kernel
+            need_dx = True
+        ring_dx, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=need_dx)
+        dx = ring_dx if need_dx else dx
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -160,8 +166,13 @@ def _matmul_reduce_scatter_fwd(x, w, plan, mesh_axes):
 def _matmul_reduce_scatter_bwd(plan, mesh_axes, residuals, dy):
     x, w = residuals
     with jax.named_scope("matmul_reduce_scatter_bwd"):
-        dx = _gather_forward(dy, w.T, plan, mesh_axes)  # all_gather(dy) @ w^T
-        _, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=False)
+        try:
+            dx = _gather_forward(dy, w.T, plan, mesh_axes)  # all_gather(dy) @ w^T
+            need_dx = False
+        except NotImplementedError:  # the transposed problem does not fit the kernel
+            need_dx = True
+        ring_dx, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=need_dx)
+        dx = ring_dx if need_dx else dx
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
