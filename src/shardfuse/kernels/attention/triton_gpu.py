@@ -89,8 +89,14 @@ def _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n):
             visible &= (kv_lo - q_hi <= right)[None]
             full &= (kv_hi - q_lo <= right)[None]
     if q_seg is not None:
-        qs_lo, qs_hi, _ = (x[:, :, None] for x in _block_stats(q_seg, block_m))  # [B, nq, 1]
-        ks_lo, ks_hi, _ = (x[:, None, :] for x in _block_stats(kv_seg, block_n))  # [B, 1, nk]
+        qs_lo, qs_hi, _ = _block_stats(q_seg, block_m)  # [B, nq]
+        ks_lo, ks_hi, _ = _block_stats(kv_seg, block_n)  # [B, nk]
+        qs_lo, qs_hi, ks_lo, ks_hi = (
+            qs_lo[:, :, None],
+            qs_hi[:, :, None],
+            ks_lo[:, None],
+            ks_hi[:, None],
+        )
         visible &= (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
         full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
     return visible, full
@@ -116,7 +122,7 @@ def _ranges(visible, full, batch):
     return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
 
 
-def kernel_options(config, dtype, q_seg):
+def kernel_options(config, dtype, has_segments: bool):
     """The kernels' shared `tl.constexpr` options."""
     left, right = config.window if config.window is not None else (None, None)
     return dict(
@@ -125,7 +131,7 @@ def kernel_options(config, dtype, q_seg):
         CAUSAL=bool(config.causal),
         WINDOW_LEFT=-1 if left is None else int(left),
         WINDOW_RIGHT=-1 if right is None else int(right),
-        HAS_SEGMENTS=q_seg is not None,
+        HAS_SEGMENTS=bool(has_segments),
         IEEE=jnp.dtype(dtype) == jnp.float32,
     )
 
@@ -161,7 +167,7 @@ def _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
             BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,
             BLOCK_D=triton_configs.padded_head_dim(D),
-            **kernel_options(config, q.dtype, q_seg),
+            **kernel_options(config, q.dtype, q_seg is not None),
         ),
     )
     return out, lse
@@ -172,7 +178,7 @@ def _backward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse,
     S, K = k.shape[1], k.shape[2]
     configs = triton_configs.default_configs(launcher.compute_capability, D, q.dtype)
     shape = dict(T=T, S=S, H=H, K=K, D=D, BLOCK_D=triton_configs.padded_head_dim(D))
-    options = kernel_options(config, q.dtype, q_seg)
+    options = kernel_options(config, q.dtype, q_seg is not None)
     q_seg_arg, kv_seg_arg = _segments(q_seg, kv_seg)
     d_out = d_out.astype(q.dtype)
 

@@ -49,17 +49,31 @@ def _logits(s, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _visible(
-    diff,
-    same_segment,
+def _tile_mask(
+    pos,
+    seg,
     valid,
+    other_pos_ref,
+    other_seg_ref,
+    other_offsets,
+    other_valid,
+    ROWS_ARE_QUERIES: tl.constexpr,
     CAUSAL: tl.constexpr,
     WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr,
 ):
-    """The mask of `base.visibility_mask` from `diff = q_pos - kv_pos` (-1: unbounded side)."""
-    mask = valid
+    """bool `[rows, cols]`: `base.visibility_mask` of one tile (-1: unbounded window side).
+
+    The rows' positions and segment ids are in registers; the columns' are
+    loaded at `other_offsets`. Rows are queries, or keys (dK/dV's transposed tiles).
+    """
+    other_pos = tl.load(other_pos_ref + other_offsets, mask=other_valid, other=0)
+    if ROWS_ARE_QUERIES:
+        diff = pos[:, None] - other_pos[None, :]  # q_pos - kv_pos
+    else:
+        diff = other_pos[None, :] - pos[:, None]
+    mask = valid[:, None] & other_valid[None, :]
     if CAUSAL:
         mask = mask & (diff >= 0)
     if WINDOW_LEFT >= 0:
@@ -67,8 +81,15 @@ def _visible(
     if WINDOW_RIGHT >= 0:
         mask = mask & (diff >= -WINDOW_RIGHT)
     if HAS_SEGMENTS:
-        mask = mask & same_segment
+        other_seg = tl.load(other_seg_ref + other_offsets, mask=other_valid, other=0)
+        mask = mask & (seg[:, None] == other_seg[None, :])
     return mask
+
+
+@triton.jit
+def _any_row(mask):
+    """bool `[cols]`: which columns of a `[rows, cols]` mask have any True."""
+    return tl.max(mask.to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -125,14 +146,16 @@ def attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_in = offs_m < T
     q_tile = q_in[:, None] & (offs_d < D)[None, :]
-    b64 = b.to(tl.int64)
-    q_offsets = b64 * (T * H * D) + offs_m[:, None] * (H * D) + h * D + offs_d[None, :]
-    q = tl.load(q_ref + q_offsets, mask=q_tile, other=0.0)
+    # Scalar int64 bases, int32 tile offsets: int64 tiles would hold twice the registers.
+    q_head = b.to(tl.int64) * (T * H * D) + h * D
+    q = tl.load(
+        q_ref + q_head + offs_m[:, None] * (H * D) + offs_d[None, :], mask=q_tile, other=0.0
+    )
     q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
     q_seg = q_pos
     if HAS_SEGMENTS:
         q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
-    kv_offset = b64 * (S * K * D) + kv_head * D
+    kv_offset = b.to(tl.int64) * (S * K * D) + kv_head * D
     lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(T, BLOCK_M) + block_q)
 
     k_head_ref = k_ref + kv_offset
@@ -148,27 +171,17 @@ def attention_forward_kernel(
             kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
             kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
             k = tl.load(k_head_ref + kv_offsets, mask=kv_tile, other=0.0)
-            v = tl.load(v_head_ref + kv_offsets, mask=kv_tile, other=0.0)
             s, _ = _logits(_dot(q, tl.trans(k), IEEE), SCALE, SOFTCAP)  # [BLOCK_M, BLOCK_N]
+            v_tile = kv_tile
             if stage != 1:
-                kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
-                same_segment = q_in[:, None]
-                if HAS_SEGMENTS:
-                    kv_seg = tl.load(kv_seg_ref + b * S + offs_n, mask=kv_in, other=0)
-                    same_segment = q_seg[:, None] == kv_seg[None, :]
-                mask = _visible(
-                    q_pos[:, None] - kv_pos[None, :],
-                    same_segment,
-                    q_in[:, None] & kv_in[None, :],
-                    CAUSAL,
-                    WINDOW_LEFT,
-                    WINDOW_RIGHT,
-                    HAS_SEGMENTS,
-                )
+                # fmt: off
+                mask = _tile_mask(q_pos, q_seg, q_in, kv_pos_ref, kv_seg_ref + b * S, offs_n,
+                                  kv_in, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
+                # fmt: on
                 s = tl.where(mask, s, float("-inf"))
-                # Keys nobody in this tile sees are zeroed: 0 * NaN would leak.
-                key_seen = tl.max(mask.to(tl.int32), axis=0) > 0
-                v = tl.where(key_seen[:, None], v, 0.0)
+                # Values nobody in this tile sees load as 0: 0 * NaN would leak.
+                v_tile = v_tile & _any_row(mask)[:, None]
+            v = tl.load(v_head_ref + kv_offsets, mask=v_tile, other=0.0)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.math.exp2(m - m_safe)
@@ -181,7 +194,8 @@ def attention_forward_kernel(
     denom_safe = tl.where(has_key, denom, 1.0)
     out = acc / denom_safe[:, None]
     lse = tl.where(has_key, (m + tl.math.log2(denom_safe)) * LN2, float("-inf"))
-    tl.store(out_ref + q_offsets, out.to(out_ref.dtype.element_ty), mask=q_tile)
+    out_offsets = q_head + offs_m[:, None] * (H * D) + offs_d[None, :]
+    tl.store(out_ref + out_offsets, out.to(out_ref.dtype.element_ty), mask=q_tile)
     tl.store(lse_ref + (b * H + h) * T + offs_m, lse, mask=q_in)
 
 
@@ -204,9 +218,10 @@ def attention_backward_delta_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_in = offs_m < T
     tile = q_in[:, None] & (offs_d < D)[None, :]
-    offsets = b.to(tl.int64) * (T * H * D) + offs_m[:, None] * (H * D) + h * D + offs_d[None, :]
-    out = tl.load(out_ref + offsets, mask=tile, other=0.0).to(tl.float32)
-    d_out = tl.load(d_out_ref + offsets, mask=tile, other=0.0).to(tl.float32)
+    head = b.to(tl.int64) * (T * H * D) + h * D
+    offsets = offs_m[:, None] * (H * D) + offs_d[None, :]
+    out = tl.load(out_ref + head + offsets, mask=tile, other=0.0).to(tl.float32)
+    d_out = tl.load(d_out_ref + head + offsets, mask=tile, other=0.0).to(tl.float32)
     rows = (b * H + h) * T + offs_m
     d_lse = tl.load(d_lse_ref + rows, mask=q_in, other=0.0)
     tl.store(delta_ref + rows, tl.sum(out * d_out, axis=1) - d_lse, mask=q_in)
@@ -258,9 +273,10 @@ def attention_backward_dkdv_kernel(
     d_in = offs_d < D
     kv_tile = kv_in[:, None] & d_in[None, :]
     b64 = b.to(tl.int64)
-    kv_offsets = b64 * (S * K * D) + offs_n[:, None] * (K * D) + kv_head * D + offs_d[None, :]
-    k = tl.load(k_ref + kv_offsets, mask=kv_tile, other=0.0)
-    v = tl.load(v_ref + kv_offsets, mask=kv_tile, other=0.0)
+    kv_head_offset = b64 * (S * K * D) + kv_head * D
+    kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
+    k = tl.load(k_ref + kv_head_offset + kv_offsets, mask=kv_tile, other=0.0)
+    v = tl.load(v_ref + kv_head_offset + kv_offsets, mask=kv_tile, other=0.0)
     kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
     kv_seg = kv_pos
     if HAS_SEGMENTS:
@@ -269,51 +285,50 @@ def attention_backward_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    key_seen = tl.zeros([BLOCK_N], dtype=tl.int32)  # does any visited query see the key
     for g in range(G):
         h = kv_head * G + g
+        q_head = b64 * (T * H * D) + h * D
         for stage in tl.static_range(3):  # masked, full (no mask), masked
             start, end = _stage_bounds(stage, lo, full_lo, full_hi, hi)
             for block in range(start, end):
                 offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
                 q_in = offs_m < T
-                q_tile = q_in[:, None] & d_in[None, :]
-                q_offsets = b64 * (T * H * D) + offs_m[:, None] * (H * D) + h * D
-                q_offsets = q_offsets + offs_d[None, :]
-                q = tl.load(q_ref + q_offsets, mask=q_tile, other=0.0)
-                d_out = tl.load(d_out_ref + q_offsets, mask=q_tile, other=0.0)
                 rows = (b * H + h) * T + offs_m
                 lse = tl.load(lse_ref + rows, mask=q_in, other=0.0)
-                lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
                 delta = tl.load(delta_ref + rows, mask=q_in, other=0.0)
+                q_offsets = offs_m[:, None] * (H * D) + offs_d[None, :]
+                # Queries that see no key at all (lse = -inf) load as 0: 0 * NaN would leak.
+                q_seen = q_in & (lse != float("-inf"))
+                q_tile = q_seen[:, None] & d_in[None, :]
+                q = tl.load(q_ref + q_head + q_offsets, mask=q_tile, other=0.0)
+                d_out = tl.load(
+                    d_out_ref + q_head + q_offsets, mask=q_in[:, None] & d_in[None, :], other=0.0
+                )
+                lse = tl.where(q_seen, lse, 0.0) * LOG2E
                 s, tanh = _logits(_dot(k, tl.trans(q), IEEE), SCALE, SOFTCAP)  # [N, M]
                 s = s - lse[None, :]
                 if stage != 1:
-                    q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
-                    same_segment = kv_in[:, None]
-                    if HAS_SEGMENTS:
-                        q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
-                        same_segment = kv_seg[:, None] == q_seg[None, :]
-                    mask = _visible(
-                        q_pos[None, :] - kv_pos[:, None],
-                        same_segment,
-                        kv_in[:, None] & q_in[None, :],
-                        CAUSAL,
-                        WINDOW_LEFT,
-                        WINDOW_RIGHT,
-                        HAS_SEGMENTS,
-                    )
+                    # fmt: off
+                    mask = _tile_mask(kv_pos, kv_seg, kv_in, q_pos_ref, q_seg_ref + b * T, offs_m,
+                                      q_in, False, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
+                    # fmt: on
                     s = tl.where(mask, s, float("-inf"))
-                    # Queries that see nothing here are zeroed: 0 * NaN would leak into dK.
-                    query_sees = tl.max(mask.to(tl.int32), axis=0) > 0
-                    q = tl.where(query_sees[:, None], q, 0.0)
+                    key_seen = tl.maximum(key_seen, tl.max(mask.to(tl.int32), axis=1))
+                else:
+                    key_seen = tl.full([BLOCK_N], 1, dtype=tl.int32)
                 p = tl.math.exp2(s)  # [N, M]
                 dv += _dot(p.to(d_out.dtype), d_out, IEEE)
                 ds = p * (_dot(v, tl.trans(d_out), IEEE) - delta[None, :])
                 if SOFTCAP > 0:
                     ds = ds * (1.0 - tanh * tanh)
-                if stage != 1:
-                    ds = tl.where(mask, ds, 0.0)
                 dk += _dot((ds * SCALE).to(q.dtype), q, IEEE)
+    # Keys no query sees get zero gradients even where their k or v hold NaN (p = 0 there,
+    # but 0 * NaN is not 0).
+    key_seen = key_seen > 0
+    dk = tl.where(key_seen[:, None], dk, 0.0)
+    dv = tl.where(key_seen[:, None], dv, 0.0)
+    kv_offsets = kv_head_offset + offs_n[:, None] * (K * D) + offs_d[None, :]
     tl.store(dk_ref + kv_offsets, dk.to(dk_ref.dtype.element_ty), mask=kv_tile)
     tl.store(dv_ref + kv_offsets, dv.to(dv_ref.dtype.element_ty), mask=kv_tile)
 
@@ -358,9 +373,10 @@ def attention_backward_dq_kernel(
     q_in = offs_m < T
     q_tile = q_in[:, None] & (offs_d < D)[None, :]
     b64 = b.to(tl.int64)
-    q_offsets = b64 * (T * H * D) + offs_m[:, None] * (H * D) + h * D + offs_d[None, :]
-    q = tl.load(q_ref + q_offsets, mask=q_tile, other=0.0)
-    d_out = tl.load(d_out_ref + q_offsets, mask=q_tile, other=0.0)
+    q_head = b64 * (T * H * D) + h * D
+    q_offsets = offs_m[:, None] * (H * D) + offs_d[None, :]
+    q = tl.load(q_ref + q_head + q_offsets, mask=q_tile, other=0.0)
+    d_out = tl.load(d_out_ref + q_head + q_offsets, mask=q_tile, other=0.0)
     rows = (b * H + h) * T + offs_m
     lse = tl.load(lse_ref + rows, mask=q_in, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
@@ -382,33 +398,26 @@ def attention_backward_dq_kernel(
             kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
             kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
             k = tl.load(k_head_ref + kv_offsets, mask=kv_tile, other=0.0)
-            v = tl.load(v_head_ref + kv_offsets, mask=kv_tile, other=0.0)
             s, tanh = _logits(_dot(q, tl.trans(k), IEEE), SCALE, SOFTCAP)  # [M, N]
             s = s - lse[:, None]
+            v_tile = kv_tile
             if stage != 1:
-                kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
-                same_segment = q_in[:, None]
-                if HAS_SEGMENTS:
-                    kv_seg = tl.load(kv_seg_ref + b * S + offs_n, mask=kv_in, other=0)
-                    same_segment = q_seg[:, None] == kv_seg[None, :]
-                mask = _visible(
-                    q_pos[:, None] - kv_pos[None, :],
-                    same_segment,
-                    q_in[:, None] & kv_in[None, :],
-                    CAUSAL,
-                    WINDOW_LEFT,
-                    WINDOW_RIGHT,
-                    HAS_SEGMENTS,
-                )
+                # fmt: off
+                mask = _tile_mask(q_pos, q_seg, q_in, kv_pos_ref, kv_seg_ref + b * S, offs_n,
+                                  kv_in, True, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEGMENTS)
+                # fmt: on
                 s = tl.where(mask, s, float("-inf"))
-                # Keys nobody in this tile sees are zeroed: 0 * NaN would leak into dQ.
-                key_seen = tl.max(mask.to(tl.int32), axis=0) > 0
+                # Keys nobody in this tile sees count as 0: 0 * NaN would leak into dQ.
+                key_seen = _any_row(mask)
+                v_tile = v_tile & key_seen[:, None]
                 k = tl.where(key_seen[:, None], k, 0.0)
+                if SOFTCAP > 0:
+                    tanh = tl.where(mask, tanh, 0.0)
+            v = tl.load(v_head_ref + kv_offsets, mask=v_tile, other=0.0)
             p = tl.math.exp2(s)
             ds = p * (_dot(d_out, tl.trans(v), IEEE) - delta[:, None])
             if SOFTCAP > 0:
                 ds = ds * (1.0 - tanh * tanh)
-            if stage != 1:
-                ds = tl.where(mask, ds, 0.0)
             dq += _dot((ds * SCALE).to(k.dtype), k, IEEE)
-    tl.store(dq_ref + q_offsets, dq.to(dq_ref.dtype.element_ty), mask=q_tile)
+    dq_offsets = q_head + offs_m[:, None] * (H * D) + offs_d[None, :]
+    tl.store(dq_ref + dq_offsets, dq.to(dq_ref.dtype.element_ty), mask=q_tile)

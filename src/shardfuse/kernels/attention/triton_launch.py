@@ -86,10 +86,50 @@ def _interpret_kernel(kernel_name, arrays, out_shapes, grid, num_warps, constexp
     return tuple(_to_numpy(t, dtype) for t, (_, dtype) in zip(outs, out_shapes, strict=True))
 
 
+def _patch_interpreter_bfloat16():
+    """Makes the interpreter's bfloat16 arithmetic match a GPU's.
+
+    The Triton interpreter (checked on triton 3.9) stores bfloat16 as uint16
+    and (1) multiplies those raw bits in `tl.dot`, and (2) truncates float32 to
+    bfloat16 in `.to(tl.bfloat16)` where GPUs round to nearest even. Here
+    `tl.dot` widens bfloat16 operands to float32 first (exact: a 16-bit
+    shift), and the cast rounds to nearest even (ml_dtypes). Only the
+    interpreter worker is patched.
+    """
+    import ml_dtypes
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_shardfuse_patched", False):
+        return
+    create_dot, cast_impl = builder.create_dot, builder.cast_impl
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def patched_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    builder.create_dot = patched_dot
+    builder.cast_impl = patched_cast
+    builder._shardfuse_patched = True
+
+
 def interpreter_worker_main():
     """Entry point of the interpreter worker: pickled requests on stdin, replies on stdout."""
     if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
         raise RuntimeError("the interpreter worker must start with TRITON_INTERPRET=1")
+    _patch_interpreter_bfloat16()
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a kernel prints goes to stderr, not into the replies
     while True:
