@@ -23,7 +23,9 @@ IMPLEMENTATIONS = {
     "triton": ("shardfuse.kernels.matmul.triton_gpu", "matmul"),
 }
 
-# What `implementation=None` tries, best first, per platform.
+# What `implementation=None` tries, best first, per platform. On GPUs XLA's GEMM
+# (cuBLAS with the add in its epilogue) stays the default: the Triton kernel is
+# checked (interpreter, sm_80/sm_90 compiles) but has not been timed on a GPU.
 PREFERENCE = {
     "tpu": ("pallas_tpu", "xla"),
     "gpu": ("xla",),
