@@ -122,3 +122,12 @@ def test_model_bytes_match_the_ring(op, bidirectional):
         bidirectional=bidirectional,
     )  # fmt: skip
     assert _ppermute_bytes(jaxpr) == pytest.approx(cost.bytes_sent)
+
+
+def test_prediction_rows_cover_models_presets_and_directions():
+    rows = cost_model.prediction_rows(("llama3-8b", "llama3-70b"), tokens=4096, ring_size=8)
+    assert len(rows) == 2 * len(PRESETS) * 2 * 2
+    assert all(0.0 < row["hidden"] <= 1.0 and row["speedup"] >= 1.0 for row in rows)
+    # A bidirectional ring doubles the ICI bandwidth: never less hidden than one direction.
+    for uni, bi in zip(rows[0::4], rows[2::4], strict=True):
+        assert bi["hidden"] >= uni["hidden"]

@@ -231,3 +231,60 @@ def layer_costs(model, *, tokens: int, ring_size: int, hardware: Hardware | str,
         **kwargs,
     )
     return {"mlp_up (all_gather_matmul)": up, "mlp_down (matmul_reduce_scatter)": down}
+
+
+def prediction_rows(
+    models=("llama3-8b", "llama3-70b"), *, tokens: int = 16384, ring_size: int = 8
+) -> list[dict]:
+    """Predicted overlap of the sequence-parallel MLP of each model on every preset.
+
+    One row per (model, preset, direction, projection): hidden fraction,
+    overlapped and serial microseconds, speedup. Used by the bench notes.
+
+    Example:
+      >>> from shardfuse.collectives.collective_matmul import cost_model
+      >>> rows = cost_model.prediction_rows(("llama3-70b",))
+      >>> {row["hidden"] for row in rows if row["preset"] == "h100_nvlink"} <= {1.0, 0.815}
+      True
+    """
+    from shardfuse.bench.shapes import MODELS
+
+    rows = []
+    for name in models:
+        for preset in PRESETS:
+            for bidirectional in (False, True):
+                costs = layer_costs(
+                    MODELS[name],
+                    tokens=tokens,
+                    ring_size=ring_size,
+                    hardware=preset,
+                    bidirectional=bidirectional,
+                )
+                for projection, cost in costs.items():
+                    rows.append(
+                        dict(
+                            model=name,
+                            preset=preset,
+                            ring="bidirectional" if bidirectional else "unidirectional",
+                            projection=projection,
+                            hidden=round(cost.hidden_fraction, 3),
+                            overlapped_us=cost.overlapped_s * 1e6,
+                            serial_us=cost.serial_s * 1e6,
+                            speedup=cost.speedup,
+                        )
+                    )
+    return rows
+
+
+def main() -> None:
+    """Prints `prediction_rows()` (run this module with `python -m`)."""
+    print(f"{'model':11} {'hardware':12} {'ring':15} {'projection':33} hidden  ring/serial us")
+    for row in prediction_rows():
+        print(
+            f"{row['model']:11} {row['preset']:12} {row['ring']:15} {row['projection']:33} "
+            f"{row['hidden']:6.0%}  {row['overlapped_us']:.0f} / {row['serial_us']:.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
