@@ -1,5 +1,8 @@
 """Demo section: sf.matmul and the overlapped collective matmuls vs their references.
 
+xla rows time the real thing on CPU; pallas_tpu rows run the TPU kernels in
+TPU interpret mode (a simulator: their times say nothing about a TPU).
+
 The collectives run a sequence-parallel MLP on a ring of every device (8 CPU
 devices under `shardfuse demo`): all-gather-matmul up, matmul-reduce-scatter
 down, and the matmul-all-reduce down projection, each against JAX's own
@@ -60,6 +63,51 @@ def _matmul_rows(seq_len):
     ]
 
 
+def _pallas_rows():
+    """pallas_tpu (TPU interpret mode off TPU: a simulator, so tiny shapes and slow times)."""
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    a = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
+    b = jax.random.normal(jax.random.key(3), (256, 128), jnp.float32) / 16
+    c = jnp.ones((64, 128), jnp.float32)
+    fn = jax.jit(lambda a, b, c: sf.matmul(a, b, c=c, implementation="pallas_tpu"))
+    expected = sf.matmul(a, b, c=c, implementation="reference")
+    result = [
+        dict(
+            op="matmul",
+            implementation="pallas_tpu",
+            case="a @ b + c, TPU interpret mode",
+            shape=f"a {tuple(a.shape)} b {tuple(b.shape)}",
+            error=max_abs_error(fn(a, b, c), expected),
+            seconds=time_call(fn, a, b, c),
+        )
+    ]
+    layouts = {
+        "all_gather_matmul": ((8 * n, 64), (64, 16 * n), P(AXIS), P(None, AXIS), P(None, AXIS)),
+        "matmul_reduce_scatter": ((8 * n, 16 * n), (16 * n, 64), P(None, AXIS), P(AXIS), P(AXIS)),
+    }
+    for op, (x_shape, w_shape, x_spec, w_spec, out_spec) in layouts.items():
+        x = jax.device_put(
+            jax.random.normal(jax.random.key(4), x_shape), NamedSharding(mesh, x_spec)
+        )
+        w = jax.random.normal(jax.random.key(5), w_shape) / w_shape[0] ** 0.5
+        w = jax.device_put(w, NamedSharding(mesh, w_spec))
+        specs = (x_spec, w_spec, out_spec)
+        expected = _sharded(op, "reference", mesh, specs)(x, w)
+        fn = _sharded(op, "pallas_tpu", mesh, specs, bidirectional=True)
+        result.append(
+            dict(
+                op=op,
+                implementation="pallas_tpu bidirectional",
+                case=f"fused remote-DMA ring of {n}, TPU interpret mode",
+                shape=f"x {x_shape} w {w_shape}",
+                error=max_abs_error(fn(x, w), expected),
+                seconds=time_call(fn, x, w),
+            )
+        )
+    return result
+
+
 def _sharded(op, implementation, mesh, specs, **options):
     x_spec, w_spec, out_spec = specs
 
@@ -113,4 +161,4 @@ def rows(seq_len: int = 512):
                     seconds=time_call(fn, x, w),
                 )
             )
-    return result
+    return result + _pallas_rows()
