@@ -64,3 +64,9 @@ def test_lowers_for_tpu(dtype):
     text = lowered.as_text()
     # forward, da and db: three Mosaic kernels
     assert text.count('kernel_name = "shardfuse_matmul_plus_reduce"') == 3
+
+
+def test_float16_is_refused_by_mosaic():
+    a, b, _, _ = _inputs(16, 128, 128, jnp.float16)
+    with pallas_tpu.mosaic_lowering(), pytest.raises(NotImplementedError, match="float32 and"):
+        sf.matmul(a, b, implementation="pallas_tpu")
