@@ -36,11 +36,14 @@ def params(layer) -> dict:
     """The layer's parameters as a nested dict of unsharded arrays on the first device."""
     from flax import nnx
 
-    state = nnx.state(layer, nnx.Param).to_pure_dict()
+    state = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
     return jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), state)
 
 
-def _dtype(layer_dtype, x, kernel):
+def _dtype(layer_dtype, x, kernel, override=None):
+    """Compute dtype: `override`, else the layer's `dtype`, else the inputs' promoted dtype."""
+    if override is not None:
+        return jnp.dtype(override)
     return jnp.dtype(layer_dtype) if layer_dtype is not None else jnp.result_type(x, kernel)
 
 
@@ -59,26 +62,30 @@ def _dense(x, kernel, bias=None):
     return y.astype(x.dtype)
 
 
-def linear(layer, p, x):
-    """`x @ kernel + bias` of a `ColumnParallelLinear` or `RowParallelLinear`, unsharded."""
-    x = x.astype(_dtype(layer.dtype, x, p["kernel"]))
+def linear(layer, p, x, *, dtype=None):
+    """`x @ kernel + bias` of a `ColumnParallelLinear` or `RowParallelLinear`, unsharded.
+
+    `dtype` overrides the layer's compute dtype (e.g. float32 for a float32
+    reference of a bfloat16 layer); so for every function here.
+    """
+    x = x.astype(_dtype(layer.dtype, x, p["kernel"], dtype))
     return _dense(x, p["kernel"], p.get("bias"))
 
 
-def mlp(layer, p, x):
+def mlp(layer, p, x, *, dtype=None):
     """`ParallelMLP`, unsharded."""
-    x = x.astype(_dtype(layer.up.dtype, x, p["up"]["kernel"]))
+    x = x.astype(_dtype(layer.up.dtype, x, p["up"]["kernel"], dtype))
     h = _dense(x, p["up"]["kernel"], p["up"].get("bias"))
     return _dense(activate(layer.activation, h), p["down"]["kernel"], p["down"].get("bias"))
 
 
-def self_attention(layer, p, x, *, positions=None, segment_ids=None):
+def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None):
     """`ParallelSelfAttention` on natural-order `x` `[B, T, F]`, unsharded.
 
     `positions` (RoPE) default to `arange(T)`; masks use the natural token
     order, as the layer does through its ring layout.
     """
-    x = x.astype(_dtype(layer.dtype, x, p["q_kernel"]))
+    x = x.astype(_dtype(layer.dtype, x, p["q_kernel"], dtype))
     B, T, _ = x.shape
     H, K, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     positions = jnp.arange(T, dtype=jnp.int32) if positions is None else positions
@@ -105,11 +112,17 @@ def norm(layer, p, x):
     return normalize(layer.kind, x, p["scale"], p.get("bias"), layer.eps)
 
 
-def transformer_block(block, p, x, *, positions=None, segment_ids=None):
+def transformer_block(block, p, x, *, positions=None, segment_ids=None, dtype=None):
     """`ParallelTransformerBlock` on natural-order `x` `[B, T, F]`, unsharded."""
-    x = x.astype(_dtype(block.attention.dtype, x, p["attention"]["q_kernel"]))
+    x = x.astype(_dtype(block.attention.dtype, x, p["attention"]["q_kernel"], dtype))
+    dtype = x.dtype
     h = norm(block.norm_1, p["norm_1"], x)
     h = x + self_attention(
-        block.attention, p["attention"], h, positions=positions, segment_ids=segment_ids
+        block.attention,
+        p["attention"],
+        h,
+        positions=positions,
+        segment_ids=segment_ids,
+        dtype=dtype,
     )
-    return h + mlp(block.mlp, p["mlp"], norm(block.norm_2, p["norm_2"], h))
+    return h + mlp(block.mlp, p["mlp"], norm(block.norm_2, p["norm_2"], h), dtype=dtype)
