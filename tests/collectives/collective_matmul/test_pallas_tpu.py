@@ -12,12 +12,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.collective_matmul import pallas_tpu
+from shardfuse.collectives.collective_matmul import base, pallas_tpu
 from shardfuse.kernels.matmul import pallas_tpu as matmul_pallas
 from shardfuse.testing import assert_close, assert_close_low_precision
-from tests.collectives.collective_matmul.common import Case, run_with_oracle, upcast_oracle
+from tests.collectives.collective_matmul.common import (
+    Case,
+    ring_mesh,
+    run_with_oracle,
+    upcast_oracle,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,6 +77,33 @@ def test_forward_race_free(case, mode):
     assert_close(y, expected, name=f"{case} {mode} y")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_gather_accumulate_race_free(mode):
+    """The weight-gradient kernel: sum_j l[chunk j]^T g_j == l^T all_gather(g), no race."""
+    n, m, g_width, l_width = 4, 4, 8, 16
+    mesh = ring_mesh(n)
+    plan = base.make_plan("model", n, 0, m, bidirectional=True)
+    g = jax.random.normal(jax.random.key(0), (n * m, g_width))
+    local = jax.random.normal(jax.random.key(1), (n, n * m, l_width))  # one [N m, H] per device
+
+    def per_shard(g, local):
+        return pallas_tpu._gather_accumulate(g, local[0], plan, ("model",))[None]
+
+    def oracle(g, local):
+        gathered = lax.all_gather(g, "model", tiled=True)
+        return jnp.matmul(local[0].T, gathered, precision=lax.Precision.HIGHEST)[None]
+
+    specs = dict(mesh=mesh, in_specs=(P("model"), P("model")), out_specs=P("model"))
+    g = jax.device_put(g, NamedSharding(mesh, P("model")))
+    local = jax.device_put(local, NamedSharding(mesh, P("model")))
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    with pallas_tpu.interpret_override(params):
+        pltpu.reset_tpu_interpret_mode_state()
+        got = jax.block_until_ready(jax.jit(jax.shard_map(per_shard, **specs))(g, local))
+        assert not races_found()
+    assert_close(got, jax.jit(jax.shard_map(oracle, **specs))(g, local), name="gather_accumulate")
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -80,7 +115,7 @@ def test_forward_race_free(case, mode):
     ids=Case.id,
 )
 def test_forward_and_gradients(case):
-    """Forward and vjp (dx through the other fused kernel) against the lax oracle."""
+    """Forward and vjp (dx through the other fused kernel, dw through gather-accumulate)."""
     params = pltpu.InterpretParams(dma_execution_mode="eager")
     with pallas_tpu.interpret_override(params):
         got, expected = run_with_oracle(case, "pallas_tpu")
@@ -124,7 +159,12 @@ def test_lowers_for_tpu(op, bidirectional):
     with matmul_pallas.mosaic_lowering():
         lowered = jax.jit(fwd_bwd).trace(x, w, cotangent).lower(lowering_platforms=("tpu",))
     text = lowered.as_text()
-    for kernel in ("shardfuse_all_gather_matmul", "shardfuse_matmul_reduce_scatter"):
+    kernels = (
+        "shardfuse_all_gather_matmul",
+        "shardfuse_matmul_reduce_scatter",
+        "shardfuse_gather_accumulate",
+    )
+    for kernel in kernels:
         assert f'kernel_name = "{kernel}"' in text, kernel
 
 

@@ -7,12 +7,12 @@ are grouped by the gathered / scattered axis (that axis moved to the front,
 the other non-contracted axes flattened behind it), so a chunk, or half a
 chunk for a bidirectional lane, is a contiguous block of rows.
 
-The backward passes reuse the fused kernels where the gradient is itself a
-collective matmul (`dx` of all-gather-matmul is a matmul-reduce-scatter of dy
-by w^T and vice versa; if that transposed problem does not fit the kernel, the
-xla ring computes it); `dw`, a sum over ring steps of `x_j^T dy_j`, comes from
-the xla ring (`ring.py`), which overlaps it the same way through XLA's async
-collectives.
+The backward passes are fused kernels too: `dx` of all-gather-matmul is a
+matmul-reduce-scatter of dy by w^T and vice versa, and `dw`, a sum over ring
+steps of `x_j^T dy_j`, is the gather-accumulate kernel (the ring of the
+all-gather kernel, each step adding a transposed-LHS product into a float32
+VMEM accumulator). Where the transposed problems do not fit the kernels
+(NotImplementedError), the backward runs the xla ring (`ring.py`) instead.
 
 Off TPU the kernels run in TPU interpret mode (`pltpu.InterpretParams`), which
 simulates the remote DMAs and semaphores across the CPU devices;
@@ -88,29 +88,35 @@ def _from_rows(y2, moved_shape, axis: int, rows: int):
     return jnp.moveaxis(y2.reshape(shape), 0, axis)
 
 
-def _check_supported(x, w, plan: RingPlan, row_factor: int, extra_bytes: int):
-    if jnp.dtype(x.dtype) == jnp.float16:
+def _check_supported(dtype, widths, working_set: int, plan: RingPlan, row_factor: int):
+    """NotImplementedError for what the VMEM-resident kernels cannot take (dispatch falls back)."""
+    if jnp.dtype(dtype) == jnp.float16:
         raise NotImplementedError("pallas_tpu collective matmuls support float32 and bfloat16")
-    working_set = x.size * x.dtype.itemsize + w.size * w.dtype.itemsize + extra_bytes
     if working_set > VMEM_BUDGET_BYTES:
         raise NotImplementedError(
             f"pallas_tpu collective matmul keeps operands in VMEM: {working_set} bytes per "
             f"device exceed {VMEM_BUDGET_BYTES}"
         )
     if _interpret() is None:  # real Mosaic: (8, 128) tiles for the row blocks
-        sublane = 8 if x.dtype == jnp.float32 else 16
+        sublane = 8 if jnp.dtype(dtype) == jnp.float32 else 16
         rows = [lane.size * row_factor for lane in plan.lanes]
-        if any(r % sublane for r in rows) or x.shape[-1] % 128 or w.shape[1] % 128:
+        if any(r % sublane for r in rows) or any(width % 128 for width in widths):
             raise NotImplementedError(
                 f"pallas_tpu collective matmul on TPU needs lane rows {rows} divisible by "
-                f"{sublane} and C={x.shape[-1]}, F={w.shape[1]} divisible by 128"
+                f"{sublane} and widths {tuple(widths)} divisible by 128"
             )
 
 
+def _nbytes(*arrays) -> int:
+    return sum(a.size * a.dtype.itemsize for a in arrays)
+
+
 def _gather_forward(x, w, plan: RingPlan, mesh_axes):
+    """`all_gather(x) @ w` through the fused kernel."""
     x2, row_factor, moved = _to_rows(x, plan.axis)
     out_bytes = plan.size * x2.shape[0] * w.shape[1] * x.dtype.itemsize
-    _check_supported(x, w, plan, row_factor, out_bytes + 2 * x2.size * x.dtype.itemsize)
+    working_set = _nbytes(x, w) + out_bytes + 2 * _nbytes(x2)
+    _check_supported(x.dtype, (x.shape[-1], w.shape[1]), working_set, plan, row_factor)
     y2 = kernels.all_gather_matmul_call(
         x2, w, plan, mesh_axes, row_factor,
         out_dtype=x.dtype, interpret=_interpret(), handshake=_HANDSHAKE.get(),
@@ -122,11 +128,27 @@ def _scatter_forward(x, w, plan: RingPlan, mesh_axes):
     """float32 `psum_scatter(x @ w)` through the fused kernel."""
     x2, row_factor, moved = _to_rows(x, plan.axis)
     buffers = 4 * plan.chunk * row_factor * w.shape[1] * 4
-    _check_supported(x, w, plan, row_factor, buffers)
+    working_set = _nbytes(x, w) + buffers
+    _check_supported(x.dtype, (x.shape[-1], w.shape[1]), working_set, plan, row_factor)
     y2 = kernels.matmul_reduce_scatter_call(
         x2, w, plan, mesh_axes, row_factor, interpret=_interpret(), handshake=_HANDSHAKE.get()
     )
     return _from_rows(y2, moved, plan.axis, plan.chunk)
+
+
+def _gather_accumulate(gathered, local, plan: RingPlan, mesh_axes):
+    """float32 `[H, G]` = sum_j local[chunk j]^T gathered_j through the fused kernel.
+
+    gathered: this device's `[..., m, ..., G]`; local: `[..., N m, ..., H]`.
+    """
+    g2, row_factor, _ = _to_rows(gathered, plan.axis)
+    l2, _, _ = _to_rows(local, plan.axis)
+    working_set = _nbytes(g2, l2) + 2 * _nbytes(g2) + 4 * l2.shape[1] * g2.shape[1]
+    widths = (g2.shape[1], l2.shape[1])
+    _check_supported(gathered.dtype, widths, working_set, plan, row_factor)
+    return kernels.gather_accumulate_call(
+        g2, l2, plan, mesh_axes, row_factor, interpret=_interpret(), handshake=_HANDSHAKE.get()
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -143,11 +165,9 @@ def _all_gather_matmul_bwd(plan, mesh_axes, residuals, dy):
     with jax.named_scope("all_gather_matmul_bwd"):
         try:
             dx = _scatter_forward(dy, w.T, plan, mesh_axes)  # psum_scatter(dy @ w^T)
-            need_dx = False
-        except NotImplementedError:  # the transposed problem does not fit the kernel
-            need_dx = True
-        ring_dx, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=need_dx)
-        dx = ring_dx if need_dx else dx
+            dw = _gather_accumulate(x, dy, plan, mesh_axes).T  # sum_j x_j^T dy_j
+        except NotImplementedError:  # the transposed problems do not fit the kernels
+            dx, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation="xla")
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -168,11 +188,9 @@ def _matmul_reduce_scatter_bwd(plan, mesh_axes, residuals, dy):
     with jax.named_scope("matmul_reduce_scatter_bwd"):
         try:
             dx = _gather_forward(dy, w.T, plan, mesh_axes)  # all_gather(dy) @ w^T
-            need_dx = False
-        except NotImplementedError:  # the transposed problem does not fit the kernel
-            need_dx = True
-        ring_dx, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation="xla", need_dx=need_dx)
-        dx = ring_dx if need_dx else dx
+            dw = _gather_accumulate(dy, x, plan, mesh_axes)  # sum_j x[chunk j]^T dy_j
+        except NotImplementedError:  # the transposed problems do not fit the kernels
+            dx, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation="xla")
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

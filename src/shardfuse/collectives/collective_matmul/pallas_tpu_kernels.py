@@ -9,6 +9,9 @@ and multiplies the current chunk while the DMA flies.
 - all-gather-matmul: the chunk received in step s-1 is forwarded from the
   receive buffer it sits in, and multiplied; its product lands in the output
   rows of the chunk's source device.
+- gather-accumulate (the weight gradients): the same ring as all-gather-matmul,
+  each step adding `local[rows of the chunk]^T @ chunk` into a float32 VMEM
+  accumulator.
 - matmul-reduce-scatter: this device's contribution to chunk `i - d(s+1)` is
   multiplied first, then the partial sum received in step s-1 is added
   (the epilogue of a matmul-plus-reduce) and the float32 result is sent on.
@@ -113,20 +116,23 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=dot_precision(a.dtype))
 
 
-def all_gather_matmul_kernel(
-    table_ref, x_ref, w_ref, out_ref, *scratch, plan: RingPlan, num_axes, row_factor, handshake
+def _gather_ring(
+    table_ref, local_ref, scratch, consume, *, plan: RingPlan, num_axes, row_factor, handshake
 ):
-    """table_ref (SMEM, `ring_table`), x_ref `[m R, C]` (this device's chunk), w_ref `[C, F]`,
-    out_ref `[N m R, F]`.
+    """Runs the all-gather ring of `local_ref` (this device's `[m R, G]` chunk).
 
-    Scratch per lane: buffers `[2, rows, C]`, DMA send and receive semaphores
-    `[2]`, a REGULAR credit semaphore.
+    In step s every lane waits for the rows received in step s - 1, forwards
+    them (after a credit, from step 2 on), calls `consume(lane_index, step,
+    rows_ref, first_row)` on them while the DMA flies (`first_row`: where the
+    rows sit in the gathered `[N m R, G]` order), then waits for its send and
+    hands the slot back upstream. Scratch per lane: buffers `[2, rows, G]`, DMA
+    send and receive semaphores `[2]`, a REGULAR credit semaphore.
     """
     n = plan.size
     num_lanes = len(plan.lanes)
     lanes = [scratch[4 * k : 4 * k + 4] for k in range(num_lanes)]
     _barrier_with_neighbours(table_ref, num_axes)
-    pending = [None] * len(plan.lanes)  # the DMA each lane started in the previous step
+    pending = [None] * num_lanes  # the DMA each lane started in the previous step
     for s in range(n):
         with jax.named_scope(f"ring_step_{s}"):
             held, started = [], []
@@ -134,7 +140,7 @@ def all_gather_matmul_kernel(
                 buf, send_sem, recv_sem, credit = lanes[k]
                 lo, rows = _lane_rows(lane, row_factor)
                 if s == 0:
-                    src = x_ref.at[pl.ds(lo, rows)]
+                    src = local_ref.at[pl.ds(lo, rows)]
                 else:
                     pending[k].wait_recv()  # the chunk for this step has arrived
                     src = buf.at[(s - 1) % 2]
@@ -154,11 +160,9 @@ def all_gather_matmul_kernel(
                     copy.start()
                 started.append(copy)
             for k, lane in enumerate(plan.lanes):
-                lo, rows = _lane_rows(lane, row_factor)
-                start = _row_start(table_ref, s, k, num_lanes, num_axes)
-                start = pl.multiple_of(start, math.gcd(plan.chunk * row_factor, lo))
-                product = _dot(held[k][...], w_ref[...])
-                out_ref[pl.ds(start, rows), :] = product.astype(out_ref.dtype)
+                lo, _ = _lane_rows(lane, row_factor)
+                first = _row_start(table_ref, s, k, num_lanes, num_axes)
+                consume(k, s, held[k], pl.multiple_of(first, math.gcd(plan.chunk * row_factor, lo)))
             for k, lane in enumerate(plan.lanes):
                 credit = lanes[k][3]
                 if started[k] is not None:
@@ -169,6 +173,44 @@ def all_gather_matmul_kernel(
                         credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH
                     )
             pending = started
+
+
+def all_gather_matmul_kernel(table_ref, x_ref, w_ref, out_ref, *scratch, plan: RingPlan, **ring):
+    """table_ref (SMEM, `ring_table`), x_ref `[m R, C]` (this device's chunk), w_ref `[C, F]`,
+    out_ref `[N m R, F]`: each received chunk times w, stored at its source's rows."""
+
+    def consume(k, step, rows_ref, first):
+        rows = rows_ref.shape[0]
+        product = _dot(rows_ref[...], w_ref[...])
+        out_ref[pl.ds(first, rows), :] = product.astype(out_ref.dtype)
+
+    _gather_ring(table_ref, x_ref, scratch, consume, plan=plan, **ring)
+
+
+def gather_accumulate_kernel(table_ref, g_ref, l_ref, acc_ref, *scratch, plan: RingPlan, **ring):
+    """table_ref (SMEM), g_ref `[m R, G]` (this device's chunk, gathered by the ring),
+    l_ref `[N m R, H]` (local, full rows), acc_ref float32 `[H, G]`:
+
+        acc = sum_j l[rows of chunk j]^T g_j
+
+    the weight gradient of a collective matmul (`dw` of all-gather-matmul with
+    g = x, l = dy, transposed; of matmul-reduce-scatter with g = dy, l = x),
+    accumulated step by step while the chunks travel.
+    """
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def consume(k, step, rows_ref, first):
+        rows = rows_ref.shape[0]
+        local = l_ref[pl.ds(first, rows), :]  # [rows, H]
+        acc_ref[...] += lax.dot_general(
+            local,
+            rows_ref[...],
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=dot_precision(local.dtype),
+        )  # [H, G]
+
+    _gather_ring(table_ref, g_ref, scratch, consume, plan=plan, **ring)
 
 
 def matmul_reduce_scatter_kernel(
@@ -226,17 +268,20 @@ def matmul_reduce_scatter_kernel(
             pending = started
 
 
-def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, interpret, handshake):
-    """The pallas_call of the all-gather-matmul kernel on 2-D operands."""
+def _gather_scratch(plan: RingPlan, row_factor: int, width: int, dtype):
     scratch = []
     for lane in plan.lanes:
-        rows = lane.size * row_factor
         scratch += [
-            pltpu.VMEM((2, rows, x2.shape[1]), x2.dtype),
+            pltpu.VMEM((2, lane.size * row_factor, width), dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.REGULAR,
         ]
+    return scratch
+
+
+def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, interpret, handshake):
+    """The pallas_call of the all-gather-matmul kernel on 2-D operands."""
     table = ring_table(plan, mesh_axes, row_factor, scatter=False)
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
@@ -251,11 +296,34 @@ def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, int
         out_shape=out_struct((plan.size * x2.shape[0], w.shape[1]), out_dtype, x2),
         in_specs=[smem, vmem, vmem],
         out_specs=vmem,
-        scratch_shapes=scratch,
+        scratch_shapes=_gather_scratch(plan, row_factor, x2.shape[1], x2.dtype),
         compiler_params=pltpu.CompilerParams(collective_id=0),
         interpret=interpret,
         name="shardfuse_all_gather_matmul",
     )(table, x2, w)
+
+
+def gather_accumulate_call(g2, l2, plan, mesh_axes, row_factor, *, interpret, handshake):
+    """The pallas_call of the gather-accumulate kernel: float32 `[H, G]` = sum_j l_j^T g_j."""
+    table = ring_table(plan, mesh_axes, row_factor, scatter=False)
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        functools.partial(
+            gather_accumulate_kernel,
+            plan=plan,
+            num_axes=len(mesh_axes),
+            row_factor=row_factor,
+            handshake=handshake,
+        ),
+        out_shape=out_struct((l2.shape[1], g2.shape[1]), jnp.float32, g2),
+        in_specs=[smem, vmem, vmem],
+        out_specs=vmem,
+        scratch_shapes=_gather_scratch(plan, row_factor, g2.shape[1], g2.dtype),
+        compiler_params=pltpu.CompilerParams(collective_id=2),
+        interpret=interpret,
+        name="shardfuse_gather_accumulate",
+    )(table, g2, l2)
 
 
 def matmul_reduce_scatter_call(
