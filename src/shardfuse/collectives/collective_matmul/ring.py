@@ -108,13 +108,12 @@ def scatter_matmul(x, w, plan: RingPlan, *, implementation: str):
     return jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
 
 
-def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx: bool = True):
+def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
     """Gradients of `all_gather(x) @ w` in one fused ring.
 
     `dx = psum_scatter(dy @ w^T)` (a scatter ring over dy) and
     `dw = sum_j x_j^T dy_j` (a gather ring over x, accumulated per step), both
-    float32. Each step issues the two ppermutes, then its two dots. With
-    `need_dx=False` only the dw ring runs and dx is None.
+    float32. Each step issues the two ppermutes, then its two dots.
     """
     i = lax.axis_index(plan.axis_name)
     n, m = plan.size, plan.chunk
@@ -131,7 +130,7 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx:
             )
             received = (
                 [shift(a, plan, lane.direction) for a, lane in zip(accs, plan.lanes, strict=True)]
-                if s > 0 and need_dx
+                if s > 0
                 else accs
             )
             for k, (h, lane) in enumerate(zip(held, plan.lanes, strict=True)):
@@ -144,8 +143,6 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx:
                     implementation=implementation,
                     out_dtype=jnp.float32,
                 )
-                if not need_dx:
-                    continue
                 target = (i - lane.direction * (s + 1)) % n
                 dy_target = _rows(dy, plan.axis, target * m + lane.lo, lane.size)
                 accs[k] = _matmul(
@@ -156,18 +153,15 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx:
                     out_dtype=jnp.float32,
                 )
             held = sent
-    if not need_dx:
-        return None, dw
     dx = jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
     return dx, dw
 
 
-def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx: bool = True):
+def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
     """Gradients of `psum_scatter(x @ w)` in one gather ring over dy.
 
     `dx = all_gather(dy) @ w^T` and `dw = sum_j x[chunk j]^T dy_j` (float32),
-    both from the dy chunk received in the previous step (`need_dx=False`: dw
-    only, dx is None).
+    both from the dy chunk received in the previous step.
     """
     i = lax.axis_index(plan.axis_name)
     n, m = plan.size, plan.chunk
@@ -184,9 +178,8 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx
             )
             for h, lane in zip(held, plan.lanes, strict=True):
                 start = (i - s * lane.direction) % n * m + lane.lo
-                if need_dx:
-                    dx_rows = _matmul(h, w_t, implementation=implementation, out_dtype=jnp.float32)
-                    dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, start, plan.axis)
+                dx_rows = _matmul(h, w_t, implementation=implementation, out_dtype=jnp.float32)
+                dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, start, plan.axis)
                 x_rows = _rows(x, plan.axis, start, lane.size)
                 dw = _matmul(
                     _flat(x_rows).T,
@@ -196,4 +189,4 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str, need_dx
                     out_dtype=jnp.float32,
                 )
             held = sent
-    return (dx if need_dx else None), dw
+    return dx, dw
