@@ -22,7 +22,8 @@ def time_call(fn, *args, repeats: int = 3) -> float:
 
 
 # Sections, in order: (title shown while it runs, module with `rows() -> list[dict]`).
-# Each row: op, implementation, case, shape, error (max |err| vs reference), seconds.
+# Each row: op, implementation, case, shape, error (max |err| vs reference, or None
+# where there is no reference, e.g. a training run), seconds.
 SECTIONS = [
     ("flash attention: xla vs reference", "shardfuse.demos.attention"),
     (
@@ -31,6 +32,7 @@ SECTIONS = [
     ),
     ("matmul and collective matmuls: xla vs reference", "shardfuse.demos.collective_matmul"),
     ("ring attention: 8-device ring vs one-device reference", "shardfuse.demos.ring_attention"),
+    ("tiny causal LM: NNX layers training on a 2x2x2 mesh", "shardfuse.demos.tiny_lm"),
 ]
 
 
@@ -61,7 +63,7 @@ def run(seq_len: int = 512):
             row["implementation"],
             row["case"],
             row["shape"],
-            f"{row['error']:.2e}",
+            "-" if row["error"] is None else f"{row['error']:.2e}",
             f"{row['seconds'] * 1e3:.1f} ms",
         )
     console.print(table)
