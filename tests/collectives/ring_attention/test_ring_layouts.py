@@ -119,3 +119,35 @@ def test_step_skip_is_sound_and_matches_the_balance_report(causal, window):
             if mask.any():
                 assert visible[row], (layout, row)
             assert bool(visible[row]) == balance._step_computed(config, qp, kp), (layout, row)
+
+
+@pytest.mark.parametrize("layout, n", [("zigzag", 2), ("zigzag", 8), ("striped", 4)])
+def test_per_shard_relayout_equals_global_permutation(layout, n):
+    """In shard_map: natural shards -> ring shards equals `to_ring_layout`; back is exact."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from shardfuse.collectives.ring_attention import relayout
+    from tests.collectives.ring_attention.ring_cases import ring_mesh
+
+    mesh = ring_mesh(n)
+    local = 2 * n
+    for axis, shape, spec in (
+        (1, (2, n * local, 3), P(None, "sequence")),
+        (2, (2, 3, n * local), P(None, None, "sequence")),  # an lse [B, H, T]
+    ):
+        x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+
+        def mapped(fn, axis=axis, spec=spec):
+            return jax.jit(
+                jax.shard_map(
+                    lambda shard: fn(shard, "sequence", n, layout, axis),
+                    mesh=mesh,
+                    in_specs=spec,
+                    out_specs=spec,
+                )
+            )
+
+        ring = mapped(relayout.to_ring)(x)
+        np.testing.assert_array_equal(ring, sf.to_ring_layout(x, n, layout, axis=axis))
+        np.testing.assert_array_equal(mapped(relayout.from_ring)(ring), x)

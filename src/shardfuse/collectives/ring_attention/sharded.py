@@ -1,9 +1,11 @@
 """`sf.ring_attention`: ring attention on global, natural-order arrays over a mesh.
 
-Pads the sequences to a multiple of the ring (2N for zigzag), permutes them
-into ring order (`to_ring_layout`), runs `jax.shard_map` with the sequence
-over `seq_axis` (and batch / heads over other mesh axes if asked), and undoes
-both on the way out. Padding is masked by position where causality already
+Pads the sequences to a multiple of the ring (2N for zigzag), runs
+`jax.shard_map` with the sequence over `seq_axis` (and batch / heads over
+other mesh axes if asked), moves each natural-order shard into ring order
+(`relayout.py`: two ppermutes for zigzag, an all_to_all for striped; or
+`to_ring_layout` on the global arrays where those do not apply), and undoes
+all of it on the way out. Padding is masked by position where causality already
 hides it (a pad key sits after every real query) and otherwise by a segment
 id no real query has (`INT32_MIN`), so any length works.
 
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.ring_attention import api, blocks, layouts, ring
+from shardfuse.collectives.ring_attention import api, blocks, layouts, relayout, ring
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.attention import base
 
@@ -201,10 +203,14 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
         # Pad queries keep a real id (no wider id ranges); pad keys get one no query has.
         q_seg = _pad_seq(q_seg.astype(jnp.int32), Tp, mode="edge")
         kv_seg = _pad_seq(kv_seg.astype(jnp.int32), Sp, value=PAD_SEGMENT_ID)
-    ring_order = lambda x: x if x is None else layouts.to_ring_layout(x, n, layout)  # noqa: E731
-    q, k, v, q_seg, kv_seg = map(ring_order, (q, k, v, q_seg, kv_seg))
-
     batch, seq = plan.batch_axes, plan.seq_axis
+    # Move natural-order shards into ring order inside the shard_map (two ppermutes or
+    # one all_to_all), where possible; else permute the global arrays.
+    per_shard_relayout = relayout.supported(layout, (Tp // n, Sp // n), n)
+    if not per_shard_relayout:
+        ring_order = lambda x: x if x is None else layouts.to_ring_layout(x, n, layout)  # noqa: E731
+        q, k, v, q_seg, kv_seg = map(ring_order, (q, k, v, q_seg, kv_seg))
+
     q_spec = P(batch, seq, plan.head_axes, None)
     kv_spec = P(batch, seq, plan.kv_head_axes, None)
     seg_spec = P(batch, seq)
@@ -212,7 +218,15 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
     has_seg = q_seg is not None
 
     def per_shard(q, k, v, *segs):
-        return shard(plan, q, k, v, *(segs if has_seg else (None, None)))
+        if per_shard_relayout:
+            with jax.named_scope("ring_attention_to_ring_layout"):
+                q, k, v, *segs = (relayout.to_ring(x, seq, n, layout) for x in (q, k, v, *segs))
+        out, lse = shard(plan, q, k, v, *(segs if has_seg else (None, None)))
+        if per_shard_relayout:
+            with jax.named_scope("ring_attention_from_ring_layout"):
+                out = relayout.from_ring(out, seq, n, layout)
+                lse = relayout.from_ring(lse, seq, n, layout, axis=2)
+        return out, lse
 
     # check_vma=False: not every block kernel types its loop carries as varying over the
     # mesh axes (the ring itself does, and is tested under check_vma=True).
@@ -224,9 +238,10 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
         out_specs=(q_spec, P(batch, plan.head_axes, seq)),
         check_vma=False,
     )(q, k, v, *((q_seg, kv_seg) if has_seg else ()))
-    out = layouts.from_ring_layout(out, n, layout)[:, :T]
-    lse = layouts.from_ring_layout(lse, n, layout, axis=2)[:, :, :T]
-    return out, lse
+    if not per_shard_relayout:
+        out = layouts.from_ring_layout(out, n, layout)
+        lse = layouts.from_ring_layout(lse, n, layout, axis=2)
+    return out[:, :T], lse[:, :, :T]
 
 
 def ring_attention(
