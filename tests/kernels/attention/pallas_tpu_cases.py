@@ -36,6 +36,7 @@ class Case:
     logit_softcap: float | None = None
     segments: bool = False  # packed; query segment 7 has no keys, key segment 9 no queries
     block_sizes: tuple | None = None  # (block_q, block_kv)
+    shuffled_positions: bool = False  # non-monotone positions, as ring layouts give
 
     def kwargs(self):
         return dict(
@@ -51,9 +52,18 @@ CASES = {
     "causal_odd_mqa": Case(1, 97, 257, 4, 1, 128, causal=True, block_sizes=(128, 128)),
     # T > S bottom-right aligned: the first T - S queries see no key; GQA 2:1, D = 64
     "causal_t_gt_s_gqa_d64": Case(1, 257, 113, 4, 2, 64, causal=True),
-    # window + softcap, GQA 8:2
-    "window_softcap_gqa": Case(
-        1, 256, 256, 8, 2, 128, window=(40, 8), logit_softcap=5.0, block_sizes=(128, 128)
+    # window + softcap, GQA 8:2, shuffled positions (every block partial)
+    "window_softcap_gqa_shuffled": Case(
+        1,
+        256,
+        256,
+        8,
+        2,
+        128,
+        window=(40, 8),
+        logit_softcap=5.0,
+        block_sizes=(128, 128),
+        shuffled_positions=True,
     ),
     # packed sequences, causal, batch 2, a query segment without keys
     "segments_causal": Case(
@@ -92,6 +102,15 @@ def segment_ids(case: Case):
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def positions(case: Case):
+    """int32 `[T]`, `[S]`: None (the default) or permutations, as a zigzag ring layout."""
+    if not case.shuffled_positions:
+        return None, None
+    keys = jax.random.split(jax.random.key(11))
+    q_pos = jax.random.permutation(keys[0], case.T) + max(case.S - case.T, 0)
+    return q_pos.astype(jnp.int32), jax.random.permutation(keys[1], case.S).astype(jnp.int32)
+
+
 def inputs(case: Case, seed: int = 0):
     """float32 q `[B, T, H, D]`, k, v `[B, S, K, D]`, cotangents d_out and d_lse."""
     keys = jax.random.split(jax.random.key(seed), 5)
@@ -107,15 +126,17 @@ def inputs(case: Case, seed: int = 0):
 
 @functools.cache
 def runner(name: str, implementation: str):
-    """jitted `(q, k, v, d_out, d_lse, q_seg, kv_seg) -> (out, lse, (dq, dk, dv))`."""
+    """`(q, k, v, d_out, d_lse, q_seg, kv_seg) -> (out, lse, (dq, dk, dv))`, jitted."""
     case = {**CASES, **SLOW_CASES}[name]
 
-    def run(q, k, v, d_out, d_lse, q_seg, kv_seg):
+    def run(q, k, v, d_out, d_lse, q_seg, kv_seg, q_pos, kv_pos):
         def attention(q, k, v):
             return sf.flash_attention(
                 q,
                 k,
                 v,
+                q_positions=q_pos,
+                kv_positions=kv_pos,
                 q_segment_ids=q_seg,
                 kv_segment_ids=kv_seg,
                 return_lse=True,
@@ -128,8 +149,13 @@ def runner(name: str, implementation: str):
 
     jitted = jax.jit(run)
 
-    def call(*args):
+    def call(q, k, v, d_out, d_lse, q_seg, kv_seg):
+        q_pos, kv_pos = positions(case)
         with pallas_tpu.interpret_params(STRICT):
-            return jitted(*args)
+            # Block: JAX's TPU interpreter runs JAX ops inside its host callbacks, which
+            # deadlock against anything dispatched to the CPU device meanwhile.
+            return jax.block_until_ready(
+                jitted(q, k, v, d_out, d_lse, q_seg, kv_seg, q_pos, kv_pos)
+            )
 
     return call

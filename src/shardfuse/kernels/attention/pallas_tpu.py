@@ -17,7 +17,10 @@ kv head `h // G` through the index map; K/V are never repeated.
 On a CPU backend the kernels run in TPU interpret mode (`pltpu.InterpretParams`),
 so the TPU path can be debugged and tested on a laptop; `interpret_params`
 picks the mode explicitly (tests use it to pass stricter params, and to emit
-Mosaic for `lower(lowering_platforms=("tpu",))` from a CPU host).
+Mosaic for `lower(lowering_platforms=("tpu",))` from a CPU host). JAX's TPU
+interpreter (jax 0.10) runs JAX operations inside its host callbacks: wait
+for an interpreted call's results (`jax.block_until_ready`) before
+dispatching other work to the CPU device, or the two can deadlock.
 
 Axis glossary: B batch, T query length, S key length, H query heads, K kv
 heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
