@@ -106,6 +106,16 @@ def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
     Positions are int32 `[T]` / `[S]`, segment ids None or `[B, T]` / `[B, S]`;
     `interpret` is the pallas_call `interpret=` value (see `interpret_params`).
     Used by `flash_attention` and by collectives that merge partial results.
+
+    Example:
+      >>> from jax.experimental.pallas import tpu as pltpu
+      >>> q = k = v = jnp.ones((1, 100, 2, 64))
+      >>> config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=0.125)
+      >>> pos = jnp.arange(100, dtype=jnp.int32)
+      >>> mode = pltpu.InterpretParams()  # on a TPU: False
+      >>> out, lse = forward(config, q, k, v, pos, pos, None, None, interpret=mode)
+      >>> out.shape, lse.shape
+      ((1, 100, 2, 64), (1, 2, 100))
     """
     sizes = check_supported(q, config.block_sizes)
     lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q, sizes.block_kv)

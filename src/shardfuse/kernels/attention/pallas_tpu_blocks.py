@@ -120,7 +120,12 @@ class BlockSizes:
 
 
 def fit_block(length: int, block: int) -> int:
-    """Even tiles of at most `block` rows covering `length`, each a multiple of 128."""
+    """Even tiles of at most `block` rows covering `length`, each a multiple of 128.
+
+    Example:
+      >>> fit_block(600, 512)  # two tiles of 384, not 512 + 88
+      384
+    """
     num_blocks = max(1, math.ceil(length / block))
     return min(block, _round_up(math.ceil(length / num_blocks), NUM_LANES))
 
@@ -130,6 +135,12 @@ def check_tiling(name: str, block_shape, array_shape) -> None:
 
     The last two dims must be multiples of (8, 128) or equal the array's
     dims; leading dims (`None` = squeezed) are free.
+
+    Example:
+      >>> check_tiling("q", (None, None, 128, 64), (1, 2, 256, 64))  # 64 = the full dim
+      >>> check_tiling("q", (None, None, 100, 64), (1, 2, 256, 64))
+      Traceback (most recent call last):
+      NotImplementedError: q: block (None, None, 100, 64) of array (1, 2, 256, 64) breaks ...
     """
     if len(block_shape) != len(array_shape):
         raise NotImplementedError(
@@ -161,6 +172,13 @@ def block_states(config, q_pos, kv_pos, q_seg, kv_seg, *, length_q, length_kv, b
       q_seg, kv_seg: None or int32 `[B, Tp]`, `[B, Sp]`.
       length_q, length_kv: the unpadded T and S (rows beyond are padding).
       block_q, block_kv: tile sizes.
+
+    Example:
+      >>> config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=1.0)
+      >>> pos = jnp.arange(256, dtype=jnp.int32)
+      >>> block_states(config, pos, pos, None, None, length_q=256, length_kv=256,
+      ...              block_q=128, block_kv=128).tolist()  # 0 skip, 1 partial, 2 full
+      [[[1, 0], [2, 1]]]
     """
     nq, nk = q_pos.shape[0] // block_q, kv_pos.shape[0] // block_kv
     q_valid = (jnp.arange(nq * block_q) < length_q).reshape(nq, block_q)
@@ -201,6 +219,10 @@ def fetch_indices(states):
     computed block (prefetching it early), or the last computed one when none
     follows, or 0 when the row computes nothing: consecutive equal indices
     mean no DMA.
+
+    Example:
+      >>> fetch_indices(jnp.array([[0, 0, 1, 2, 0]])).tolist()
+      [[2, 2, 2, 3, 3]]
     """
     n = states.shape[-1]
     steps = jnp.arange(n, dtype=jnp.int32)

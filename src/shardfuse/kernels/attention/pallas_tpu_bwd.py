@@ -148,8 +148,17 @@ def backward(
       `dq [B, T, H, D]`, `dk [B, S, K, D]`, `dv [B, S, K, D]`.
 
     Example:
-      >>> # dq, dk, dv = backward(config, q, k, v, q_pos, kv_pos, None, None,
-      >>> #                      out, lse, d_out, jnp.zeros_like(lse), interpret=False)
+      >>> from jax.experimental.pallas import tpu as pltpu
+      >>> from shardfuse.kernels.attention import base, pallas_tpu
+      >>> q = k = v = jnp.ones((1, 128, 1, 128))
+      >>> config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=0.1)
+      >>> pos = jnp.arange(128, dtype=jnp.int32)
+      >>> mode = pltpu.InterpretParams()  # on a TPU: False
+      >>> out, lse = pallas_tpu.forward(config, q, k, v, pos, pos, None, None, interpret=mode)
+      >>> dq, dk, dv = backward(config, q, k, v, pos, pos, None, None, out, lse,
+      ...                       jnp.ones_like(out), jnp.zeros_like(lse), interpret=mode)
+      >>> dq.shape, dk.dtype
+      ((1, 128, 1, 128), dtype('float32'))
     """
     sizes = check_supported(q, config.block_sizes)
     lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q_bwd, sizes.block_kv_bwd)

@@ -93,7 +93,12 @@ class Layout:
 
 
 def pad(x, axis, size):
-    """Zero pads `x` along `axis` up to `size` entries."""
+    """Zero pads `x` along `axis` up to `size` entries.
+
+    Example:
+      >>> pad(jnp.ones((2, 3)), 1, 5).shape
+      (2, 5)
+    """
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
@@ -156,6 +161,11 @@ def check_supported(q, block_sizes):
 
     Supported: float32 and bfloat16 (TPUs have no float16 MXU path), head
     dims 64 or multiples of 128, block sizes multiples of 128.
+
+    Example:
+      >>> from shardfuse.kernels.attention import base
+      >>> check_supported(jnp.zeros((1, 8, 2, 128), jnp.bfloat16), base.BlockSizes())
+      BlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=512)
     """
     D = q.shape[-1]
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
