@@ -26,7 +26,6 @@ Axis glossary: B batch, T query length, S key length, H query heads, K kv
 heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
 """
 
-import contextlib
 import functools
 
 import jax
@@ -45,67 +44,20 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
     check_supported,
     checked_call,
     cost_estimate,
+    interpret_params,
+    resolve_interpret,
 )
 
 __all__ = ["BlockSizes", "backward", "flash_attention", "forward", "interpret_params"]
 
-_AUTO = object()
-_interpret_setting = _AUTO  # see interpret_params
 
-
-@contextlib.contextmanager
-def interpret_params(params):
-    """Chooses how `pallas_tpu` attention calls traced inside the block run.
-
-    Args:
-      params: a `pltpu.InterpretParams` (TPU interpret mode with these
-        params, on any backend), `False` (always emit Mosaic: run on TPU, or
-        lower for TPU from another host), or `None` (the default: Mosaic on a
-        TPU backend, interpret mode with default params on CPU).
-
-    The choice is read when `flash_attention` is traced and kept for its
-    backward pass.
-
-    Example:
-      >>> from jax.experimental.pallas import tpu as pltpu
-      >>> strict = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
-      >>> with interpret_params(strict):
-      ...     pass  # sf.flash_attention(q, k, v, implementation="pallas_tpu") here
-    """
-    global _interpret_setting
-    if not (params is None or params is False or isinstance(params, pltpu.InterpretParams)):
-        raise TypeError(
-            f"params={params!r} must be a pltpu.InterpretParams, False (emit Mosaic) or None (auto)"
-        )
-    previous = _interpret_setting
-    _interpret_setting = _AUTO if params is None else params
-    try:
-        yield
-    finally:
-        _interpret_setting = previous
-
-
-def _resolve_interpret():
-    """The `interpret=` argument for pallas_call, or NotImplementedError off TPU and CPU."""
-    if _interpret_setting is not _AUTO:
-        return _interpret_setting
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return False
-    if platform == "cpu":
-        return pltpu.InterpretParams()
-    raise NotImplementedError(
-        f"pallas_tpu runs on TPU, or on CPU in TPU interpret mode; the backend is {platform!r}"
-    )
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("interpret",))
-def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
+def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret=None):
     """Forward kernel on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
 
     Positions are int32 `[T]` / `[S]`, segment ids None or `[B, T]` / `[B, S]`;
-    `interpret` is the pallas_call `interpret=` value (see `interpret_params`).
-    Used by `flash_attention` and by collectives that merge partial results.
+    `interpret` is the pallas_call `interpret=` value: a `pltpu.InterpretParams`,
+    False (Mosaic), or None (chosen as `interpret_params` says). Used by
+    `flash_attention` and by collectives that merge partial results.
 
     Example:
       >>> from jax.experimental.pallas import tpu as pltpu
@@ -117,6 +69,12 @@ def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
       >>> out.shape, lse.shape
       ((1, 100, 2, 64), (1, 2, 100))
     """
+    interpret = resolve_interpret(interpret)
+    return _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("interpret",))
+def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
     sizes = check_supported(q, config.block_sizes)
     lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q, sizes.block_kv)
     B, H, G, D, bq, bk = lay.B, lay.H, lay.G, lay.D, lay.block_q, lay.block_kv
@@ -223,4 +181,4 @@ def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg,
       (1, 128, 4, 128)
     """
     check_supported(q, config.block_sizes)  # NotImplementedError before any tracing
-    return _flash(config, _resolve_interpret(), q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return _flash(config, resolve_interpret(None), q, k, v, q_pos, kv_pos, q_seg, kv_seg)

@@ -32,6 +32,7 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
     checked_call,
     cost_estimate,
     pad,
+    resolve_interpret,
 )
 
 
@@ -112,7 +113,6 @@ def _dkv(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_d
     return dk, dv
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("interpret", "grad_dtype"))
 def backward(
     config: base.AttentionConfig,
     q,
@@ -127,7 +127,7 @@ def backward(
     d_out,
     d_lse,
     *,
-    interpret,
+    interpret=None,
     grad_dtype=jnp.float32,
 ):
     """Gradients `(dq, dk, dv)` in `grad_dtype` from the saved `out` and float32 `lse`.
@@ -141,7 +141,8 @@ def backward(
       q, k, v, q_pos, kv_pos, q_seg, kv_seg: as for `pallas_tpu.forward`.
       out: `[B, T, H, D]` attention output; lse: float32 `[B, H, T]`.
       d_out: `[B, T, H, D]` cotangent of out; d_lse: float32 `[B, H, T]`.
-      interpret: the pallas_call `interpret=` value (see `interpret_params`).
+      interpret: the pallas_call `interpret=` value: a `pltpu.InterpretParams`, False
+        (Mosaic) or None (chosen as `pallas_tpu.interpret_params` says).
       grad_dtype: dtype of the returned gradients (float32 by default).
 
     Returns:
@@ -160,6 +161,16 @@ def backward(
       >>> dq.shape, dk.dtype
       ((1, 128, 1, 128), dtype('float32'))
     """
+    return _backward(
+        config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
+        interpret=resolve_interpret(interpret), grad_dtype=grad_dtype,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("interpret", "grad_dtype"))
+def _backward(
+    config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse, *, interpret, grad_dtype
+):
     sizes = check_supported(q, config.block_sizes)
     lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q_bwd, sizes.block_kv_bwd)
     # delta = rowsum(dO * O) - dlse, since d lse / d s = p.
