@@ -149,3 +149,44 @@ def compiled_memory(fn, *args, **kwargs) -> dict:
         "output": int(stats.output_size_in_bytes),
         "code": int(stats.generated_code_size_in_bytes),
     }
+
+
+def iter_eqns(jaxpr):
+    """Every equation of a (closed) jaxpr, those of sub-jaxprs (jit, loops, conds,
+    custom_vjp, shard_map) included, depth first.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> jaxpr = jax.make_jaxpr(lambda x: jax.lax.fori_loop(0, 2, lambda i, y: y @ y, x))(
+      ...     jnp.ones((2, 2)))
+      >>> any(e.primitive.name == "dot_general" for e in iter_eqns(jaxpr))
+      True
+    """
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from iter_eqns(inner)
+
+
+def dot_precisions(fn, *args) -> set:
+    """The `precision` of every `dot_general` that `fn(*args)` traces to (as strings).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dot_precisions(lambda a: jnp.dot(a, a, precision="highest"), jnp.ones((2, 2)))
+      {'HIGHEST'}
+    """
+    import jax
+
+    found = set()
+    for eqn in iter_eqns(jax.make_jaxpr(fn)(*args)):
+        if eqn.primitive.name == "dot_general":
+            precision = eqn.params.get("precision")
+            if isinstance(precision, tuple):
+                precision = precision[0]
+            found.add("DEFAULT" if precision is None else getattr(precision, "name", str(precision)))
+    return found

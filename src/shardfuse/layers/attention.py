@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse import collectives
 from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
 from shardfuse.kernels.attention import api as attention_api
+from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.matmul import matmul
 from shardfuse.layers import _sharding
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
@@ -77,8 +78,9 @@ class ParallelSelfAttention(nnx.Module):
         "zigzag" or "striped".
       rope_theta: RoPE base.
       window, logit_softcap: as in `sf.flash_attention`.
-      use_bias, dtype, param_dtype, kernel_init, bias_init, implementation,
-        rngs: as in `nnx.Linear` / `ColumnParallelLinear`.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
+        implementation, rngs: as in `nnx.Linear` / `ColumnParallelLinear`
+        (`precision` applies to the projections).
 
     Example usage::
 
@@ -114,6 +116,7 @@ class ParallelSelfAttention(nnx.Module):
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         implementation: str | None = None,
+        precision=None,
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
@@ -156,6 +159,7 @@ class ParallelSelfAttention(nnx.Module):
         self.causal, self.layout, self.rope_theta = bool(causal), layout, float(rope_theta)
         self.window, self.logit_softcap = window, logit_softcap
         self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
+        self.precision = matmul_base.check_precision(precision)
         self.kv_sharded = num_kv_heads % tp == 0
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
         tp_spec = P(None, self.tp_axis)
@@ -216,10 +220,15 @@ class ParallelSelfAttention(nnx.Module):
         w = jnp.concatenate([q_w, kv_w], axis=1)  # one fused QKV matmul per shard
         if self.sequence_parallel:
             y = collectives.all_gather_matmul(
-                x, w, tp, gather_axis=1, implementation=self.implementation
+                x,
+                w,
+                tp,
+                gather_axis=1,
+                implementation=self.implementation,
+                precision=self.precision,
             )
         else:
-            y = matmul(x, w, implementation=self.implementation)
+            y = matmul(x, w, implementation=self.implementation, precision=self.precision)
         if q_b is not None:
             y = y + jnp.concatenate([q_b, kv_b])
         b, t = y.shape[:2]
@@ -243,10 +252,17 @@ class ParallelSelfAttention(nnx.Module):
         o = o.reshape(b, t, heads * D)
         if self.sequence_parallel:
             out = collectives.matmul_reduce_scatter(
-                o, o_w, tp, scatter_axis=1, implementation=self.implementation
+                o,
+                o_w,
+                tp,
+                scatter_axis=1,
+                implementation=self.implementation,
+                precision=self.precision,
             )
         else:
-            out = collectives.matmul_all_reduce(o, o_w, tp, implementation=self.implementation)
+            out = collectives.matmul_all_reduce(
+                o, o_w, tp, implementation=self.implementation, precision=self.precision
+            )
         return out if o_b is None else out + o_b
 
     def io_spec(self):

@@ -130,7 +130,7 @@ class ParallelTransformerBlock(nnx.Module):
     ):
         mlp_kwargs = {
             k: attention_kwargs[k]
-            for k in ("dtype", "kernel_init", "bias_init", "implementation")
+            for k in ("dtype", "precision", "kernel_init", "bias_init", "implementation")
             if k in attention_kwargs
         }
         self.attention = ParallelSelfAttention(

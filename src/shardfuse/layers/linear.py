@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardfuse import collectives
+from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.matmul import matmul
 from shardfuse.layers import _sharding
 
@@ -49,6 +50,7 @@ class _ParallelLinear(nnx.Module):
         data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         implementation: str | None = None,
+        precision=None,
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
@@ -76,6 +78,7 @@ class _ParallelLinear(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.implementation = implementation
+        self.precision = matmul_base.check_precision(precision)
         self.kernel = _sharding.sharded_param(
             kernel_init,
             rngs.params(),
@@ -149,8 +152,9 @@ class ColumnParallelLinear(_ParallelLinear):
       axis: the tensor-parallel mesh axis.
       sequence_parallel: input arrives sequence-sharded over `axis`.
       gather_output: all-gather the output features (replicated output).
-      use_bias, dtype, param_dtype, kernel_init, bias_init: as in `nnx.Linear`
-        (`dtype` = compute dtype, `param_dtype` = storage dtype).
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
+        `nnx.Linear` (`dtype` = compute dtype, `param_dtype` = storage dtype,
+        `precision` of the matmuls; None: HIGHEST for float32, DEFAULT for 16-bit).
       data_axis, sequence_axis: mesh axes of the batch and (context-parallel)
         sequence; the defaults are ignored when the mesh lacks them.
       implementation: matmul / collective implementation (None: best).
@@ -187,10 +191,15 @@ class ColumnParallelLinear(_ParallelLinear):
         """Per-shard computation (inside `jax.shard_map` over the layer's mesh)."""
         if self.sequence_parallel:
             y = collectives.all_gather_matmul(
-                x, kernel, self.axis, gather_axis=x.ndim - 2, implementation=self.implementation
+                x,
+                kernel,
+                self.axis,
+                gather_axis=x.ndim - 2,
+                implementation=self.implementation,
+                precision=self.precision,
             )
         else:
-            y = matmul(x, kernel, implementation=self.implementation)
+            y = matmul(x, kernel, implementation=self.implementation, precision=self.precision)
         if bias is not None:
             y = y + bias
         return y
@@ -252,11 +261,16 @@ class RowParallelLinear(_ParallelLinear):
         """Per-shard computation: x `[b, t, in / tp]` (feature shard) -> reduced output."""
         if self.sequence_parallel:
             y = collectives.matmul_reduce_scatter(
-                x, kernel, self.axis, scatter_axis=x.ndim - 2, implementation=self.implementation
+                x,
+                kernel,
+                self.axis,
+                scatter_axis=x.ndim - 2,
+                implementation=self.implementation,
+                precision=self.precision,
             )
         else:
             y = collectives.matmul_all_reduce(
-                x, kernel, self.axis, implementation=self.implementation
+                x, kernel, self.axis, implementation=self.implementation, precision=self.precision
             )
         if bias is not None:
             y = y + bias

@@ -43,9 +43,9 @@ class ParallelMLP(nnx.Module):
       features: model width.
       hidden_features: MLP width, divisible by the size of `axis`.
       activation: "gelu" or "swiglu" (fused, interleaved gate/up kernel).
-      mesh, axis, sequence_parallel, use_bias, dtype, param_dtype, kernel_init,
-        bias_init, data_axis, sequence_axis, implementation, rngs: as in
-        `ColumnParallelLinear`.
+      mesh, axis, sequence_parallel, use_bias, dtype, param_dtype, precision,
+        kernel_init, bias_init, data_axis, sequence_axis, implementation, rngs:
+        as in `ColumnParallelLinear`.
 
     Example usage::
 
@@ -75,6 +75,7 @@ class ParallelMLP(nnx.Module):
         data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         implementation: str | None = None,
+        precision=None,
         rngs: nnx.Rngs,
     ):
         if activation not in ACTIVATIONS:
@@ -93,6 +94,7 @@ class ParallelMLP(nnx.Module):
             data_axis=data_axis,
             sequence_axis=sequence_axis,
             implementation=implementation,
+            precision=precision,
             rngs=rngs,
         )
         self.activation = activation

@@ -47,9 +47,10 @@ def _dtype(layer_dtype, x, kernel, override=None):
     return jnp.dtype(layer_dtype) if layer_dtype is not None else jnp.result_type(x, kernel)
 
 
-def _dense(x, kernel, bias=None):
+def _dense(x, kernel, bias=None, precision=None):
     """`x @ kernel (+ bias)` in x's dtype with float32 accumulation."""
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    if precision is None:
+        precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     y = jnp.einsum(
         "...C,CN->...N",
         x,
@@ -69,14 +70,17 @@ def linear(layer, p, x, *, dtype=None):
     reference of a bfloat16 layer); so for every function here.
     """
     x = x.astype(_dtype(layer.dtype, x, p["kernel"], dtype))
-    return _dense(x, p["kernel"], p.get("bias"))
+    return _dense(x, p["kernel"], p.get("bias"), layer.precision)
 
 
 def mlp(layer, p, x, *, dtype=None):
     """`ParallelMLP`, unsharded."""
     x = x.astype(_dtype(layer.up.dtype, x, p["up"]["kernel"], dtype))
-    h = _dense(x, p["up"]["kernel"], p["up"].get("bias"))
-    return _dense(activate(layer.activation, h), p["down"]["kernel"], p["down"].get("bias"))
+    precision = layer.up.precision
+    h = _dense(x, p["up"]["kernel"], p["up"].get("bias"), precision)
+    return _dense(
+        activate(layer.activation, h), p["down"]["kernel"], p["down"].get("bias"), precision
+    )
 
 
 def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None):
@@ -89,8 +93,8 @@ def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None)
     B, T, _ = x.shape
     H, K, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     positions = jnp.arange(T, dtype=jnp.int32) if positions is None else positions
-    q = _dense(x, p["q_kernel"], p.get("q_bias")).reshape(B, T, H, D)
-    kv = _dense(x, p["kv_kernel"], p.get("kv_bias")).reshape(B, T, K, 2, D)
+    q = _dense(x, p["q_kernel"], p.get("q_bias"), layer.precision).reshape(B, T, H, D)
+    kv = _dense(x, p["kv_kernel"], p.get("kv_bias"), layer.precision).reshape(B, T, K, 2, D)
     q = rope(q, positions, layer.rope_theta)
     k = rope(kv[..., 0, :], positions, layer.rope_theta)
     v = kv[..., 1, :]
@@ -104,7 +108,7 @@ def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None)
         window=layer.window,
         logit_softcap=layer.logit_softcap,
     )
-    return _dense(o.reshape(B, T, H * D), p["o_kernel"], p.get("o_bias"))
+    return _dense(o.reshape(B, T, H * D), p["o_kernel"], p.get("o_bias"), layer.precision)
 
 
 def norm(layer, p, x):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from shardfuse.collectives.collective_matmul import base
+from shardfuse.kernels.matmul import base as matmul_base
 
 _MODULES = {
     "reference": "shardfuse.collectives.collective_matmul.reference",
@@ -57,7 +58,14 @@ def _as_array(x):
 
 
 def all_gather_matmul(
-    x, w, axis_name: str, *, gather_axis: int = 0, bidirectional: bool = False, implementation=None
+    x,
+    w,
+    axis_name: str,
+    *,
+    gather_axis: int = 0,
+    bidirectional: bool = False,
+    implementation=None,
+    precision=None,
 ):
     """All-gather x over a mesh axis and multiply by w, the transfers hidden behind the matmuls.
 
@@ -80,6 +88,8 @@ def all_gather_matmul(
         (needs m >= 2; otherwise one direction is used).
       implementation: None (best for the platform), "reference" (lax.all_gather
         then one matmul), "xla" (ring) or "pallas_tpu" (fused kernel).
+      precision: precision of every chunk matmul: None (HIGHEST for float32,
+        DEFAULT for 16-bit), a `jax.lax.Precision` or its name (as `jnp.dot`).
 
     Returns:
       `[..., N*m, ..., F]` in x's dtype: the gathered rows, in device order, times w.
@@ -109,14 +119,22 @@ def all_gather_matmul(
     bidirectional = base.check_flag(bidirectional, name="bidirectional", function=function)
     base.check_implementation(implementation, function=function)
     x, w = _as_array(x), _as_array(w)
-    plan = base.make_plan(axis_name, n, axis, x.shape[axis], bidirectional)
+    precision = matmul_base.check_precision(precision)
+    plan = base.make_plan(axis_name, n, axis, x.shape[axis], bidirectional, precision)
     if math.prod(x.shape) == 0 or w.shape[1] == 0:
         implementation = "reference"  # nothing to overlap; the plain collectives handle empties
     return _dispatch(function, implementation, (x, w, plan))
 
 
 def matmul_reduce_scatter(
-    x, w, axis_name: str, *, scatter_axis: int = 0, bidirectional: bool = False, implementation=None
+    x,
+    w,
+    axis_name: str,
+    *,
+    scatter_axis: int = 0,
+    bidirectional: bool = False,
+    implementation=None,
+    precision=None,
 ):
     """Multiply x by w and reduce-scatter the sum over a mesh axis, overlapped.
 
@@ -139,6 +157,8 @@ def matmul_reduce_scatter(
       bidirectional: two half-chunk partial sums travel in opposite directions.
       implementation: None, "reference" (matmul then lax.psum_scatter), "xla"
         or "pallas_tpu".
+      precision: precision of every chunk matmul: None (HIGHEST for float32,
+        DEFAULT for 16-bit), a `jax.lax.Precision` or its name (as `jnp.dot`).
 
     Returns:
       `[..., M/N, ..., F]` in x's dtype: this device's chunk of the sum.
@@ -172,13 +192,14 @@ def matmul_reduce_scatter(
             f"is not divisible by the size {n} of mesh axis {axis_name!r}"
         )
     x, w = _as_array(x), _as_array(w)
-    plan = base.make_plan(axis_name, n, axis, x.shape[axis] // n, bidirectional)
+    precision = matmul_base.check_precision(precision)
+    plan = base.make_plan(axis_name, n, axis, x.shape[axis] // n, bidirectional, precision)
     if math.prod(x.shape) == 0 or w.shape[1] == 0:
         implementation = "reference"
     return _dispatch(function, implementation, (x, w, plan))
 
 
-def matmul_all_reduce(x, w, axis_name: str, *, implementation=None):
+def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=None):
     """Multiply x by w and sum the result over a mesh axis, the reduce-scatter half overlapped.
 
         y = lax.psum(x @ w, axis_name)
@@ -194,6 +215,8 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None):
       w: `[C, F]`, same dtype.
       axis_name: the mesh axis to sum over, manual in the surrounding shard_map.
       implementation: None, "reference" (matmul then lax.psum) or "xla".
+      precision: precision of every chunk matmul: None (HIGHEST for float32,
+        DEFAULT for 16-bit), a `jax.lax.Precision` or its name (as `jnp.dot`).
 
     Returns:
       `[..., M, F]` in x's dtype, the same on every device of the axis.
@@ -221,9 +244,12 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None):
     base.check_implementation(implementation, function=function)
     x, w = _as_array(x), _as_array(w)
     axis = next((a for a in range(x.ndim - 1) if x.shape[a] >= n and x.shape[a] % n == 0), None)
+    precision = matmul_base.check_precision(precision)
     plan = None
     if axis is not None and n > 1:
-        plan = base.make_plan(axis_name, n, axis, x.shape[axis] // n, bidirectional=True)
+        plan = base.make_plan(
+            axis_name, n, axis, x.shape[axis] // n, bidirectional=True, precision=precision
+        )
     if math.prod(x.shape) == 0 or w.shape[1] == 0:
         implementation = "reference"
-    return _dispatch(function, implementation, (x, w, plan, axis_name))
+    return _dispatch(function, implementation, (x, w, plan, axis_name, precision))

@@ -51,16 +51,21 @@ class RingPlan:
     axis: int
     chunk: int
     lanes: tuple[Lane, ...]
+    precision: lax.Precision | None = None  # of every chunk matmul (None: sf.matmul's default)
 
 
-def make_plan(axis_name: str, size: int, axis: int, chunk: int, bidirectional: bool) -> RingPlan:
+def make_plan(
+    axis_name: str, size: int, axis: int, chunk: int, bidirectional: bool, precision=None
+) -> RingPlan:
     """A ring plan; bidirectional needs chunks of 2 rows or more, else it runs one direction."""
     if bidirectional and chunk >= 2 and size > 1:
         half = chunk // 2
         lanes = (Lane(+1, 0, half), Lane(-1, half, chunk))
     else:
         lanes = (Lane(+1, 0, chunk),)
-    return RingPlan(axis_name=axis_name, size=size, axis=axis, chunk=chunk, lanes=lanes)
+    return RingPlan(
+        axis_name=axis_name, size=size, axis=axis, chunk=chunk, lanes=lanes, precision=precision
+    )
 
 
 def mesh_axis_size(axis_name, *, function: str) -> int:

@@ -33,6 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 from shardfuse.collectives.collective_matmul import pallas_tpu_kernels as kernels
 from shardfuse.collectives.collective_matmul import ring
 from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying
+from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.matmul import pallas_tpu as matmul_pallas
 
 # Per-device bytes the VMEM-resident kernels accept (operands, output, buffers).
@@ -197,8 +198,15 @@ def _matmul_reduce_scatter_bwd(plan, mesh_axes, residuals, dy):
 _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
 
 
+def _check_precision(plan: RingPlan, dtype):
+    """The fused kernels multiply at the default precision: refuse any other."""
+    config = matmul_base.MatmulConfig(out_dtype=jnp.dtype(dtype), precision=plan.precision)
+    matmul_base.require_default_precision(config, dtype, "pallas_tpu collective")
+
+
 def all_gather_matmul(x, w, plan: RingPlan):
     """`all_gather(x, axis=plan.axis, tiled=True) @ w` through the fused kernel."""
+    _check_precision(plan, x.dtype)
     mesh_axes = _mesh_axes(plan)
     x, w = common_varying(x, w, plan.axis_name)
     with jax.named_scope("all_gather_matmul"):
@@ -207,13 +215,14 @@ def all_gather_matmul(x, w, plan: RingPlan):
 
 def matmul_reduce_scatter(x, w, plan: RingPlan):
     """`psum_scatter(x @ w, scatter_dimension=plan.axis, tiled=True)` through the fused kernel."""
+    _check_precision(plan, x.dtype)
     mesh_axes = _mesh_axes(plan)
     x, w = common_varying(x, w, plan.axis_name)
     with jax.named_scope("matmul_reduce_scatter"):
         return _matmul_reduce_scatter(x, w, plan, mesh_axes)
 
 
-def matmul_all_reduce(x, w, plan, axis_name):
+def matmul_all_reduce(x, w, plan, axis_name, precision=None):
     """No fused all-reduce kernel: NotImplementedError (dispatch falls back to the xla ring)."""
     raise NotImplementedError(
         "pallas_tpu has no fused matmul_all_reduce; use implementation='xla' (the ring all-reduce)"

@@ -30,8 +30,10 @@ from shardfuse.collectives.collective_matmul.base import RingPlan
 from shardfuse.kernels.matmul import api as matmul_api
 
 
-def _matmul(a, b, c=None, *, implementation, out_dtype=None):
-    return matmul_api.matmul(a, b, c=c, out_dtype=out_dtype, implementation=implementation)
+def _matmul(a, b, c=None, *, implementation, precision, out_dtype=None):
+    return matmul_api.matmul(
+        a, b, c=c, out_dtype=out_dtype, implementation=implementation, precision=precision
+    )
 
 
 def shift(x, plan: RingPlan, direction: int):
@@ -76,7 +78,13 @@ def gather_matmul(x, w, plan: RingPlan, *, implementation: str, out_dtype):
             )
             for h, lane in zip(held, plan.lanes, strict=True):
                 source = (i - s * lane.direction) % n
-                y = _matmul(h, w, implementation=implementation, out_dtype=out_dtype)
+                y = _matmul(
+                    h,
+                    w,
+                    implementation=implementation,
+                    precision=plan.precision,
+                    out_dtype=out_dtype,
+                )
                 out = lax.dynamic_update_slice_in_dim(out, y, source * m + lane.lo, plan.axis)
             held = sent
     return out
@@ -103,7 +111,12 @@ def scatter_matmul(x, w, plan: RingPlan, *, implementation: str):
                 target = (i - lane.direction * (s + 1)) % n
                 rows = _rows(x, plan.axis, target * m + lane.lo, lane.size)
                 accs[k] = _matmul(
-                    rows, w, received[k], implementation=implementation, out_dtype=jnp.float32
+                    rows,
+                    w,
+                    received[k],
+                    implementation=implementation,
+                    precision=plan.precision,
+                    out_dtype=jnp.float32,
                 )
     return jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
 
@@ -141,6 +154,7 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
                     _flat(dy_source),  # [R, F]
                     dw,
                     implementation=implementation,
+                    precision=plan.precision,
                     out_dtype=jnp.float32,
                 )
                 target = (i - lane.direction * (s + 1)) % n
@@ -150,6 +164,7 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
                     w_t,
                     received[k],
                     implementation=implementation,
+                    precision=plan.precision,
                     out_dtype=jnp.float32,
                 )
             held = sent
@@ -178,7 +193,13 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
             )
             for h, lane in zip(held, plan.lanes, strict=True):
                 start = (i - s * lane.direction) % n * m + lane.lo
-                dx_rows = _matmul(h, w_t, implementation=implementation, out_dtype=jnp.float32)
+                dx_rows = _matmul(
+                    h,
+                    w_t,
+                    implementation=implementation,
+                    precision=plan.precision,
+                    out_dtype=jnp.float32,
+                )
                 dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, start, plan.axis)
                 x_rows = _rows(x, plan.axis, start, lane.size)
                 dw = _matmul(
@@ -186,6 +207,7 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
                     _flat(h),
                     dw,
                     implementation=implementation,
+                    precision=plan.precision,
                     out_dtype=jnp.float32,
                 )
             held = sent

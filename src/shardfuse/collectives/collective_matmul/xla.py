@@ -100,9 +100,14 @@ def _matmul_all_reduce_fwd(x, w, plan):
 
 def _matmul_all_reduce_bwd(plan, residuals, dy):
     x, w = residuals
-    dx = matmul_api.matmul(dy, w.T, out_dtype=x.dtype, implementation=MATMUL)
+    dx = matmul_api.matmul(
+        dy, w.T, out_dtype=x.dtype, implementation=MATMUL, precision=plan.precision
+    )
     dw = matmul_api.matmul(
-        x.reshape(-1, x.shape[-1]).T, dy.reshape(-1, dy.shape[-1]), implementation=MATMUL
+        x.reshape(-1, x.shape[-1]).T,
+        dy.reshape(-1, dy.shape[-1]),
+        implementation=MATMUL,
+        precision=plan.precision,
     )
     return dx, dw.astype(w.dtype)
 
@@ -124,11 +129,13 @@ def matmul_reduce_scatter(x, w, plan: RingPlan):
         return _matmul_reduce_scatter(x, w, plan)
 
 
-def matmul_all_reduce(x, w, plan: RingPlan | None, axis_name: str):
+def matmul_all_reduce(x, w, plan: RingPlan | None, axis_name: str, precision=None):
     """`psum(x @ w, axis_name)`; `plan=None` (no axis of x divisible by N): matmul, then psum."""
     x, w = common_varying(x, w, axis_name)
     with jax.named_scope("matmul_all_reduce"):
         if plan is None:
-            partial = matmul_api.matmul(x, w, out_dtype=jnp.float32, implementation=MATMUL)
+            partial = matmul_api.matmul(
+                x, w, out_dtype=jnp.float32, implementation=MATMUL, precision=precision
+            )
             return lax.psum(partial, axis_name).astype(x.dtype)
         return _matmul_all_reduce(x, w, plan)

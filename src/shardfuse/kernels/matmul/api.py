@@ -73,6 +73,7 @@ def matmul(
     out_dtype=None,
     implementation: str | None = None,
     block_sizes: base.MatmulBlockSizes | None = None,
+    precision=None,
 ):
     """Matmul-plus-reduce: `a @ b (+ c) (+ bias)` with float32 accumulation and a fused add.
 
@@ -94,6 +95,9 @@ def matmul(
         "pallas_tpu" or "triton".
       block_sizes: optional `MatmulBlockSizes(block_m, block_n, block_k)` for the
         tiled kernels.
+      precision: None (HIGHEST for float32 inputs, DEFAULT for 16-bit), a
+        `jax.lax.Precision` or its name; as `precision` of `jnp.dot`. Backends
+        that cannot honour it raise NotImplementedError (dispatch falls back).
 
     Returns:
       `[..., M, N]` in `out_dtype`.
@@ -115,7 +119,9 @@ def matmul(
       ((2, 16, 8), dtype('float32'))
     """
     # Validate before converting: jnp.asarray would silently turn float64 into float32.
-    config = base.validate(a, b, c=c, bias=bias, out_dtype=out_dtype, block_sizes=block_sizes)
+    config = base.validate(
+        a, b, c=c, bias=bias, out_dtype=out_dtype, block_sizes=block_sizes, precision=precision
+    )
     a, b, c, bias = (_as_array(x) for x in (a, b, c, bias))
     names = candidates(implementation)
     if math.prod(base.output_shape(a, b)) == 0 or a.shape[-1] == 0:

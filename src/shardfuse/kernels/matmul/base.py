@@ -12,6 +12,7 @@ import dataclasses
 import numbers
 
 import jax.numpy as jnp
+from jax import lax
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -50,6 +51,41 @@ class MatmulConfig:
 
     out_dtype: jnp.dtype
     block_sizes: MatmulBlockSizes = MatmulBlockSizes()
+    precision: lax.Precision | None = None  # None: HIGHEST for float32, DEFAULT for 16-bit
+
+
+def check_precision(precision, *, name: str = "precision") -> lax.Precision | None:
+    """None, a `lax.Precision` or its name ("default", "high", "highest") -> Precision | None."""
+    if precision is None or isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision)
+        except ValueError:
+            pass
+    raise ValueError(
+        f"{name}={precision!r} must be None, a jax.lax.Precision or one of "
+        "'default', 'high', 'highest'"
+    )
+
+
+def require_default_precision(config: MatmulConfig, dtype, backend: str):
+    """For kernels with a fixed precision: NotImplementedError unless `precision` matches it."""
+    if config.precision is None:
+        return
+    fixed = dot_precision_for(dataclasses.replace(config, precision=None), dtype)
+    if config.precision != fixed:
+        raise NotImplementedError(
+            f"{backend} matmul computes {jnp.dtype(dtype).name} products at precision "
+            f"{fixed.name}; precision={config.precision.name} needs the xla implementation"
+        )
+
+
+def dot_precision_for(config: MatmulConfig, dtype) -> lax.Precision:
+    """The precision of the products: the config's, else HIGHEST (float32) / DEFAULT (16-bit)."""
+    if config.precision is not None:
+        return config.precision
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _check_array(name, x):
@@ -66,7 +102,9 @@ def output_shape(a, b) -> tuple[int, ...]:
     return (*a.shape[:-1], b.shape[1])
 
 
-def validate(a, b, *, c=None, bias=None, out_dtype=None, block_sizes=None) -> MatmulConfig:
+def validate(
+    a, b, *, c=None, bias=None, out_dtype=None, block_sizes=None, precision=None
+) -> MatmulConfig:
     """Checks the inputs of `matmul` and returns its `MatmulConfig`.
 
     Raises:
@@ -115,7 +153,9 @@ def validate(a, b, *, c=None, bias=None, out_dtype=None, block_sizes=None) -> Ma
         raise TypeError(
             f"block_sizes must be a MatmulBlockSizes or None, got {type(block_sizes).__name__}"
         )
-    return MatmulConfig(out_dtype=out_dtype, block_sizes=block_sizes)
+    return MatmulConfig(
+        out_dtype=out_dtype, block_sizes=block_sizes, precision=check_precision(precision)
+    )
 
 
 def epilogue(acc, c, bias, out_dtype):

@@ -189,6 +189,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def matmul(config: base.MatmulConfig, a, b, c, bias):
     """`a [..., M, C] @ b [C, N] (+ c) (+ bias)` on validated inputs, with a custom VJP."""
     # Refuse now, before tracing, so that dispatch can fall back.
+    base.require_default_precision(config, a.dtype, "pallas_tpu")
     if interpret_params() is None and jnp.float16 in (jnp.dtype(a.dtype), config.out_dtype):
         raise NotImplementedError("pallas_tpu matmul on TPU supports float32 and bfloat16")
     tiling(a.size // max(a.shape[-1], 1), b.shape[1], b.shape[0], config.block_sizes)

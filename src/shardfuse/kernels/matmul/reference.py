@@ -9,7 +9,6 @@ accumulation for every input dtype, the additions in float32, one cast to
 
 import jax.numpy as jnp
 
-from shardfuse.kernels.attention.reference import dot_precision
 from shardfuse.kernels.matmul import base
 
 
@@ -20,6 +19,6 @@ def reference_matmul(config: base.MatmulConfig, a, b, c, bias):
         a,
         b,
         preferred_element_type=jnp.float32,
-        precision=dot_precision(a.dtype),
+        precision=base.dot_precision_for(config, a.dtype),
     )
     return base.epilogue(acc, c, bias, config.out_dtype)

@@ -148,6 +148,7 @@ def matmul(config: base.MatmulConfig, a, b, c, bias, *, launcher=None):
     if max(sizes) >= _INT32_LIMIT:
         raise NotImplementedError(f"triton matmul indexes with int32; operand sizes {sizes}")
     _with_blocks(KernelConfig(16, 16, 16, 4, 1), config.block_sizes)  # refuse before tracing
+    base.require_default_precision(config, a.dtype, "triton")
     if launcher is None:
         launcher = gpu_launcher()
     return _matmul(launcher, a, b, c, bias, config)

@@ -13,7 +13,6 @@ Autodiff gives the backward (two GEMMs, `dA = dO b^T`, `dB = a^T dO`).
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse.kernels.attention.reference import dot_precision
 from shardfuse.kernels.matmul import base
 
 
@@ -25,7 +24,7 @@ def matmul(config: base.MatmulConfig, a, b, c, bias):
         a2,
         b,
         (((1,), (0,)), ((), ())),
-        precision=dot_precision(a.dtype),
+        precision=base.dot_precision_for(config, a.dtype),
         preferred_element_type=jnp.float32,
     ).reshape(out_shape)  # [..., M, N]
     return base.epilogue(acc, c, bias, config.out_dtype)
