@@ -22,8 +22,7 @@ FLOAT32_CASES = [
     Case(T=127, S=257, window=(32, 8), block=(64, 32)),
     Case(B=2, T=257, S=127, segments=True, softcap=3.0, block=(128, 16)),
     Case(T=64, S=64, H=4, K=1, D=64, causal=True),
-    Case(T=33, S=65, D=128, block=(16, 32)),
-    Case(T=40, S=72, D=256, causal=True),
+    Case(T=33, S=65, D=64, block=(16, 32)),
     Case(B=2, T=50, S=70, H=4, K=2, D=20, causal=True, window=(20, 5), softcap=2.0, segments=True),
     Case(T=96, S=96, H=4, K=2, causal=True, positions="shuffled", block=(16, 16)),
 ]
@@ -45,6 +44,8 @@ LOW_PRECISION_CASES = [
     Case(T=65, S=65, H=2, K=2, causal=True, dtype="float16"),
     Case(B=2, T=1024, S=1024, H=8, K=2, D=128, causal=True, dtype="bfloat16"),
     Case(T=257, S=1000, H=4, K=4, D=64, dtype="float16"),
+    Case(T=40, S=72, D=256, causal=True, dtype="bfloat16"),
+    Case(T=33, S=65, D=96, block=(16, 32), dtype="float16"),
 ]
 
 
@@ -89,6 +90,14 @@ def test_deterministic_under_jit():
     first, second = run(q, k, v, d_out, d_lse), run(q, k, v, d_out, d_lse)
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_float32_above_head_dim_64_falls_back():
+    q = k = v = jnp.ones((1, 32, 2, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match="float32 inputs up to head dim 64"):
+        sf.flash_attention(q, k, v, implementation="triton")
+    expected = sf.flash_attention(q, k, v, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(sf.flash_attention(q, k, v)), np.asarray(expected))
 
 
 def test_default_implementation_is_triton_on_gpu():

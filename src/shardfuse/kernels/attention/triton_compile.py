@@ -121,6 +121,11 @@ def compile_kernel(
     if config is None:
         config = triton_configs.default_configs(arch, head_dim, jnp.dtype(dtype)).get(kernel)
     fn = getattr(kernel_module(), KERNEL_NAMES[kernel])
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise RuntimeError(
+            "the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 when triton "
+            "was imported); compile them in a process without it"
+        )
     T = S = seq_len
     shape = dict(T=T, S=S, H=num_heads, K=num_kv_heads, D=head_dim)
     shape["BLOCK_D"] = triton_configs.padded_head_dim(head_dim)

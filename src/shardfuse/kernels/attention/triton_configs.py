@@ -5,17 +5,19 @@ A `KernelConfig` is the tile shape and the launch options of one kernel:
 `num_stages` (software-pipelining depth of the inner loop). `TUNED` maps
 (GPU generation, padded head dim, input class) to the four kernels' configs.
 
-How the table was chosen: the starting points are the configurations the
-Triton fused-attention tutorial autotunes to on A100/H100 for 16-bit inputs
-(forward 128 x 64 tiles with 8 warps at head dim 128, backward 32 x 128 for
-dK/dV and 128 x 32 for dQ), shrunk where `scripts/triton_compile_stats.py`
-showed register spills or shared memory above the device limit (A100
-166912 B, H100 232448 B per block). float32 inputs use exact IEEE dots
-(no TF32, to match the HIGHEST-precision oracle), which need smaller tiles.
-Every entry compiles for its generation with 0 spills; the committed table
-`bench/results/triton_compile_stats.md` lists registers and shared memory.
-The choice was not timed on a GPU (none was available when it was made):
-re-tune with `bench/` on the target GPU and edit the table.
+How the table was chosen: no GPU was available to time configurations, so
+`scripts/triton_compile_stats.py --search` compiled candidate configs (the
+Triton fused-attention tutorial's A100/H100 choices first: 128 x 64 forward
+tiles, 32 x 128 dK/dV and 128 x 32 dQ tiles, then smaller tiles, more warps,
+fewer pipeline stages) for each generation, head dim and input class, in
+two variants (plain causal; causal + window + segment ids + softcap), and
+kept the first with 0 register spills in both and shared memory within the
+per-block limit (A100 166912 B, H100 232448 B).
+`bench/results/triton_compile_stats.md` lists registers, spills and shared
+memory of every default. float32 inputs use exact IEEE dots (no TF32, to
+match the HIGHEST-precision oracle) on FMA units, which need far smaller
+tiles and do not fit above head dim 64. Re-tune on the target GPU with
+`scripts/bench_triton_attention.py` and edit the table.
 
 Generations: "sm80" (A100, compute capability 8.x) and "sm90" (H100/H200,
 9.x; newer GPUs use the sm90 table). Head dims are padded to the next power
@@ -27,6 +29,9 @@ import dataclasses
 import numpy as np
 
 MAX_HEAD_DIM = 256
+# float32 inputs use exact IEEE dots (FMA, no tensor cores): above this head dim
+# the dQ kernel spills at any tile size, so float32 falls back to another implementation.
+MAX_FLOAT32_HEAD_DIM = 64
 SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}  # bytes per block (opt-in maximum)
 GENERATIONS = ("sm80", "sm90")
 KERNELS = ("forward", "delta", "dkdv", "dq")
@@ -71,28 +76,28 @@ def _configs(forward, dkdv, dq, delta=(128, 16, 4, 1)):
     )
 
 
-# (generation, padded head dim, "16bit" | "float32") -> configs.
-# Tuples are (block_m, block_n, num_warps, num_stages).
-TUNED = {
-    ("sm90", 16, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm90", 32, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm90", 64, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm90", 128, "16bit"): _configs((128, 64, 8, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm90", 256, "16bit"): _configs((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)),
-    ("sm80", 16, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm80", 32, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm80", 64, "16bit"): _configs((128, 64, 4, 3), (32, 128, 4, 3), (128, 32, 4, 3)),
-    ("sm80", 128, "16bit"): _configs((128, 64, 8, 2), (32, 128, 4, 2), (128, 32, 4, 2)),
-    ("sm80", 256, "16bit"): _configs((64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2)),
+# (generation, padded head dim, "16bit" | "float32") -> configs, filled in by
+# `scripts/triton_compile_stats.py --search`. Tuples: (block_m, block_n, num_warps, num_stages).
+_16BIT = {
+    ("sm80", 64): ((128, 64, 8, 3), (32, 64, 4, 1), (128, 32, 8, 3)),
+    ("sm80", 128): ((128, 32, 8, 2), (32, 64, 8, 2), (64, 32, 4, 2)),
+    ("sm80", 256): ((64, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)),
+    ("sm90", 64): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3)),
+    ("sm90", 128): ((128, 64, 8, 3), (32, 64, 8, 2), (128, 32, 8, 3)),
+    ("sm90", 256): ((128, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 1)),
 }
-for _generation in GENERATIONS:
-    for _head_dim in (16, 32, 64, 128, 256):
-        small = _head_dim <= 64
-        TUNED[(_generation, _head_dim, "float32")] = _configs(
-            (64, 32, 4, 2) if small else (32, 32, 4, 2),
-            (32, 32, 4, 2) if small else (16, 32, 4, 1),
-            (32, 32, 4, 2) if small else (32, 16, 4, 1),
-            delta=(64, 16, 4, 1),
+_FLOAT32 = {  # exact IEEE dots; head dims up to MAX_FLOAT32_HEAD_DIM
+    "sm80": ((64, 32, 8, 2), (16, 32, 8, 1), (32, 16, 4, 1)),
+    "sm90": ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+}
+TUNED = {}
+for (_generation, _head_dim), (_forward, _dkdv, _dq) in _16BIT.items():
+    for _padded in (16, 32, 64) if _head_dim == 64 else (_head_dim,):
+        TUNED[(_generation, _padded, "16bit")] = _configs(_forward, _dkdv, _dq)
+for _generation, (_forward, _dkdv, _dq) in _FLOAT32.items():
+    for _padded in (16, 32, 64):
+        TUNED[(_generation, _padded, "float32")] = _configs(
+            _forward, _dkdv, _dq, delta=(64, 16, 4, 1)
         )
 
 
@@ -123,7 +128,8 @@ def default_configs(compute_capability: int, head_dim: int, dtype) -> AttentionC
       The `AttentionConfigs` of the forward, delta, dK/dV and dQ kernels.
 
     Raises:
-      NotImplementedError: a GPU before Ampere or a head dim above 256.
+      NotImplementedError: a GPU before Ampere, a head dim above 256, or float32
+        inputs with a head dim above 64.
 
     Example:
       >>> import jax.numpy as jnp
@@ -136,4 +142,10 @@ def default_configs(compute_capability: int, head_dim: int, dtype) -> AttentionC
             f"the Triton attention kernels support head dims up to {MAX_HEAD_DIM}; got D={head_dim}"
         )
     kind = "float32" if np.dtype(dtype) == np.float32 else "16bit"
+    if kind == "float32" and head_dim > MAX_FLOAT32_HEAD_DIM:
+        raise NotImplementedError(
+            f"the Triton attention kernels take float32 inputs up to head dim "
+            f"{MAX_FLOAT32_HEAD_DIM} (exact float32 dots spill registers above it); got "
+            f"D={head_dim}: use bfloat16 or float16 inputs, or implementation='xla'"
+        )
     return TUNED[(generation(compute_capability), padded_head_dim(head_dim), kind)]

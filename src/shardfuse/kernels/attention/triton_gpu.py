@@ -46,7 +46,7 @@ def _tile(length: int, configured: int, requested: int | None, name: str) -> int
                 f"got BlockSizes.{name}={requested}"
             )
         return requested
-    return min(configured, triton_configs.padded_head_dim(length))
+    return min(configured, max(16, 1 << (length - 1).bit_length()))
 
 
 def kernel_config(config, kernel_config, T, S):
@@ -255,11 +255,12 @@ def _check_supported(q, k):
             f"implementation 'triton' launches B * H = {B * H} programs on the second grid "
             f"axis; CUDA allows at most {_MAX_GRID_Y}"
         )
-    # Offsets inside one batch element, and lse rows, are int32 in the kernels.
-    if max(T * H * D, S * K * D, B * H * T) >= 2**31:
+    # Offsets inside one batch element, lse rows and segment ids are int32 in the kernels.
+    if max(T * H * D, S * K * D, B * H * T, B * S) >= 2**31:
         raise NotImplementedError(
-            f"implementation 'triton' indexes one batch element with int32: T * H * D = "
-            f"{T * H * D}, S * K * D = {S * K * D} and B * H * T = {B * H * T} must be < 2**31"
+            f"implementation 'triton' indexes with int32: T * H * D = {T * H * D}, "
+            f"S * K * D = {S * K * D}, B * H * T = {B * H * T} and B * S = {B * S} "
+            "must be < 2**31"
         )
 
 
