@@ -69,6 +69,12 @@ def test_validation_happens_before_tracing(monkeypatch):
     assert traced == []
 
 
+def test_float64_numpy_rejected_not_downcast():
+    q = np.zeros((1, 4, 2, 8), np.float64)
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        sf.flash_attention(q, q, q)
+
+
 def test_float64_rejected():
     with jax.enable_x64(True):
         q = jnp.zeros((1, 4, 2, 8), jnp.float64)

@@ -123,7 +123,7 @@ def flash_attention(
       >>> out.shape, lse.shape
       ((2, 128, 8, 64), (2, 8, 128))
     """
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    # Validate before converting: jnp.asarray would silently turn float64 into float32.
     config = base.validate(
         q,
         k,
@@ -138,6 +138,7 @@ def flash_attention(
         scale=scale,
         block_sizes=block_sizes,
     )
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     candidates = _candidates(implementation)
     B, T, _, _ = q.shape
     S = k.shape[1]
