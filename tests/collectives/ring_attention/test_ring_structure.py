@@ -147,7 +147,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     from jax.sharding import Mesh, PartitionSpec as P
     import numpy as np
     import shardfuse as sf
-from shardfuse.collectives.ring_attention.api import ring_attention
+    from shardfuse.collectives.ring_attention.api import ring_attention
 
     B, L, H, K, D = 1, 256, 4, 2, 32
     result = {}
