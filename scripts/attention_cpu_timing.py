@@ -8,22 +8,12 @@ read the ratios of one run, not absolute times across runs.
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 
 import shardfuse as sf
-
-
-def median_seconds(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from shardfuse.demos import time_call
 
 
 def main():
@@ -52,8 +42,8 @@ def main():
     for name, fn in candidates.items():
         fwd = jax.jit(fn)
         fwd_bwd = jax.jit(jax.grad(lambda q, k, v, f=fn: jnp.sum(f(q, k, v) * q), (0, 1, 2)))
-        t_fwd = median_seconds(fwd, q, k, v, repeats=args.repeats)
-        t_bwd = median_seconds(fwd_bwd, q, k, v, repeats=args.repeats)
+        t_fwd = time_call(fwd, q, k, v, repeats=args.repeats)
+        t_bwd = time_call(fwd_bwd, q, k, v, repeats=args.repeats)
         print(f"{name:>16} {t_fwd * 1e3:10.1f} {t_bwd * 1e3:12.1f}", flush=True)
 
 
