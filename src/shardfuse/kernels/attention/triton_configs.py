@@ -79,35 +79,54 @@ def _configs(forward, dkdv, dq, delta=(128, 16, 4, 1)):
 # (generation, padded head dim, "16bit" | "float32") -> configs, filled in by
 # `scripts/triton_compile_stats.py --search`. Tuples: (block_m, block_n, num_warps, num_stages).
 _16BIT = {
+    ("sm80", 16): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3)),
+    ("sm80", 32): ((128, 64, 8, 3), (32, 64, 4, 1), (128, 32, 8, 3)),
     ("sm80", 64): ((128, 64, 8, 3), (32, 64, 4, 1), (128, 32, 8, 3)),
     ("sm80", 128): ((128, 32, 8, 2), (32, 64, 8, 2), (64, 32, 4, 2)),
     ("sm80", 256): ((64, 32, 8, 2), (32, 32, 8, 2), (64, 32, 8, 2)),
+    ("sm90", 16): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3)),
+    ("sm90", 32): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3)),
     ("sm90", 64): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3)),
     ("sm90", 128): ((128, 64, 8, 3), (32, 64, 8, 2), (128, 32, 8, 3)),
     ("sm90", 256): ((128, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 1)),
 }
 _FLOAT32 = {  # exact IEEE dots; head dims up to MAX_FLOAT32_HEAD_DIM
-    "sm80": ((64, 32, 8, 2), (16, 32, 8, 1), (32, 16, 4, 1)),
-    "sm90": ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+    ("sm80", 16): ((64, 32, 8, 2), (16, 32, 4, 1), (32, 16, 4, 1)),
+    ("sm80", 32): ((32, 32, 8, 2), (16, 32, 8, 1), (32, 16, 4, 1)),
+    ("sm80", 64): ((64, 32, 8, 2), (16, 32, 8, 1), (32, 16, 4, 1)),
+    ("sm90", 16): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+    ("sm90", 32): ((32, 32, 8, 2), (16, 32, 8, 1), (32, 32, 8, 2)),
+    ("sm90", 64): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
 }
 TUNED = {}
-for (_generation, _head_dim), (_forward, _dkdv, _dq) in _16BIT.items():
-    for _padded in (16, 32, 64) if _head_dim == 64 else (_head_dim,):
-        TUNED[(_generation, _padded, "16bit")] = _configs(_forward, _dkdv, _dq)
-for _generation, (_forward, _dkdv, _dq) in _FLOAT32.items():
-    for _padded in (16, 32, 64):
-        TUNED[(_generation, _padded, "float32")] = _configs(
-            _forward, _dkdv, _dq, delta=(64, 16, 4, 1)
-        )
+for (_generation, _padded), (_forward, _dkdv, _dq) in _16BIT.items():
+    TUNED[(_generation, _padded, "16bit")] = _configs(_forward, _dkdv, _dq)
+for (_generation, _padded), (_forward, _dkdv, _dq) in _FLOAT32.items():
+    TUNED[(_generation, _padded, "float32")] = _configs(_forward, _dkdv, _dq, delta=(64, 16, 4, 1))
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """The register tile width of a head dim: the next power of two, at least 16."""
+    """The register tile width of a head dim: the next power of two, at least 16.
+
+    Example:
+      >>> from shardfuse.kernels.attention.triton_configs import padded_head_dim
+      >>> padded_head_dim(8), padded_head_dim(72), padded_head_dim(128)
+      (16, 128, 128)
+    """
     return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
 def generation(compute_capability: int) -> str:
-    """The table generation of a compute capability given as an int (80, 86, 90, ...)."""
+    """The table generation of a compute capability given as an int (80, 86, 90, ...).
+
+    Raises:
+      NotImplementedError: compute capability below 8.0.
+
+    Example:
+      >>> from shardfuse.kernels.attention.triton_configs import generation
+      >>> generation(86), generation(90)
+      ('sm80', 'sm90')
+    """
     if compute_capability < 80:
         raise NotImplementedError(
             f"the Triton attention kernels need an NVIDIA GPU of compute capability >= 8.0 "

@@ -49,13 +49,11 @@ def _tile(length: int, configured: int, requested: int | None, name: str) -> int
     return min(configured, max(16, 1 << (length - 1).bit_length()))
 
 
-def kernel_config(config, kernel_config, T, S):
-    """`KernelConfig` with the user's `BlockSizes` applied and tiles fitted to T and S."""
-    block_m = _tile(T, kernel_config.block_m, config.block_sizes.block_q, "block_q")
-    block_n = _tile(S, kernel_config.block_n, config.block_sizes.block_kv, "block_kv")
-    return triton_configs.KernelConfig(
-        block_m, block_n, kernel_config.num_warps, kernel_config.num_stages
-    )
+def kernel_config(config, tuned, T, S):
+    """The `tuned` `KernelConfig` with the user's `BlockSizes` applied, tiles fitted to T and S."""
+    block_m = _tile(T, tuned.block_m, config.block_sizes.block_q, "block_q")
+    block_n = _tile(S, tuned.block_n, config.block_sizes.block_kv, "block_kv")
+    return triton_configs.KernelConfig(block_m, block_n, tuned.num_warps, tuned.num_stages)
 
 
 def _block_stats(values, block):
@@ -285,14 +283,26 @@ def flash_attention(
 
     Raises:
       NotImplementedError: no usable NVIDIA GPU, triton or jax_triton (with
-        launcher=None), head dim > 256, block sizes that are not powers of
-        two >= 16, or sizes beyond the kernels' int32 indexing.
+        launcher=None), head dim > 256, float32 inputs with head dim > 64,
+        block sizes that are not powers of two >= 16, or sizes beyond the
+        kernels' int32 indexing.
 
     Example:
+      On a GPU, through the public API:
+
       >>> import jax, shardfuse as sf
       >>> q = jax.random.normal(jax.random.key(0), (1, 256, 8, 128), jax.numpy.bfloat16)
       >>> k = v = jax.random.normal(jax.random.key(1), (1, 256, 2, 128), jax.numpy.bfloat16)
       >>> out = sf.flash_attention(q, k, v, causal=True, implementation="triton")  # doctest: +SKIP
+
+      On CPU, the same kernels under the Triton interpreter (needs torch and triton):
+
+      >>> from shardfuse.kernels.attention import base, triton_gpu, triton_launch
+      >>> q = k = v = jax.numpy.ones((1, 32, 2, 16))
+      >>> config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=0.25)
+      >>> pos = jax.numpy.arange(32)
+      >>> out, lse = triton_gpu.flash_attention(  # doctest: +SKIP
+      ...     config, q, k, v, pos, pos, None, None, launcher=triton_launch.InterpretLauncher())
     """
     _check_supported(q, k)
     if launcher is None:

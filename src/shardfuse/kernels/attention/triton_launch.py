@@ -32,13 +32,22 @@ KERNELS_MODULE = "shardfuse.kernels.attention.triton_kernels"
 
 
 def kernel_module():
-    """The module of `@triton.jit` kernels (imports triton)."""
+    """The module of `@triton.jit` kernels (imports triton).
+
+    Example:
+      >>> from shardfuse.kernels.attention.triton_launch import kernel_module
+      >>> kernel_module().attention_forward_kernel  # doctest: +SKIP
+    """
     return importlib.import_module(KERNELS_MODULE)
 
 
 @dataclasses.dataclass(frozen=True)
 class JaxTritonLauncher:
-    """Launches the compiled kernels with `jax_triton.triton_call` (NVIDIA GPUs)."""
+    """Launches the compiled kernels with `jax_triton.triton_call` (NVIDIA GPUs).
+
+    Attributes:
+      compute_capability: of the GPU, e.g. 90; picks the tuned config table.
+    """
 
     compute_capability: int
 
@@ -197,6 +206,12 @@ class InterpretLauncher:
     Attributes:
       compute_capability: which tuned config table to use (tests override the
         block sizes anyway).
+
+    Example:
+      >>> from shardfuse.kernels.attention import triton_gpu
+      >>> from shardfuse.kernels.attention.triton_launch import InterpretLauncher
+      >>> out, lse = triton_gpu.flash_attention(  # doctest: +SKIP
+      ...     config, q, k, v, q_pos, kv_pos, None, None, launcher=InterpretLauncher())
     """
 
     compute_capability: int = 90
@@ -220,6 +235,11 @@ def gpu_launcher() -> JaxTritonLauncher:
     Raises:
       NotImplementedError: no NVIDIA GPU of compute capability >= 8.0, or
         triton / jax_triton missing or unusable, with the reason.
+
+    Example:
+      >>> from shardfuse.kernels.attention.triton_launch import gpu_launcher
+      >>> gpu_launcher().compute_capability  # on an H100  # doctest: +SKIP
+      90
     """
     backend = jax.default_backend()
     if backend not in ("gpu", "cuda"):
