@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from shardfuse.collectives.collective_matmul import base
+from shardfuse.kernels import dispatch
 from shardfuse.kernels.matmul import base as matmul_base
 
 _MODULES = {
@@ -42,15 +43,9 @@ def _dispatch(function: str, implementation, args):
         names = PREFERENCE.get(jax.default_backend(), ("xla",))
     else:
         names = (implementation,)
-    reasons = []
-    for name in names:
-        try:
-            return _load(name, function)(*args)
-        except NotImplementedError as e:
-            if implementation is not None:
-                raise
-            reasons.append(f"{name}: {e}")
-    raise NotImplementedError(f"no {function} implementation can run here: " + "; ".join(reasons))
+    return dispatch.run(
+        function, names, implementation is not None, lambda name: _load(name, function)(*args)
+    )
 
 
 def _as_array(x):

@@ -6,11 +6,10 @@ platform: a backend that raises `NotImplementedError` (valid input it cannot
 handle: dtype, head dim, platform) hands over to the next one.
 """
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 
+from shardfuse.kernels import dispatch
 from shardfuse.kernels.attention import base
 
 # name -> (module, function). Modules are imported on first use only, so that
@@ -34,27 +33,7 @@ PREFERENCE = {
 
 def load_implementation(name: str):
     """Returns the backend function `name`, or raises NotImplementedError saying why not."""
-    module_name, function_name = IMPLEMENTATIONS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise NotImplementedError(
-                f"implementation {name!r} is not part of this version of shardfuse"
-            ) from e
-        raise NotImplementedError(f"implementation {name!r} needs {e.name!r}: {e}") from e
-    return getattr(module, function_name)
-
-
-def _candidates(implementation):
-    if implementation is None:
-        platform = jax.default_backend()
-        return PREFERENCE.get(platform, ("xla",))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not one of {[None, *IMPLEMENTATIONS]}"
-        )
-    return (implementation,)
+    return dispatch.load("attention", IMPLEMENTATIONS, name)
 
 
 def flash_attention(
@@ -139,24 +118,19 @@ def flash_attention(
         block_sizes=block_sizes,
     )
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
-    candidates = _candidates(implementation)
+    names = dispatch.candidates(IMPLEMENTATIONS, PREFERENCE, implementation)
     B, T, _, _ = q.shape
     S = k.shape[1]
     if B == 0 or T == 0 or S == 0:
         return base.empty_result(q, return_lse)
     q_pos, kv_pos = base.default_positions(T, S, q_positions, kv_positions)
-    reasons = []
-    for name in candidates:
-        try:
-            fn = load_implementation(name)
-            out, lse = fn(config, q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
-        except NotImplementedError as e:
-            if implementation is not None:
-                raise
-            reasons.append(f"{name}: {e}")
-            continue
-        return (out, lse) if return_lse else out
-    raise NotImplementedError("no attention implementation can run here: " + "; ".join(reasons))
+
+    def call(name):
+        fn = load_implementation(name)
+        return fn(config, q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
+
+    out, lse = dispatch.run("attention", names, implementation is not None, call)
+    return (out, lse) if return_lse else out
 
 
 def attention_reference(

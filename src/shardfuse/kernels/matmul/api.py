@@ -6,12 +6,12 @@ a backend that raises `NotImplementedError` (valid input it cannot handle:
 dtype, shape, platform) hands over to the next one.
 """
 
-import importlib
 import math
 
 import jax
 import jax.numpy as jnp
 
+from shardfuse.kernels import dispatch
 from shardfuse.kernels.matmul import base
 
 # name -> (module, function). Modules are imported on first use only, so that
@@ -37,27 +37,12 @@ PREFERENCE = {
 
 def load_implementation(name: str):
     """Returns the backend function `name`, or raises NotImplementedError saying why not."""
-    module_name, function_name = IMPLEMENTATIONS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name == module_name:
-            raise NotImplementedError(
-                f"matmul implementation {name!r} is not part of this version of shardfuse"
-            ) from e
-        raise NotImplementedError(f"matmul implementation {name!r} needs {e.name!r}: {e}") from e
-    return getattr(module, function_name)
+    return dispatch.load("matmul", IMPLEMENTATIONS, name)
 
 
 def candidates(implementation) -> tuple[str, ...]:
     """The implementations to try, best first; raises ValueError for an unknown name."""
-    if implementation is None:
-        return PREFERENCE.get(jax.default_backend(), ("xla",))
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not one of {[None, *IMPLEMENTATIONS]}"
-        )
-    return (implementation,)
+    return dispatch.candidates(IMPLEMENTATIONS, PREFERENCE, implementation)
 
 
 def _as_array(x):
@@ -127,12 +112,9 @@ def matmul(
     if math.prod(base.output_shape(a, b)) == 0 or a.shape[-1] == 0:
         # Nothing to tile: every backend would return the epilogue of zeros.
         return load_implementation("reference")(config, a, b, c, bias)
-    reasons = []
-    for name in names:
-        try:
-            return load_implementation(name)(config, a, b, c, bias)
-        except NotImplementedError as e:
-            if implementation is not None:
-                raise
-            reasons.append(f"{name}: {e}")
-    raise NotImplementedError("no matmul implementation can run here: " + "; ".join(reasons))
+    return dispatch.run(
+        "matmul",
+        names,
+        implementation is not None,
+        lambda name: load_implementation(name)(config, a, b, c, bias),
+    )
