@@ -5,6 +5,7 @@ against the reference and the median time of a few calls after compilation.
 """
 
 import importlib
+import sys
 import time
 
 import jax
@@ -47,7 +48,8 @@ def run(seq_len: int = 512):
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # Piped output (CI logs, files) gets a wide table instead of 80 wrapped columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(
         f"jax {jax.__version__} on {jax.default_backend()} with {jax.device_count()} devices"
     )
