@@ -44,6 +44,14 @@ CASES = [
     ),
     # Non-monotone positions (a ring layout): conservative block ranges, exact masks.
     Case(T=40, S=40, H=2, K=1, D=16, causal=True, positions="shuffled", block=(16, 32)),
+    # Two batch elements, a two-sided window, GQA 4:1 (G = 4 heads per dK/dV program).
+    Case(B=2, T=33, S=50, H=4, K=1, D=16, window=(10, 7), block=(16, 16)),
+]
+
+SLOW_CASES = [
+    # Default tiles (128-row forward tiles), head dim 128, bfloat16.
+    Case(T=130, S=257, H=4, K=2, D=128, causal=True, dtype="bfloat16"),
+    Case(B=2, T=200, S=200, H=8, K=2, D=64, segments=True, softcap=20.0, window=(64, 0)),
 ]
 
 
@@ -119,6 +127,12 @@ def check(case, inputs=None):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_reference(case):
+    check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.id)
+def test_larger_cases_match_reference(case):
     check(case)
 
 
