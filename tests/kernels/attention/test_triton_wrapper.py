@@ -118,7 +118,8 @@ def test_block_ranges_cover_every_visible_block_and_only_full_ones_unmasked(opti
     key = jax.random.key(0)
     q_pos = jnp.arange(T, dtype=jnp.int32) + S - T
     kv_pos = jnp.arange(S, dtype=jnp.int32)
-    if options.pop("shuffled", False):
+    shuffled = options.pop("shuffled", False)
+    if shuffled:
         q_pos = jax.random.permutation(key, q_pos)
     q_seg = kv_seg = None
     if options.pop("segments", False):
@@ -135,15 +136,21 @@ def test_block_ranges_cover_every_visible_block_and_only_full_ones_unmasked(opti
     mask = np.broadcast_to(base.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg), (B, T, S))
     nq, nk = -(-T // block_m), -(-S // block_n)
     assert ranges.shape == (B, nq, 4)
+    if config.window == (40, None):  # blocks well inside the band run without a mask
+        assert (ranges[..., 2] > ranges[..., 1]).any()
     for b in range(B):
         for i in range(nq):
             lo, full_lo, full_hi, hi = ranges[b, i]
             assert lo <= full_lo <= full_hi <= hi
+            visible_blocks = 0
             for j in range(nk):
                 tile = np.zeros((block_m, block_n), bool)  # padding counts as not visible
                 part = mask[b, i * block_m : (i + 1) * block_m, j * block_n : (j + 1) * block_n]
                 tile[: part.shape[0], : part.shape[1]] = part
                 if tile.any():
                     assert lo <= j < hi, (b, i, j, ranges[b, i])
+                    visible_blocks += 1
                 if full_lo <= j < full_hi:
                     assert tile.all(), (b, i, j, ranges[b, i])
+            if not shuffled:  # monotone positions: exactly the visible blocks are visited
+                assert hi - lo == visible_blocks, (b, i, ranges[b, i], visible_blocks)
