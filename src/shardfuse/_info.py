@@ -1,6 +1,5 @@
 """`shardfuse info`: what this machine has and which implementations can run on it."""
 
-import importlib
 import importlib.util
 import platform as _platform
 
@@ -15,20 +14,15 @@ def _has_module(name: str) -> bool:
 
 
 def _triton_status(backend: str) -> tuple[bool, str]:
-    if backend not in ("gpu", "cuda"):
-        return False, f"needs an NVIDIA GPU (this backend is {backend!r})"
-    if not _has_module("triton"):
-        return False, "triton is not installed (pip install 'shardfuse[gpu]')"
-    if not _has_module("jax_triton"):
-        return False, "jax-triton is not installed (pip install 'shardfuse[gpu]')"
+    """Whether the Triton kernels can launch here: the launcher's own checks (NVIDIA GPU of
+    compute capability >= 8.0, triton and jax-triton importable with this jaxlib)."""
+    from shardfuse.kernels.attention.triton_launch import gpu_launcher
+
     try:
-        importlib.import_module("jax_triton")
-    except Exception as e:  # jax_triton fails to import with some jaxlib builds
-        return (
-            False,
-            f"jax-triton is unusable with jaxlib {jax.__version__}: {type(e).__name__}: {e}",
-        )
-    return True, "NVIDIA GPU, triton and jax-triton available"
+        launcher = gpu_launcher()
+    except NotImplementedError as e:
+        return False, str(e)
+    return True, f"sm_{launcher.compute_capability}: triton and jax-triton available"
 
 
 def _module_status(module_name: str) -> tuple[bool, str] | None:
