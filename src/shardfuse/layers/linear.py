@@ -227,7 +227,12 @@ class RowParallelLinear(_ParallelLinear):
 
     Args:
       in_features, out_features: sizes; `in_features` divisible by the axis size.
-      input_is_parallel: the input is already split by features over `axis`.
+      input_is_parallel: the input is already split by features over `axis`
+        (Megatron's flag). Either way the layer places its input on
+        `P(data, sequence, axis)` before the shard_map: a feature-sharded input
+        stays where it is, a replicated one is sliced locally (no
+        communication), so both give the same result; the flag records the
+        intended layout.
       Others as `ColumnParallelLinear`.
 
     Example usage::
