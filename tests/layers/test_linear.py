@@ -163,3 +163,12 @@ def test_bad_call():
         column(jnp.zeros((2, 8, 8)))
     with pytest.raises(ValueError, match=r"expected \[B, T, 16\]"):
         column(jnp.zeros((8, 16)))
+
+
+def test_row_parallel_with_replicated_input():
+    mesh = mesh_3d()
+    row = sf.layers.RowParallelLinear(32, 16, mesh=mesh, input_is_parallel=False, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32))  # replicated features
+    y = row(x)
+    assert_sharded_as(y, mesh, P("data", "sequence", None))
+    assert_close(y, _nnx_linear_like(row)(x), name="row on a replicated input")
