@@ -188,5 +188,7 @@ def dot_precisions(fn, *args) -> set:
             precision = eqn.params.get("precision")
             if isinstance(precision, tuple):
                 precision = precision[0]
-            found.add("DEFAULT" if precision is None else getattr(precision, "name", str(precision)))
+            found.add(
+                "DEFAULT" if precision is None else getattr(precision, "name", str(precision))
+            )
     return found

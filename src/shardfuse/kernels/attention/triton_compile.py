@@ -61,7 +61,7 @@ class CompileStats:
         return spills == 0 and self.shared_memory <= self.shared_memory_limit
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """`(registers, spill store bytes, spill load bytes)` from `ptxas -v`."""
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -152,7 +152,7 @@ def compile_kernel(
             num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True
         ),
     )
-    registers, spill_stores, spill_loads = _ptxas_usage(compiled.asm["ptx"], arch)
+    registers, spill_stores, spill_loads = ptxas_usage(compiled.asm["ptx"], arch)
     generation = triton_configs.generation(arch)
     return CompileStats(
         kernel=kernel,

@@ -66,7 +66,7 @@ class JaxTritonLauncher:
         )
 
 
-def _to_torch(x):
+def to_torch(x):
     import ml_dtypes
     import torch
 
@@ -76,7 +76,7 @@ def _to_torch(x):
     return torch.from_numpy(x)
 
 
-def _to_numpy(tensor, dtype):
+def to_numpy(tensor, dtype):
     import ml_dtypes
     import torch
 
@@ -88,14 +88,14 @@ def _to_numpy(tensor, dtype):
 def _interpret_kernel(kernel_name, arrays, out_shapes, grid, num_warps, constexprs):
     """Runs one kernel under the interpreter on torch CPU tensors; returns numpy outputs."""
     kernel = getattr(kernel_module(), kernel_name)
-    tensors = [_to_torch(a) for a in arrays]
+    tensors = [to_torch(a) for a in arrays]
     # Every output of these kernels is floating point: NaN marks unwritten entries.
-    outs = [_to_torch(np.full(shape, np.nan, dtype=dtype)) for shape, dtype in out_shapes]
+    outs = [to_torch(np.full(shape, np.nan, dtype=dtype)) for shape, dtype in out_shapes]
     kernel[grid](*tensors, *outs, **constexprs, num_warps=num_warps)
-    return tuple(_to_numpy(t, dtype) for t, (_, dtype) in zip(outs, out_shapes, strict=True))
+    return tuple(to_numpy(t, dtype) for t, (_, dtype) in zip(outs, out_shapes, strict=True))
 
 
-def _patch_interpreter_bfloat16():
+def patch_interpreter_bfloat16():
     """Makes the interpreter's bfloat16 arithmetic match a GPU's.
 
     The Triton interpreter (checked on triton 3.9) stores bfloat16 as uint16
@@ -138,7 +138,7 @@ def interpreter_worker_main():
     """Entry point of the interpreter worker: pickled requests on stdin, replies on stdout."""
     if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
         raise RuntimeError("the interpreter worker must start with TRITON_INTERPRET=1")
-    _patch_interpreter_bfloat16()
+    patch_interpreter_bfloat16()
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a kernel prints goes to stderr, not into the replies
     while True:
@@ -154,7 +154,7 @@ def interpreter_worker_main():
         replies.flush()
 
 
-class _InterpreterWorker:
+class InterpreterWorker:
     """A child process running the Triton interpreter (TRITON_INTERPRET=1 from its start).
 
     The interpreter is chosen when triton is imported (even `tl.max` is a
@@ -192,7 +192,7 @@ class _InterpreterWorker:
         return value
 
 
-_WORKER = _InterpreterWorker()
+_WORKER = InterpreterWorker()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,7 @@ def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_c=True, 
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
     )
-    registers, stores, loads = attention_compile._ptxas_usage(compiled.asm["ptx"], arch)
+    registers, stores, loads = attention_compile.ptxas_usage(compiled.asm["ptx"], arch)
     generation = "sm80" if arch < 90 else "sm90"
     return CompileStats(
         arch=arch,

@@ -51,12 +51,12 @@ class JaxTritonLauncher:
 
 def _interpret_kernel(kernel_name, arrays, out_shapes, grid, num_warps, constexprs):
     kernel = getattr(kernel_module(), kernel_name)
-    tensors = [attention_launch._to_torch(a) for a in arrays]
+    tensors = [attention_launch.to_torch(a) for a in arrays]
     # NaN marks output entries the kernel forgot to write.
-    outs = [attention_launch._to_torch(np.full(s, np.nan, dtype=d)) for s, d in out_shapes]
+    outs = [attention_launch.to_torch(np.full(s, np.nan, dtype=d)) for s, d in out_shapes]
     kernel[grid](*tensors, *outs, **constexprs, num_warps=num_warps)
     return tuple(
-        attention_launch._to_numpy(t, d) for t, (_, d) in zip(outs, out_shapes, strict=True)
+        attention_launch.to_numpy(t, d) for t, (_, d) in zip(outs, out_shapes, strict=True)
     )
 
 
@@ -67,7 +67,7 @@ def interpreter_worker_main():
 
     if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
         raise RuntimeError("the interpreter worker must start with TRITON_INTERPRET=1")
-    attention_launch._patch_interpreter_bfloat16()  # GPU-like bfloat16 dots and casts
+    attention_launch.patch_interpreter_bfloat16()  # GPU-like bfloat16 dots and casts
     requests, replies = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever a kernel prints goes to stderr, not into the replies
     while True:
@@ -83,7 +83,7 @@ def interpreter_worker_main():
         replies.flush()
 
 
-class _InterpreterWorker(attention_launch._InterpreterWorker):
+class InterpreterWorker(attention_launch.InterpreterWorker):
     def _start(self):
         import atexit
         import subprocess
@@ -97,7 +97,7 @@ class _InterpreterWorker(attention_launch._InterpreterWorker):
         atexit.register(self._process.kill)
 
 
-_WORKER = _InterpreterWorker()
+_WORKER = InterpreterWorker()
 
 
 @dataclasses.dataclass(frozen=True)
