@@ -162,21 +162,23 @@ class ParallelSelfAttention(nnx.Module):
         self.precision = matmul_base.check_precision(precision)
         self.kv_sharded = num_kv_heads % tp == 0
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
-        tp_spec = P(None, self.tp_axis)
-        kv_spec = tp_spec if self.kv_sharded else P()
+        specs = self._param_specs()
 
-        def make(init, shape, spec):
-            return _sharding.sharded_param(init, rngs.params(), shape, param_dtype, mesh, spec)
+        def make(name, init, shape):
+            return _sharding.sharded_param(
+                init, rngs.params(), shape, param_dtype, mesh, specs[name]
+            )
 
-        self.q_kernel = make(kernel_init, (F, H * D), tp_spec)
-        self.kv_kernel = make(kernel_init, (F, K * 2 * D), kv_spec)
-        self.o_kernel = make(kernel_init, (H * D, F), P(self.tp_axis, None))
+        self.q_kernel = make("q_kernel", kernel_init, (F, H * D))
+        self.kv_kernel = make("kv_kernel", kernel_init, (F, K * 2 * D))
+        self.o_kernel = make("o_kernel", kernel_init, (H * D, F))
         self.use_bias = use_bias
-        self.q_bias = make(bias_init, (H * D,), P(self.tp_axis)) if use_bias else None
-        self.kv_bias = make(bias_init, (K * 2 * D,), P(*kv_spec[1:])) if use_bias else None
-        self.o_bias = make(bias_init, (F,), P()) if use_bias else None
+        self.q_bias = make("q_bias", bias_init, (H * D,)) if use_bias else None
+        self.kv_bias = make("kv_bias", bias_init, (K * 2 * D,)) if use_bias else None
+        self.o_bias = make("o_bias", bias_init, (F,)) if use_bias else None
 
     def _param_specs(self):
+        """PartitionSpec of each parameter (kv replicated when `K % tp != 0`)."""
         kv = P(None, self.tp_axis) if self.kv_sharded else P()
         return dict(
             q_kernel=P(None, self.tp_axis),
