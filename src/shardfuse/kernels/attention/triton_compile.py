@@ -12,12 +12,10 @@ Used by `scripts/triton_compile_stats.py` (which writes
 """
 
 import dataclasses
-import re
-import subprocess
-import tempfile
 
 import jax.numpy as jnp
 
+from shardfuse.kernels import triton_support
 from shardfuse.kernels.attention import base, triton_configs
 from shardfuse.kernels.attention.triton_gpu import kernel_options
 
@@ -59,26 +57,6 @@ class CompileStats:
         """No spills and shared memory within the device's per-block limit."""
         spills = self.spill_stores + self.spill_loads
         return spills == 0 and self.shared_memory <= self.shared_memory_limit
-
-
-def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
-    """`(registers, spill store bytes, spill load bytes)` from `ptxas -v`."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE).group(1).split(",")[0]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
-        source.write(ptx)
-        source.flush()
-        result = subprocess.run(
-            [get_ptxas(arch).path, "-v", f"--gpu-name={target}", source.name, "-o", "/dev/null"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    log = result.stdout + result.stderr
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return registers, int(spills.group(1)), int(spills.group(2))
 
 
 def compile_kernel(
@@ -152,7 +130,7 @@ def compile_kernel(
             num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True
         ),
     )
-    registers, spill_stores, spill_loads = ptxas_usage(compiled.asm["ptx"], arch)
+    registers, spill_stores, spill_loads = triton_support.ptxas_usage(compiled.asm["ptx"], arch)
     generation = triton_configs.generation(arch)
     return CompileStats(
         kernel=kernel,

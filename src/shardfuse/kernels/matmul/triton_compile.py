@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from shardfuse.kernels.attention import triton_compile as attention_compile
+from shardfuse.kernels import triton_support
 from shardfuse.kernels.attention.triton_configs import SHARED_MEMORY_LIMIT
 from shardfuse.kernels.matmul import triton_gpu
 from shardfuse.kernels.matmul.triton_launch import kernel_module
@@ -82,7 +82,7 @@ def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_c=True, 
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
     )
-    registers, stores, loads = attention_compile.ptxas_usage(compiled.asm["ptx"], arch)
+    registers, stores, loads = triton_support.ptxas_usage(compiled.asm["ptx"], arch)
     generation = "sm80" if arch < 90 else "sm90"
     return CompileStats(
         arch=arch,
