@@ -60,16 +60,6 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("model_name, seq_len, mode, implementation", params, ids=ids)
 
 
-def _mask(model):
-    window = (model.window - 1, 0) if model.window else None
-    variant = "causal"
-    if window:
-        variant += f" window={model.window}"
-    if model.logit_softcap:
-        variant += f" softcap={model.logit_softcap:g}"
-    return window, variant
-
-
 def _attention_fn(implementation, model, window, D):
     """`f(q, k, v) -> out` on `[B, T, H, D]`, `[B, S, K, D]` inputs, or a skip reason."""
     softcap = model.logit_softcap
@@ -132,7 +122,7 @@ def test_attention(measure, bench_scale, model_name, seq_len, mode, implementati
     B, T, S = bench_scale.batch(seq_len), seq_len, seq_len
     H, K, D = model.heads, model.kv_heads, model.head_dim
     dtype = jnp.dtype(bench_scale.dtype)
-    window, variant = _mask(model)
+    window, variant = model.causal_mask
     baseline = "reference" if model.logit_softcap else BASELINE
     case = BenchCase(
         op=OP,

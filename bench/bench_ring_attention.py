@@ -56,16 +56,6 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("model_name, seq_len, mode, implementation", params, ids=ids)
 
 
-def _mask(model):
-    window = (model.window - 1, 0) if model.window else None
-    variant = "causal"
-    if window:
-        variant += f" window={model.window}"
-    if model.logit_softcap:
-        variant += f" softcap={model.logit_softcap:g}"
-    return window, variant
-
-
 def _attention_fn(implementation, mesh, window, softcap):
     options = dict(causal=True, window=window, logit_softcap=softcap)
     if implementation == BASELINE:
@@ -83,7 +73,7 @@ def test_ring_attention(measure, benchmark, bench_scale, model_name, seq_len, mo
     B, T = bench_scale.batch(seq_len), seq_len
     H, K, D = model.heads, model.kv_heads, model.head_dim
     dtype = jnp.dtype(bench_scale.dtype)
-    window, variant = _mask(model)
+    window, variant = model.causal_mask
     case = BenchCase(
         op=OP,
         implementation=implementation,

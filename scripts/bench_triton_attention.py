@@ -18,14 +18,13 @@ Implementations: `triton` (`sf.flash_attention(implementation="triton")`),
 
 import argparse
 import datetime
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import shardfuse as sf
+from shardfuse.demos import time_call
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -39,16 +38,6 @@ def attention_fn(impl, causal):
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=impl
     )
-
-
-def median_seconds(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_case(impl, seq_len, head_dim, causal, dtype, repeats):
@@ -65,8 +54,8 @@ def run_case(impl, seq_len, head_dim, causal, dtype, repeats):
         return vjp(d_out)
 
     flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
-    fwd = median_seconds(forward, (q, k, v), repeats)
-    both = median_seconds(forward_backward, (q, k, v, d_out), repeats)
+    fwd = time_call(forward, q, k, v, repeats=repeats)
+    both = time_call(forward_backward, q, k, v, d_out, repeats=repeats)
     bwd = max(both - fwd, 1e-12)
     return dict(
         batch=batch,

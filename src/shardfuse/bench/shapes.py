@@ -38,6 +38,18 @@ class ModelShape:
     window: int | None = None
     logit_softcap: float | None = None
 
+    @property
+    def causal_mask(self) -> tuple[tuple[int, int] | None, str]:
+        """`(window, variant)` of its causal self-attention: the `window=` argument of
+        `sf.flash_attention` (a window of W keys is `(W - 1, 0)`) and a label for groups."""
+        window = (self.window - 1, 0) if self.window else None
+        variant = "causal"
+        if window:
+            variant += f" window={self.window}"
+        if self.logit_softcap:
+            variant += f" softcap={self.logit_softcap:g}"
+        return window, variant
+
 
 MODELS = {
     m.name: m

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 import shardfuse as sf
 from shardfuse.testing import assert_close, assert_close_low_precision
+from tests.kernels.attention.common import segment_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +58,6 @@ def ring_mesh(n: int, axis: str = "sequence") -> Mesh:
 @functools.cache
 def mesh_3d() -> Mesh:
     return Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "sequence", "model"))
-
-
-def segment_ids(key, batch, length, num_segments=3):
-    """Sorted (packed-sequence style) random segment ids, int32 `[batch, length]`."""
-    ids = jax.random.randint(key, (batch, length), 0, num_segments)
-    return jnp.sort(ids, axis=1).astype(jnp.int32)
 
 
 def make_inputs(case: RingCase, seed: int = 0):

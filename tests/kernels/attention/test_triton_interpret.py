@@ -7,14 +7,12 @@ interpreter is slow, so shapes are tiny and block sizes small (16) so that
 every case still spans several blocks, partial blocks and skipped blocks.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from shardfuse.kernels.attention import base
-from shardfuse.testing import assert_close, assert_close_low_precision
-from tests.kernels.attention.common import Case, attention_with_vjp, make_inputs
+from tests.kernels.attention.common import Case, compare_to_reference, make_inputs, with_vjp
 
 pytest.importorskip("torch", reason="the Triton interpreter runs on torch CPU tensors")
 pytest.importorskip("triton", reason="needs triton (pip install triton)")
@@ -88,41 +86,16 @@ def interpreted_with_vjp(kwargs, block_sizes):
             launcher=LAUNCHER,
         )
 
-    @jax.jit
-    def run(q, k, v, d_out, d_lse):
-        (out, lse), vjp = jax.vjp(attend, q, k, v)
-        d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-        return (out, lse, *vjp((d_out.astype(out.dtype), d_lse)))
-
-    return run
+    return with_vjp(attend)
 
 
 def check(case, inputs=None):
     """Forward, lse and gradients against the reference with the TESTING.md tolerances."""
-    q, k, v, kwargs, (d_out, d_lse) = inputs or make_inputs(case)
+    inputs = inputs or make_inputs(case)
     block_sizes = None if case.block is None else base.BlockSizes(*case.block)
-    got = interpreted_with_vjp(kwargs, block_sizes)
-    oracle = attention_with_vjp("oracle", kwargs)
-    names = ("out", "lse", "dq", "dk", "dv")
-    kinds = ("output", "output", "grad", "grad", "grad")
-    if case.dtype == "float32":
-        actual = got(q, k, v, d_out, d_lse)
-        expected = oracle(q, k, v, d_out, d_lse)
-        for name, kind, a, e in zip(names, kinds, actual, expected, strict=True):
-            assert a.dtype == jnp.float32, (name, a.dtype)
-            assert_close(a, e, kind=kind, name=f"triton {case.id} {name}")
-        return actual
-    dtype = jnp.dtype(case.dtype)
-    low = [x.astype(dtype) for x in (q, k, v)]
-    actual = got(*low, d_out, d_lse)
-    ref_lp = oracle(*low, d_out, d_lse)
-    ref32 = oracle(*(x.astype(jnp.float32) for x in low), d_out, d_lse)
-    for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
-        assert actual[i].dtype == (jnp.float32 if name == "lse" else dtype), name
-        assert_close_low_precision(
-            actual[i], ref32[i], ref_lp[i], kind=kind, name=f"triton {case.id} {name}"
-        )
-    return actual
+    return compare_to_reference(
+        "triton", case, interpreted_with_vjp(inputs[3], block_sizes), inputs
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -1,0 +1,91 @@
+"""Tile helpers of the Triton attention kernels (`triton_kernels.py`): scores, masks, ranges.
+
+`tile_mask` is `base.visibility_mask` for one tile (positions, causal,
+window, segment ids, sequence padding); `block_range` and `stage_bounds`
+read the per-block visit table `(lo, full_lo, full_hi, hi)` that the JAX
+wrapper computes; `logits` applies scale and softcap in the base-2 domain.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """float32-accumulated `a @ b`; exact float32 products when IEEE (no TF32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def logits(s, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Raw scores -> base-2 logits `log2(e) * cap(scale * s)`, and tanh for the cap's derivative."""
+    if SOFTCAP > 0:
+        tanh = 2.0 * tl.sigmoid((2.0 * SCALE / SOFTCAP) * s) - 1.0
+        return tanh * (SOFTCAP * LOG2E), tanh
+    return s * (SCALE * LOG2E), s
+
+
+@triton.jit
+def tile_mask(
+    pos,
+    seg,
+    valid,
+    other_pos_ref,
+    other_seg_ref,
+    other_offsets,
+    other_valid,
+    ROWS_ARE_QUERIES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,
+):
+    """bool `[rows, cols]`: `base.visibility_mask` of one tile (-1: unbounded window side).
+
+    The rows' positions and segment ids are in registers; the columns' are
+    loaded at `other_offsets`. Rows are queries, or keys (dK/dV's transposed tiles).
+    """
+    other_pos = tl.load(other_pos_ref + other_offsets, mask=other_valid, other=0)
+    if ROWS_ARE_QUERIES:
+        diff = pos[:, None] - other_pos[None, :]  # q_pos - kv_pos
+    else:
+        diff = other_pos[None, :] - pos[:, None]
+    mask = valid[:, None] & other_valid[None, :]
+    if CAUSAL:
+        mask = mask & (diff >= 0)
+    if WINDOW_LEFT >= 0:
+        mask = mask & (diff <= WINDOW_LEFT)
+    if WINDOW_RIGHT >= 0:
+        mask = mask & (diff >= -WINDOW_RIGHT)
+    if HAS_SEGMENTS:
+        other_seg = tl.load(other_seg_ref + other_offsets, mask=other_valid, other=0)
+        mask = mask & (seg[:, None] == other_seg[None, :])
+    return mask
+
+
+@triton.jit
+def any_row(mask):
+    """bool `[cols]`: which columns of a `[rows, cols]` mask have any True."""
+    return tl.max(mask.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def block_range(ranges_ref, row):
+    """`(lo, full_lo, full_hi, hi)` of one outer block: see the module docstring."""
+    base = ranges_ref + row * 4
+    return tl.load(base), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3)
+
+
+@triton.jit
+def stage_bounds(stage: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Block bounds of stage 0 (masked), 1 (fully visible, unmasked) or 2 (masked)."""
+    if stage == 0:
+        return lo, full_lo
+    if stage == 1:
+        return full_lo, full_hi
+    return full_hi, hi
