@@ -267,6 +267,30 @@ def gpu_compute_capability() -> int:
     return 10 * major + minor
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResourceUsage:
+    """Per-program resources of one compiled kernel (a CUDA block).
+
+    Attributes:
+      registers: registers per thread (ptxas).
+      spill_stores, spill_loads: spill bytes (ptxas).
+      shared_memory: bytes of shared memory per block (compile metadata).
+      shared_memory_limit: the device's per-block limit.
+    """
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_memory: int
+    shared_memory_limit: int
+
+    @property
+    def ok(self) -> bool:
+        """No spills and shared memory within the device's per-block limit."""
+        spills = self.spill_stores + self.spill_loads
+        return spills == 0 and self.shared_memory <= self.shared_memory_limit
+
+
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """`(registers, spill store bytes, spill load bytes)` from `ptxas -v`."""
     from triton.backends.nvidia.compiler import get_ptxas

@@ -37,8 +37,8 @@ VARIANTS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class CompileStats:
-    """What one compiled kernel uses per program (CUDA block)."""
+class CompileStats(triton_support.ResourceUsage):
+    """What one compiled attention kernel uses per program (CUDA block)."""
 
     kernel: str
     arch: int
@@ -46,17 +46,6 @@ class CompileStats:
     dtype: str
     variant: str
     config: triton_configs.KernelConfig
-    registers: int
-    spill_stores: int
-    spill_loads: int
-    shared_memory: int
-    shared_memory_limit: int
-
-    @property
-    def ok(self) -> bool:
-        """No spills and shared memory within the device's per-block limit."""
-        spills = self.spill_stores + self.spill_loads
-        return spills == 0 and self.shared_memory <= self.shared_memory_limit
 
 
 def compile_kernel(

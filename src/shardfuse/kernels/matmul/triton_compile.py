@@ -20,22 +20,12 @@ _TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclasses.dataclass(frozen=True)
-class CompileStats:
-    """Registers per thread, spill bytes and shared memory per block of one compiled kernel."""
+class CompileStats(triton_support.ResourceUsage):
+    """Registers per thread, spill bytes and shared memory per block of the compiled matmul."""
 
     arch: int
     dtype: str
     config: triton_gpu.KernelConfig
-    registers: int
-    spill_stores: int
-    spill_loads: int
-    shared_memory: int
-    shared_memory_limit: int
-
-    @property
-    def ok(self) -> bool:
-        spills = self.spill_stores + self.spill_loads
-        return spills == 0 and self.shared_memory <= self.shared_memory_limit
 
 
 def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_c=True, has_bias=True):
