@@ -45,3 +45,16 @@ def match_varying(*arrays):
     """Every non-None array cast to the union of their vma; None stays None."""
     axes = common_axes(*arrays)
     return tuple(None if x is None else to_varying(x, axes) for x in arrays)
+
+
+def shape_dtype_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """`ShapeDtypeStruct` varying over the same manual mesh axes as `like` (a pallas_call's
+    `out_shape` inside shard_map)."""
+    aval = jax.typeof(like)
+    axes = getattr(aval, "vma", None)  # jax 0.11
+    if axes is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    if manual is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+    return jax.ShapeDtypeStruct(shape, dtype)

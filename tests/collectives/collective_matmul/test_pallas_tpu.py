@@ -7,6 +7,7 @@ on; "eager" completes them at once): results match `lax.all_gather(x) @ w` /
 (the planted race) the detector fires. The real Mosaic kernels lower for TPU.
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.collective_matmul import base, pallas_tpu
-from shardfuse.kernels.matmul import pallas_tpu as matmul_pallas
+from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close, assert_close_low_precision
 from tests.collectives.collective_matmul.common import (
     Case,
@@ -48,11 +49,15 @@ def races_found() -> bool:
     return bool(races.races_found)
 
 
+def _handshake(handshake: bool):
+    return contextlib.nullcontext() if handshake else pallas_tpu.without_handshake()
+
+
 def _forward(case: Case, mode: str, *, handshake: bool = True):
     """The op's forward under the race detector; returns (output, races found)."""
     x, w, _ = case.placed(*case.inputs())
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
-    with pallas_tpu.interpret_override(params, handshake=handshake):
+    with interpret_mode(params), _handshake(handshake):
         pltpu.reset_tpu_interpret_mode_state()
         y = jax.block_until_ready(jax.jit(case.sharded(case.call("pallas_tpu")))(x, w))
         return y, races_found()
@@ -97,7 +102,7 @@ def test_gather_accumulate_race_free(mode):
     g = jax.device_put(g, NamedSharding(mesh, P("model")))
     local = jax.device_put(local, NamedSharding(mesh, P("model")))
     params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
-    with pallas_tpu.interpret_override(params):
+    with interpret_mode(params):
         pltpu.reset_tpu_interpret_mode_state()
         got = jax.block_until_ready(jax.jit(jax.shard_map(per_shard, **specs))(g, local))
         assert not races_found()
@@ -117,7 +122,7 @@ def test_gather_accumulate_race_free(mode):
 def test_forward_and_gradients(case):
     """Forward and vjp (dx through the other fused kernel, dw through gather-accumulate)."""
     params = pltpu.InterpretParams(dma_execution_mode="eager")
-    with pallas_tpu.interpret_override(params):
+    with interpret_mode(params):
         got, expected = run_with_oracle(case, "pallas_tpu")
     for name, g, e in zip(NAMES, got, expected, strict=True):
         assert_close(g, e, kind="output" if name == "y" else "grad", name=f"{case} {name}")
@@ -128,7 +133,7 @@ def test_forward_and_gradients(case):
 )
 def test_bfloat16(op):
     case = Case(op, 2, bidirectional=True, dtype="bfloat16", m=4, c=16, f=16)
-    with pallas_tpu.interpret_override(pltpu.InterpretParams(dma_execution_mode="eager")):
+    with interpret_mode(pltpu.InterpretParams(dma_execution_mode="eager")):
         got, ref_lp = run_with_oracle(case, "pallas_tpu")
     ref32 = upcast_oracle(case)
     for name, g, r32, rlp in zip(NAMES, got, ref32, ref_lp, strict=True):
@@ -156,7 +161,7 @@ def test_lowers_for_tpu(op, bidirectional):
         y, vjp = jax.vjp(f, x, w)
         return y, vjp(cotangent)
 
-    with matmul_pallas.mosaic_lowering():
+    with interpret_mode(False):
         lowered = jax.jit(fwd_bwd).trace(x, w, cotangent).lower(lowering_platforms=("tpu",))
     text = lowered.as_text()
     kernels = (

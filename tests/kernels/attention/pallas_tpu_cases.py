@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 import shardfuse as sf
-from shardfuse.kernels.attention import pallas_tpu
+from shardfuse.kernels.pallas_interpret import interpret_mode
 
 # What the tests run the kernels under: reads outside a buffer raise, fresh
 # memory (scratch, padding of blocks) is NaN, so a kernel that reads what it
@@ -151,7 +151,7 @@ def runner(name: str, implementation: str):
 
     def call(q, k, v, d_out, d_lse, q_seg, kv_seg):
         q_pos, kv_pos = positions(case)
-        with pallas_tpu.interpret_params(STRICT):
+        with interpret_mode(STRICT):
             # Block: JAX's TPU interpreter runs JAX ops inside its host callbacks, which
             # deadlock against anything dispatched to the CPU device meanwhile.
             return jax.block_until_ready(

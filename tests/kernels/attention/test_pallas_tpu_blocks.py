@@ -11,6 +11,7 @@ import pytest
 import shardfuse as sf
 from shardfuse.kernels.attention import api, base, pallas_tpu
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
+from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close
 
 
@@ -107,7 +108,7 @@ def test_refusals_raise_not_implemented():
             q, k, v, implementation="pallas_tpu", block_sizes=sf.BlockSizes(block_q=64)
         )
     with pytest.raises(TypeError, match="InterpretParams"):
-        with pallas_tpu.interpret_params("yes"):
+        with interpret_mode("yes"):
             pass
 
 

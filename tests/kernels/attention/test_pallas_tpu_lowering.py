@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 
 import shardfuse as sf
-from shardfuse.kernels.attention import pallas_tpu
+from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close
 from tests.kernels.attention.pallas_tpu_cases import (
     CASES,
@@ -60,7 +60,7 @@ def test_lowers_for_tpu_forward_and_backward(name):
         (out, lse), vjp = jax.vjp(attention, q, k, v)
         return vjp((out, lse))
 
-    with pallas_tpu.interpret_params(False):
+    with interpret_mode(False):
         for fn, kernels in ((attention, 1), (forward_and_backward, 3)):
             text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
             assert text.count("stablehlo.custom_call @tpu_custom_call") == kernels
@@ -120,7 +120,7 @@ def test_matches_jax_pallas_tpu_flash_attention():
         out, vjp = jax.vjp(fn, q, k, v)
         return out, *vjp(d_out)
 
-    with pltpu.force_tpu_interpret_mode(STRICT), pallas_tpu.interpret_params(STRICT):
+    with pltpu.force_tpu_interpret_mode(STRICT), interpret_mode(STRICT):
         # Blocking after each: see pallas_tpu_cases.runner (interpreter deadlock).
         expected = jax.block_until_ready(jax.jit(lambda: with_grads(theirs))())
         actual = jax.block_until_ready(jax.jit(lambda: with_grads(ours))())

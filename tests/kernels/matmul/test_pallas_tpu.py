@@ -6,6 +6,7 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.kernels.matmul import MatmulBlockSizes, pallas_tpu
+from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close
 
 
@@ -55,7 +56,7 @@ def test_lowers_for_tpu(dtype):
         out = sf.matmul(a, b, c=c, bias=bias, out_dtype=jnp.float32, implementation="pallas_tpu")
         return out.sum()
 
-    with pallas_tpu.mosaic_lowering():
+    with interpret_mode(False):
         lowered = (
             jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
             .trace(a, b, c, bias)
@@ -68,5 +69,5 @@ def test_lowers_for_tpu(dtype):
 
 def test_float16_is_refused_by_mosaic():
     a, b, _, _ = _inputs(16, 128, 128, jnp.float16)
-    with pallas_tpu.mosaic_lowering(), pytest.raises(NotImplementedError, match="float32 and"):
+    with interpret_mode(False), pytest.raises(NotImplementedError, match="float32 and"):
         sf.matmul(a, b, implementation="pallas_tpu")

@@ -1,4 +1,4 @@
-"""Shared pieces of the collective matmuls: validation, the static ring plan, vma helpers.
+"""Shared pieces of the collective matmuls: validation, the static ring plan, one vma for x and w.
 
 Every implementation receives inputs that `validate` has already checked and
 a `RingPlan`, so a backend only raises `NotImplementedError`, never `ValueError`.
@@ -15,6 +15,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from shardfuse.kernels import vma
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu")
@@ -143,28 +145,7 @@ def check_implementation(implementation, *, function: str):
         )
 
 
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes over which x varies (its vma), on jax 0.10 and later alike."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        mat = getattr(aval, "manual_axis_type", None)
-        vma = getattr(mat, "varying", frozenset())
-    return frozenset(vma)
-
-
-def to_varying(x, axes: frozenset):
-    """Casts x to vary over `axes` too. Its transpose sums the cotangent over the new axes,
-    which is exactly the gradient of an input that is replicated over them."""
-    missing = tuple(sorted(axes - varying_axes(x)))
-    if not missing:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # the name before pcast
-
-
 def common_varying(x, w, axis_name: str):
     """x and w cast to one vma (theirs and `axis_name`), so a custom_vjp's types line up."""
-    axes = varying_axes(x) | varying_axes(w) | {axis_name}
-    return to_varying(x, axes), to_varying(w, axes)
+    axes = vma.common_axes(x, w) | {axis_name}
+    return vma.to_varying(x, axes), vma.to_varying(w, axes)

@@ -16,9 +16,9 @@ VMEM accumulator). Where the transposed problems do not fit the kernels
 
 Off TPU the kernels run in TPU interpret mode (`pltpu.InterpretParams`), which
 simulates the remote DMAs and semaphores across the CPU devices;
-`interpret_override(params)` picks its options (race detection, DMA execution
-mode) and `mosaic_lowering()` (from the matmul kernel) forces the real kernels
-for `lower(lowering_platforms=("tpu",))`.
+`pallas_interpret.interpret_mode(params)` picks its options (race detection,
+DMA execution mode), and `interpret_mode(False)` forces the real kernels for
+`lower(lowering_platforms=("tpu",))`.
 """
 
 import contextlib
@@ -28,41 +28,28 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from shardfuse.collectives.collective_matmul import pallas_tpu_kernels as kernels
 from shardfuse.collectives.collective_matmul import ring
 from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying
 from shardfuse.kernels.matmul import base as matmul_base
-from shardfuse.kernels.matmul import pallas_tpu as matmul_pallas
+from shardfuse.kernels.pallas_interpret import current_interpret_params
 
 # Per-device bytes the VMEM-resident kernels accept (operands, output, buffers).
 VMEM_BUDGET_BYTES = 24 * 2**20
 
-_INTERPRET = contextvars.ContextVar("shardfuse_collective_interpret", default=None)
 _HANDSHAKE = contextvars.ContextVar("shardfuse_collective_handshake", default=True)
 
 
 @contextlib.contextmanager
-def interpret_override(params: pltpu.InterpretParams, *, handshake: bool = True):
-    """Run the fused kernels off TPU with these interpret-mode options.
-
-    `handshake=False` drops the credit handshake: a deliberately racy kernel
-    for testing the race detector, never for use.
-    """
-    tokens = (_INTERPRET.set(params), _HANDSHAKE.set(handshake))
+def without_handshake():
+    """Drop the credit handshake of the kernels traced inside: a deliberately racy kernel
+    for testing the race detector (`pltpu.InterpretParams(detect_races=True)`), never for use."""
+    token = _HANDSHAKE.set(False)
     try:
         yield
     finally:
-        _INTERPRET.reset(tokens[0])
-        _HANDSHAKE.reset(tokens[1])
-
-
-def _interpret():
-    params = matmul_pallas.interpret_params()
-    if params is None:
-        return None
-    return _INTERPRET.get() or params
+        _HANDSHAKE.reset(token)
 
 
 def _mesh_axes(plan: RingPlan) -> tuple[str, ...]:
@@ -98,7 +85,7 @@ def _check_supported(dtype, widths, working_set: int, plan: RingPlan, row_factor
             f"pallas_tpu collective matmul keeps operands in VMEM: {working_set} bytes per "
             f"device exceed {VMEM_BUDGET_BYTES}"
         )
-    if _interpret() is None:  # real Mosaic: (8, 128) tiles for the row blocks
+    if current_interpret_params() is False:  # real Mosaic: (8, 128) tiles for the row blocks
         sublane = 8 if jnp.dtype(dtype) == jnp.float32 else 16
         rows = [lane.size * row_factor for lane in plan.lanes]
         if any(r % sublane for r in rows) or any(width % 128 for width in widths):
@@ -120,7 +107,7 @@ def _gather_forward(x, w, plan: RingPlan, mesh_axes):
     _check_supported(x.dtype, (x.shape[-1], w.shape[1]), working_set, plan, row_factor)
     y2 = kernels.all_gather_matmul_call(
         x2, w, plan, mesh_axes, row_factor,
-        out_dtype=x.dtype, interpret=_interpret(), handshake=_HANDSHAKE.get(),
+        out_dtype=x.dtype, interpret=current_interpret_params(), handshake=_HANDSHAKE.get(),
     )  # fmt: skip
     return _from_rows(y2, moved, plan.axis, plan.size * plan.chunk)
 
@@ -132,7 +119,13 @@ def _scatter_forward(x, w, plan: RingPlan, mesh_axes):
     working_set = _nbytes(x, w) + buffers
     _check_supported(x.dtype, (x.shape[-1], w.shape[1]), working_set, plan, row_factor)
     y2 = kernels.matmul_reduce_scatter_call(
-        x2, w, plan, mesh_axes, row_factor, interpret=_interpret(), handshake=_HANDSHAKE.get()
+        x2,
+        w,
+        plan,
+        mesh_axes,
+        row_factor,
+        interpret=current_interpret_params(),
+        handshake=_HANDSHAKE.get(),
     )
     return _from_rows(y2, moved, plan.axis, plan.chunk)
 
@@ -148,7 +141,13 @@ def _gather_accumulate(gathered, local, plan: RingPlan, mesh_axes):
     widths = (g2.shape[1], l2.shape[1])
     _check_supported(gathered.dtype, widths, working_set, plan, row_factor)
     return kernels.gather_accumulate_call(
-        g2, l2, plan, mesh_axes, row_factor, interpret=_interpret(), handshake=_HANDSHAKE.get()
+        g2,
+        l2,
+        plan,
+        mesh_axes,
+        row_factor,
+        interpret=current_interpret_params(),
+        handshake=_HANDSHAKE.get(),
     )
 
 

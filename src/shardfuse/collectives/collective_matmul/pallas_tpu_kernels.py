@@ -43,7 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from shardfuse.collectives.collective_matmul.base import Lane, RingPlan
-from shardfuse.kernels.attention.reference import dot_precision
+from shardfuse.kernels import vma
+from shardfuse.kernels.precision import dot_precision
 
 
 def ring_table(plan: RingPlan, mesh_axes: tuple[str, ...], row_factor: int, *, scatter: bool):
@@ -94,18 +95,6 @@ def _barrier_with_neighbours(table_ref, num_axes: int):
             device_id_type=pl.DeviceIdType.MESH,
         )
     pl.semaphore_wait(barrier, 2)
-
-
-def out_struct(shape, dtype, like):
-    """`ShapeDtypeStruct` varying over the same manual mesh axes as `like` (for shard_map)."""
-    aval = jax.typeof(like)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    vma = getattr(aval, "vma", None)
-    if vma is not None:  # jax versions that call it vma
-        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _lane_rows(lane: Lane, row_factor: int):
@@ -293,7 +282,7 @@ def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, int
             row_factor=row_factor,
             handshake=handshake,
         ),
-        out_shape=out_struct((plan.size * x2.shape[0], w.shape[1]), out_dtype, x2),
+        out_shape=vma.shape_dtype_struct((plan.size * x2.shape[0], w.shape[1]), out_dtype, x2),
         in_specs=[smem, vmem, vmem],
         out_specs=vmem,
         scratch_shapes=_gather_scratch(plan, row_factor, x2.shape[1], x2.dtype),
@@ -316,7 +305,7 @@ def gather_accumulate_call(g2, l2, plan, mesh_axes, row_factor, *, interpret, ha
             row_factor=row_factor,
             handshake=handshake,
         ),
-        out_shape=out_struct((l2.shape[1], g2.shape[1]), jnp.float32, g2),
+        out_shape=vma.shape_dtype_struct((l2.shape[1], g2.shape[1]), jnp.float32, g2),
         in_specs=[smem, vmem, vmem],
         out_specs=vmem,
         scratch_shapes=_gather_scratch(plan, row_factor, g2.shape[1], g2.dtype),
@@ -351,7 +340,7 @@ def matmul_reduce_scatter_call(
             row_factor=row_factor,
             handshake=handshake,
         ),
-        out_shape=out_struct((plan.chunk * row_factor, w.shape[1]), out_dtype, x2),
+        out_shape=vma.shape_dtype_struct((plan.chunk * row_factor, w.shape[1]), out_dtype, x2),
         in_specs=[smem, vmem, vmem],
         out_specs=vmem,
         scratch_shapes=scratch,

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.collectives.ring_attention import blocks, layouts
+from shardfuse.kernels import vma
 from shardfuse.kernels.attention import base
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
@@ -65,26 +66,10 @@ class RingSpec:
     implementation: str
 
 
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def _full(shape, value, dtype, *likes):
     """A constant that varies over the same mesh axes as `likes` (loop carries and
     cond branches inside `shard_map` must agree on that)."""
-    x = jnp.full(shape, value, dtype)
-    axes = frozenset().union(*(_varying_axes(y) for y in likes if y is not None))
-    if axes:
-        axes = tuple(sorted(axes, key=str))
-        if hasattr(lax, "pcast"):
-            x = lax.pcast(x, axes, to="varying")
-        else:  # older spelling
-            x = lax.pvary(x, axes)
-    return x
+    return vma.to_varying(jnp.full(shape, value, dtype), vma.common_axes(*likes))
 
 
 def _range(x, axis=-1):

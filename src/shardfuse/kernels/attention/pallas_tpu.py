@@ -15,8 +15,9 @@ clamps it to the next computed block, as splash attention does. GQA/MQA read
 kv head `h // G` through the index map; K/V are never repeated.
 
 On a CPU backend the kernels run in TPU interpret mode (`pltpu.InterpretParams`),
-so the TPU path can be debugged and tested on a laptop; `interpret_params`
-picks the mode explicitly (tests use it to pass stricter params, and to emit
+so the TPU path can be debugged and tested on a laptop;
+`shardfuse.kernels.pallas_interpret.interpret_mode` picks the mode explicitly
+(tests use it to pass stricter params, and to emit
 Mosaic for `lower(lowering_platforms=("tpu",))` from a CPU host). JAX's TPU
 interpreter (jax 0.10) runs JAX operations inside its host callbacks: wait
 for an interpreted call's results (`jax.block_until_ready`) before
@@ -44,11 +45,10 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
     check_supported,
     checked_call,
     cost_estimate,
-    interpret_params,
-    resolve_interpret,
 )
+from shardfuse.kernels.pallas_interpret import current_interpret_params
 
-__all__ = ["BlockSizes", "backward", "flash_attention", "forward", "interpret_params"]
+__all__ = ["BlockSizes", "backward", "flash_attention", "forward"]
 
 
 def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret=None):
@@ -56,7 +56,7 @@ def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
 
     Positions are int32 `[T]` / `[S]`, segment ids None or `[B, T]` / `[B, S]`;
     `interpret` is the pallas_call `interpret=` value: a `pltpu.InterpretParams`,
-    False (Mosaic), or None (chosen as `interpret_params` says). Used by
+    False (Mosaic), or None (`pallas_interpret.current_interpret_params`). Used by
     `flash_attention` and by collectives that merge partial results.
 
     Example:
@@ -69,7 +69,7 @@ def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
       >>> out.shape, lse.shape
       ((1, 100, 2, 64), (1, 2, 100))
     """
-    interpret = resolve_interpret(interpret)
+    interpret = current_interpret_params(interpret)
     return _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)
 
 
@@ -154,7 +154,7 @@ def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg,
     Differentiable (custom_vjp: FlashAttention-2 backward kernels). Called by
     `shardfuse.flash_attention(..., implementation="pallas_tpu")`, which
     validates the inputs first; the kernels run as Mosaic on TPU and in TPU
-    interpret mode on CPU (see `interpret_params`).
+    interpret mode on CPU (see `pallas_interpret.interpret_mode`).
 
     Args:
       config: the validated `AttentionConfig` (masks, softcap, scale, block sizes).
@@ -181,4 +181,4 @@ def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg,
       (1, 128, 4, 128)
     """
     check_supported(q, config.block_sizes)  # NotImplementedError before any tracing
-    return _flash(config, resolve_interpret(None), q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return _flash(config, current_interpret_params(None), q, k, v, q_pos, kv_pos, q_seg, kv_seg)

@@ -32,8 +32,8 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
     checked_call,
     cost_estimate,
     pad,
-    resolve_interpret,
 )
+from shardfuse.kernels.pallas_interpret import current_interpret_params
 
 
 def _dq(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_dtype):
@@ -142,7 +142,7 @@ def backward(
       out: `[B, T, H, D]` attention output; lse: float32 `[B, H, T]`.
       d_out: `[B, T, H, D]` cotangent of out; d_lse: float32 `[B, H, T]`.
       interpret: the pallas_call `interpret=` value: a `pltpu.InterpretParams`, False
-        (Mosaic) or None (chosen as `pallas_tpu.interpret_params` says).
+        (Mosaic) or None (chosen by `pallas_interpret.current_interpret_params`).
       grad_dtype: dtype of the returned gradients (float32 by default).
 
     Returns:
@@ -163,7 +163,7 @@ def backward(
     """
     return _backward(
         config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
-        interpret=resolve_interpret(interpret), grad_dtype=grad_dtype,
+        interpret=current_interpret_params(interpret), grad_dtype=grad_dtype,
     )  # fmt: skip
 
 

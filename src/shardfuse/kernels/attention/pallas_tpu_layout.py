@@ -6,16 +6,13 @@ dims are `(rows, D)`), zero pads the sequences to block multiples, builds the
 lane/sublane broadcast copies of positions and segment ids that the kernels
 mask with, and the block tables (pallas_tpu_blocks) passed as scalar
 prefetch. `checked_call` checks every BlockSpec against the TPU tiling rule
-before it calls `pl.pallas_call`. `interpret_params` / `resolve_interpret`
-choose between Mosaic and TPU interpret mode.
+before it calls `pl.pallas_call`; shardfuse.kernels.pallas_interpret chooses
+between Mosaic and TPU interpret mode.
 
 Axis glossary: B batch, T query length, S key length, H query heads, K kv
 heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
 """
 
-import contextlib
-
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -23,69 +20,9 @@ from jax.experimental.pallas import tpu as pltpu
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
 from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, NUM_SUBLANES, BlockSizes
-from shardfuse.kernels.attention.reference import dot_precision
+from shardfuse.kernels.precision import dot_precision
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-_AUTO = object()
-_interpret_setting = _AUTO  # see interpret_params
-
-
-@contextlib.contextmanager
-def interpret_params(params):
-    """Chooses how `pallas_tpu` attention calls traced inside the block run.
-
-    Args:
-      params: a `pltpu.InterpretParams` (TPU interpret mode with these
-        params, on any backend), `False` (always emit Mosaic: run on TPU, or
-        lower for TPU from another host), or `None` (the default: Mosaic on a
-        TPU backend, interpret mode with default params on CPU).
-
-    The choice is read when `flash_attention` is traced and kept for its
-    backward pass.
-
-    Example:
-      >>> from jax.experimental.pallas import tpu as pltpu
-      >>> strict = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
-      >>> with interpret_params(strict):
-      ...     pass  # sf.flash_attention(q, k, v, implementation="pallas_tpu") here
-    """
-    global _interpret_setting
-    if not (params is None or params is False or isinstance(params, pltpu.InterpretParams)):
-        raise TypeError(
-            f"params={params!r} must be a pltpu.InterpretParams, False (emit Mosaic) or None (auto)"
-        )
-    previous = _interpret_setting
-    _interpret_setting = _AUTO if params is None else params
-    try:
-        yield
-    finally:
-        _interpret_setting = previous
-
-
-def resolve_interpret(interpret):
-    """`interpret` if given, else the `interpret_params` choice; NotImplementedError off TPU/CPU.
-
-    Example:
-      >>> resolve_interpret(False)  # given: kept
-      False
-      >>> with interpret_params(False):
-      ...     resolve_interpret(None)
-      False
-    """
-    if interpret is not None:
-        return interpret
-    if _interpret_setting is not _AUTO:
-        return _interpret_setting
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return False
-    if platform == "cpu":
-        return pltpu.InterpretParams()
-    raise NotImplementedError(
-        f"pallas_tpu runs on TPU, or on CPU in TPU interpret mode; the backend is {platform!r}"
-    )
 
 
 class Layout:

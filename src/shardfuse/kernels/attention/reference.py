@@ -13,11 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.kernels.attention import base
-
-
-def dot_precision(dtype):
-    """HIGHEST for float32 inputs (no TF32 / bf16 passes), DEFAULT for 16-bit inputs."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+from shardfuse.kernels.precision import dot_precision
 
 
 def reference_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):

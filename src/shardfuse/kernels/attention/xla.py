@@ -24,7 +24,7 @@ from jax import lax
 
 from shardfuse.kernels import vma
 from shardfuse.kernels.attention import base
-from shardfuse.kernels.attention.reference import dot_precision
+from shardfuse.kernels.precision import dot_precision
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_KV = 256

@@ -14,6 +14,8 @@ import numbers
 import jax.numpy as jnp
 from jax import lax
 
+from shardfuse.kernels.precision import dot_precision
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -73,19 +75,12 @@ def require_default_precision(config: MatmulConfig, dtype, backend: str):
     """For kernels with a fixed precision: NotImplementedError unless `precision` matches it."""
     if config.precision is None:
         return
-    fixed = dot_precision_for(dataclasses.replace(config, precision=None), dtype)
+    fixed = dot_precision(dtype)
     if config.precision != fixed:
         raise NotImplementedError(
             f"{backend} matmul computes {jnp.dtype(dtype).name} products at precision "
             f"{fixed.name}; precision={config.precision.name} needs the xla implementation"
         )
-
-
-def dot_precision_for(config: MatmulConfig, dtype) -> lax.Precision:
-    """The precision of the products: the config's, else HIGHEST (float32) / DEFAULT (16-bit)."""
-    if config.precision is not None:
-        return config.precision
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 def _check_array(name, x):

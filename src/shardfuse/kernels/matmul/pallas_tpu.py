@@ -14,13 +14,11 @@ The backward runs the same kernel: `da = g @ b^T`, `db = a^T @ g` (the
 cotangent is cast to the input dtype first), `dc = g`, `dbias = sum g`.
 
 Off TPU the kernel runs in TPU interpret mode (`pltpu.InterpretParams`),
-which is how the tests check it on CPU; `mosaic_lowering()` forces the real
-Mosaic kernel so that `lower(lowering_platforms=("tpu",))` can be checked
-without a TPU.
+which is how the tests check it on CPU; `pallas_interpret.interpret_mode(False)`
+forces the real Mosaic kernel so that `lower(lowering_platforms=("tpu",))` can
+be checked without a TPU.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 
@@ -29,33 +27,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from shardfuse.kernels.attention.reference import dot_precision
 from shardfuse.kernels.matmul import base
+from shardfuse.kernels.pallas_interpret import current_interpret_params
+from shardfuse.kernels.precision import dot_precision
 
 DEFAULT_BLOCK_M = 256
 DEFAULT_BLOCK_N = 256
 DEFAULT_BLOCK_K = 512
 LANE = 128  # last-dim tiles are multiples of 128 lanes
 SUBLANE = 16  # second-to-last: 8 rows of 32-bit, 16 of 16-bit values; 16 fits both
-
-_FORCE_MOSAIC = contextvars.ContextVar("shardfuse_force_mosaic", default=False)
-
-
-@contextlib.contextmanager
-def mosaic_lowering():
-    """Build the Mosaic kernel even off TPU (to check `lower(lowering_platforms=("tpu",))`)."""
-    token = _FORCE_MOSAIC.set(True)
-    try:
-        yield
-    finally:
-        _FORCE_MOSAIC.reset(token)
-
-
-def interpret_params():
-    """None on TPU (or under `mosaic_lowering`), else TPU interpret mode."""
-    if _FORCE_MOSAIC.get() or jax.default_backend() == "tpu":
-        return None
-    return pltpu.InterpretParams()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +130,7 @@ def matmul_2d(a, b, c, bias, *, out_dtype, block_sizes: base.MatmulBlockSizes):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")
         ),
-        interpret=interpret_params(),
+        interpret=current_interpret_params(),
         name="shardfuse_matmul_plus_reduce",
     )(*operands)
     return out[:M, :N]
@@ -190,7 +170,10 @@ def matmul(config: base.MatmulConfig, a, b, c, bias):
     """`a [..., M, C] @ b [C, N] (+ c) (+ bias)` on validated inputs, with a custom VJP."""
     # Refuse now, before tracing, so that dispatch can fall back.
     base.require_default_precision(config, a.dtype, "pallas_tpu")
-    if interpret_params() is None and jnp.float16 in (jnp.dtype(a.dtype), config.out_dtype):
+    if current_interpret_params() is False and jnp.float16 in (
+        jnp.dtype(a.dtype),
+        config.out_dtype,
+    ):
         raise NotImplementedError("pallas_tpu matmul on TPU supports float32 and bfloat16")
     tiling(a.size // max(a.shape[-1], 1), b.shape[1], b.shape[0], config.block_sizes)
     return _matmul(a, b, c, bias, config)

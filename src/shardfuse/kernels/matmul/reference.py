@@ -10,6 +10,7 @@ accumulation for every input dtype, the additions in float32, one cast to
 import jax.numpy as jnp
 
 from shardfuse.kernels.matmul import base
+from shardfuse.kernels.precision import dot_precision
 
 
 def reference_matmul(config: base.MatmulConfig, a, b, c, bias):
@@ -19,6 +20,6 @@ def reference_matmul(config: base.MatmulConfig, a, b, c, bias):
         a,
         b,
         preferred_element_type=jnp.float32,
-        precision=base.dot_precision_for(config, a.dtype),
+        precision=dot_precision(a.dtype, config.precision),
     )
     return base.epilogue(acc, c, bias, config.out_dtype)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.kernels.matmul import base
+from shardfuse.kernels.precision import dot_precision
 
 
 def matmul(config: base.MatmulConfig, a, b, c, bias):
@@ -24,7 +25,7 @@ def matmul(config: base.MatmulConfig, a, b, c, bias):
         a2,
         b,
         (((1,), (0,)), ((), ())),
-        precision=base.dot_precision_for(config, a.dtype),
+        precision=dot_precision(a.dtype, config.precision),
         preferred_element_type=jnp.float32,
     ).reshape(out_shape)  # [..., M, N]
     return base.epilogue(acc, c, bias, config.out_dtype)
