@@ -103,7 +103,7 @@ def test_step_skip_is_sound_and_matches_the_balance_report(causal, window):
     import jax
 
     from shardfuse.collectives.ring_attention import balance, ring
-    from shardfuse.kernels.attention import base
+    from shardfuse.kernels.attention import base, masks
 
     config = base.AttentionConfig(causal=causal, window=window, logit_softcap=None, scale=1.0)
     n, length = 4, 64
@@ -115,7 +115,7 @@ def test_step_skip_is_sound_and_matches_the_balance_report(causal, window):
             q_pos, kv_pos
         )
         for row, (qp, kp) in enumerate(zip(q_pos, kv_pos, strict=True)):
-            mask = np.asarray(base.visibility_mask(config, jnp.asarray(qp), jnp.asarray(kp)))
+            mask = np.asarray(masks.visibility_mask(config, jnp.asarray(qp), jnp.asarray(kp)))
             if mask.any():
                 assert visible[row], (layout, row)
             assert bool(visible[row]) == balance._step_computed(config, qp, kp), (layout, row)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 from shardfuse.testing import assert_close, assert_close_low_precision
 from tests.kernels.attention.pallas_tpu_cases import (
     CASES,
@@ -102,7 +102,7 @@ def test_nan_in_invisible_positions_never_leaks(name):
     q_seg, kv_seg = segment_ids(case)
     config = base.validate(q, k, v, **_validate_kwargs(case, q_seg, kv_seg))
     q_pos, kv_pos = base.default_positions(case.T, case.S, *positions(case))
-    visible = base.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
+    visible = masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
     visible = jnp.broadcast_to(visible, (case.B, case.T, case.S))
     invisible_keys = ~jnp.any(visible, axis=1)[:, :, None, None]  # [B, S, 1, 1]
     invisible_rows = ~jnp.any(visible, axis=2)[:, :, None, None]  # [B, T, 1, 1]

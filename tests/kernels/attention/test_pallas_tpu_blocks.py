@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
-from shardfuse.kernels.attention import api, base, pallas_tpu
+from shardfuse.kernels.attention import api, base, masks, pallas_tpu
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close
@@ -46,7 +46,7 @@ def test_tiling_rule_check():
 def _brute_force_states(config, q_pos, kv_pos, q_seg, kv_seg, T, S, bq, bk):
     visible = np.asarray(
         jnp.broadcast_to(
-            base.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg),
+            masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg),
             (1 if q_seg is None else q_seg.shape[0], q_pos.shape[0], kv_pos.shape[0]),
         )
     )

@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import shardfuse as sf
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 from shardfuse.testing import assert_close
 from tests.kernels.attention.common import naive_attention_numpy, segment_ids
 
@@ -138,4 +138,4 @@ def test_visibility_mask_large_window_does_not_overflow():
     )
     q_pos = jnp.array([2**30, -(2**30)], jnp.int32)
     kv_pos = jnp.array([-(2**30), 2**30], jnp.int32)
-    assert np.all(np.asarray(base.visibility_mask(config, q_pos, kv_pos)))
+    assert np.all(np.asarray(masks.visibility_mask(config, q_pos, kv_pos)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
-from shardfuse.kernels.attention import base, triton_configs, triton_gpu
+from shardfuse.kernels.attention import base, masks, triton_configs, triton_gpu
 from shardfuse.kernels.attention.triton_launch import InterpretLauncher
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
@@ -133,7 +133,7 @@ def test_block_ranges_cover_every_visible_block_and_only_full_ones_unmasked(opti
     )
     visible, full = triton_gpu._block_masks(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n)
     ranges = np.asarray(triton_gpu._ranges(visible, full, B))  # [B, nq, 4]
-    mask = np.broadcast_to(base.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg), (B, T, S))
+    mask = np.broadcast_to(masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg), (B, T, S))
     nq, nk = -(-T // block_m), -(-S // block_n)
     assert ranges.shape == (B, nq, 4)
     if config.window == (60, None):  # blocks well inside the band run without a mask

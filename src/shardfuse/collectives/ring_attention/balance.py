@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from shardfuse.collectives.ring_attention import layouts
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,11 @@ class RingBalance:
 
 
 def _visible_counts(q_pos, kv_sorted, causal, window):
-    """For each query, how many keys of `kv_sorted` it sees (positions only)."""
+    """For each query, how many keys of `kv_sorted` it sees (positions only).
+
+    `masks.visible` counted without the `[T, S]` matrix: under causal and window
+    the visible keys of a query are the interval `[q - left, min(q, q + right)]`.
+    """
     lo = np.full(q_pos.shape, -np.inf)
     hi = np.full(q_pos.shape, np.inf)
     if causal:
@@ -64,13 +68,9 @@ def _visible_counts(q_pos, kv_sorted, causal, window):
 
 def _step_computed(config, q_pos, kv_pos) -> bool:
     """The ring's skip test (`ring.step_visible`) on position ranges, in NumPy."""
-    q_lo, q_hi, kv_lo, kv_hi = q_pos.min(), q_pos.max(), kv_pos.min(), kv_pos.max()
-    visible = not config.causal or kv_lo <= q_hi
-    if config.window is not None:
-        left, right = config.window
-        visible &= left is None or q_lo - kv_hi <= left
-        visible &= right is None or kv_lo - q_hi <= right
-    return bool(visible)
+    q_range, kv_range = (q_pos.min(), q_pos.max()), (kv_pos.min(), kv_pos.max())
+    some, _ = masks.block_visibility(config, q_range, kv_range)
+    return bool(some)
 
 
 def ring_balance(

@@ -36,7 +36,7 @@ from jax import lax
 
 from shardfuse.collectives.ring_attention import blocks, layouts
 from shardfuse.kernels import vma
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 _I32_MIN = jnp.iinfo(jnp.int32).min
@@ -72,27 +72,16 @@ def _full(shape, value, dtype, *likes):
     return vma.to_varying(jnp.full(shape, value, dtype), vma.common_axes(*likes))
 
 
-def _range(x, axis=-1):
-    return jnp.min(x, axis=axis), jnp.max(x, axis=axis)
-
-
 def step_visible(config, q_pos, kv_pos, q_seg, kv_seg):
-    """bool scalar: False only if no query of this shard can see any key of this block."""
-    q_lo, q_hi = _range(q_pos)
-    kv_lo, kv_hi = _range(kv_pos)
-    visible = jnp.bool_(True)
-    if config.causal:
-        visible &= kv_lo <= q_hi
-    if config.window is not None:
-        left, right = config.window
-        if left is not None:
-            visible &= q_lo - kv_hi <= left
-        if right is not None:
-            visible &= kv_lo - q_hi <= right
-    if q_seg is not None:
-        (qs_lo, qs_hi), (ks_lo, ks_hi) = _range(q_seg), _range(kv_seg)  # [B]
-        visible &= jnp.any((qs_lo <= ks_hi) & (ks_lo <= qs_hi))
-    return visible
+    """bool scalar: False only if no query of this shard can see any key of this block
+    (the block-range rule of kernels/attention/masks.py on the whole shard)."""
+    seg_ranges = ()
+    if q_seg is not None:  # [B] ranges: the step runs if any batch row may see a key
+        seg_ranges = (masks.value_range(q_seg), masks.value_range(kv_seg))
+    some, _ = masks.block_visibility(
+        config, masks.value_range(q_pos), masks.value_range(kv_pos), *seg_ranges
+    )
+    return jnp.any(some)
 
 
 def _merge(acc, block):

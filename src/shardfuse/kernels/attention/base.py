@@ -1,4 +1,4 @@
-"""Shared pieces of the attention op: validation, the static config, masks.
+"""Shared pieces of the attention op: validation, the static config (masks: masks.py).
 
 Every backend receives inputs that `validate` has already checked and an
 `AttentionConfig` holding the static options, so a backend only ever raises
@@ -184,30 +184,6 @@ def default_positions(T: int, S: int, q_positions=None, kv_positions=None):
     if kv_positions is None:
         kv_positions = jnp.arange(S, dtype=jnp.int32)
     return jnp.asarray(q_positions, jnp.int32), jnp.asarray(kv_positions, jnp.int32)
-
-
-def visibility_mask(config: AttentionConfig, q_pos, kv_pos, q_seg=None, kv_seg=None):
-    """Which keys each query sees: bool `[T, S]`, or `[B, T, S]` with segment ids.
-
-    Args:
-      q_pos: int32 `[..., T]` absolute query positions.
-      kv_pos: int32 `[..., S]` absolute key positions.
-      q_seg, kv_seg: optional int `[B, T]` / `[B, S]` segment ids.
-    """
-    # Differences, not sums, so that huge windows cannot overflow int32.
-    diff = q_pos[..., :, None] - kv_pos[..., None, :]  # [.., T, S] = q_pos - kv_pos
-    mask = jnp.ones(diff.shape, dtype=jnp.bool_)
-    if config.causal:
-        mask &= diff >= 0
-    if config.window is not None:
-        left, right = config.window
-        if left is not None:
-            mask &= diff <= left
-        if right is not None:
-            mask &= -diff <= right
-    if q_seg is not None:
-        mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
-    return mask
 
 
 def apply_softcap(logits, softcap):

@@ -28,13 +28,11 @@ import numbers
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
 SKIP, PARTIAL, FULL = 0, 1, 2  # block states
-_I32_MAX = jnp.iinfo(jnp.int32).max
-_I32_MIN = jnp.iinfo(jnp.int32).min
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -157,13 +155,6 @@ def check_tiling(name: str, block_shape, array_shape) -> None:
             )
 
 
-def _range_over_valid(values, valid):
-    """Per-block min and max of `values [..., n, b]` over entries where `valid`."""
-    lo = jnp.min(jnp.where(valid, values, _I32_MAX), axis=-1)
-    hi = jnp.max(jnp.where(valid, values, _I32_MIN), axis=-1)
-    return lo, hi
-
-
 def block_states(config, q_pos, kv_pos, q_seg, kv_seg, *, length_q, length_kv, block_q, block_kv):
     """int32 `[B or 1, nq, nk]` of SKIP / PARTIAL / FULL for padded, blocked inputs.
 
@@ -183,32 +174,18 @@ def block_states(config, q_pos, kv_pos, q_seg, kv_seg, *, length_q, length_kv, b
     nq, nk = q_pos.shape[0] // block_q, kv_pos.shape[0] // block_kv
     q_valid = (jnp.arange(nq * block_q) < length_q).reshape(nq, block_q)
     kv_valid = (jnp.arange(nk * block_kv) < length_kv).reshape(nk, block_kv)
-    q_lo, q_hi = _range_over_valid(q_pos.reshape(nq, block_q), q_valid)  # [nq]
-    kv_lo, kv_hi = _range_over_valid(kv_pos.reshape(nk, block_kv), kv_valid)  # [nk]
-    q_lo, q_hi = q_lo[:, None], q_hi[:, None]  # [nq, 1]
-    kv_lo, kv_hi = kv_lo[None, :], kv_hi[None, :]  # [1, nk]
-    some = jnp.any(q_valid, -1)[:, None] & jnp.any(kv_valid, -1)[None, :]  # [nq, nk]
-    every = jnp.all(q_valid, -1)[:, None] & jnp.all(kv_valid, -1)[None, :]
-    if config.causal:
-        some &= kv_lo <= q_hi
-        every &= kv_hi <= q_lo
-    if config.window is not None:
-        left, right = config.window
-        if left is not None:
-            some &= q_lo - kv_hi <= left
-            every &= q_hi - kv_lo <= left
-        if right is not None:
-            some &= kv_lo - q_hi <= right
-            every &= kv_hi - q_lo <= right
-    some, every = some[None], every[None]  # [1, nq, nk]
+    # Ranges as [1, nq, 1] against [1, 1, nk]; segment-id ranges [B, nq, 1] against [B, 1, nk].
+    q_range = [x[None, :, None] for x in masks.value_range(q_pos.reshape(nq, block_q), q_valid)]
+    kv_range = [x[None, None] for x in masks.value_range(kv_pos.reshape(nk, block_kv), kv_valid)]
+    seg_ranges = ()
     if q_seg is not None:
         B = q_seg.shape[0]
-        qs_lo, qs_hi = _range_over_valid(q_seg.reshape(B, nq, block_q), q_valid)  # [B, nq]
-        ks_lo, ks_hi = _range_over_valid(kv_seg.reshape(B, nk, block_kv), kv_valid)  # [B, nk]
-        qs_lo, qs_hi = qs_lo[:, :, None], qs_hi[:, :, None]
-        ks_lo, ks_hi = ks_lo[:, None, :], ks_hi[:, None, :]
-        some = some & (qs_lo <= ks_hi) & (ks_lo <= qs_hi)  # id ranges overlap
-        every = every & (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)  # one shared id
+        qs = [x[:, :, None] for x in masks.value_range(q_seg.reshape(B, nq, block_q), q_valid)]
+        ks = [x[:, None] for x in masks.value_range(kv_seg.reshape(B, nk, block_kv), kv_valid)]
+        seg_ranges = (qs, ks)
+    some, every = masks.block_visibility(config, q_range, kv_range, *seg_ranges)
+    some &= (jnp.any(q_valid, -1)[:, None] & jnp.any(kv_valid, -1)[None, :])[None]
+    every &= (jnp.all(q_valid, -1)[:, None] & jnp.all(kv_valid, -1)[None, :])[None]
     return jnp.where(every, FULL, jnp.where(some, PARTIAL, SKIP)).astype(jnp.int32)
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from shardfuse.kernels.attention import masks
 from shardfuse.kernels.attention.pallas_tpu_blocks import FULL, NUM_LANES, PARTIAL
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -85,20 +86,8 @@ class MaskRefs:
         )
 
     def _mask(self, st: Static, q_pos, kv_pos, q_seg, kv_seg, q_index, kv_index):
-        config = st.config
-        mask = (q_index < st.length_q) & (kv_index < st.length_kv)
-        diff = q_pos - kv_pos  # differences, as base.visibility_mask: no int32 overflow
-        if config.causal:
-            mask &= diff >= 0
-        if config.window is not None:
-            left, right = config.window
-            if left is not None:
-                mask &= diff <= left
-            if right is not None:
-                mask &= -diff <= right
-        if q_seg is not None:
-            mask &= q_seg == kv_seg
-        return mask
+        valid = (q_index < st.length_q) & (kv_index < st.length_kv)  # not padding
+        return masks.visible(st.config, q_pos, kv_pos, q_seg, kv_seg, valid=valid)
 
     def queries_by_keys(self, st: Static, i, j):
         """bool `[bq, bk]`: query row r of block i sees key column c of block j."""

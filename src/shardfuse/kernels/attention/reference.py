@@ -12,7 +12,7 @@ Memory is O(T * S); use it to check other implementations, not to train.
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 from shardfuse.kernels.precision import dot_precision
 
 
@@ -22,7 +22,7 @@ def reference_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_
     K = k.shape[2]
     G = H // K
     precision = dot_precision(q.dtype)
-    mask = base.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
+    mask = masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
     mask = jnp.broadcast_to(mask, (B, T, k.shape[1]))  # [B, T, S]
     # Zero what no query sees (and rows that see nothing), so that NaN or inf
     # there reaches neither outputs nor gradients: 0 * NaN would.

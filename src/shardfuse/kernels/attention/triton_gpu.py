@@ -29,11 +29,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from shardfuse.kernels.attention import base, triton_configs
+from shardfuse.kernels.attention import base, masks, triton_configs
 from shardfuse.kernels.attention.triton_launch import gpu_launcher
 
-_I32_MAX = jnp.iinfo(jnp.int32).max
-_I32_MIN = jnp.iinfo(jnp.int32).min
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (B * H programs)
 
 
@@ -57,47 +55,32 @@ def kernel_config(config, tuned, T, S):
 
 
 def _block_stats(values, block):
-    """Per-block min, max over real entries of `values [..., L]`, and whether a block is whole."""
+    """Per-block `(min, max)` over real entries of `values [..., L]`, and whether it is whole."""
     length = values.shape[-1]
     n = -(-length // block)
     pad = [(0, 0)] * (values.ndim - 1) + [(0, n * block - length)]
     values = jnp.pad(values, pad).reshape(*values.shape[:-1], n, block)
     real = (jnp.arange(n * block) < length).reshape(n, block)
-    lo = jnp.min(jnp.where(real, values, _I32_MAX), axis=-1)
-    hi = jnp.max(jnp.where(real, values, _I32_MIN), axis=-1)
-    return lo, hi, jnp.all(real, axis=-1)
+    return masks.value_range(values, real), jnp.all(real, axis=-1)
 
 
 def _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n):
-    """bool `[B | 1, nq, nk]`: may any query see any key (visible); do all see all (full)."""
-    q_lo, q_hi, q_whole = (x[:, None] for x in _block_stats(q_pos, block_m))
-    kv_lo, kv_hi, kv_whole = (x[None, :] for x in _block_stats(kv_pos, block_n))
-    visible = jnp.ones(q_lo.shape[:1] + kv_lo.shape[1:], jnp.bool_)[None]
-    full = (q_whole & kv_whole)[None]
-    # Differences of int32 positions, as in base.visibility_mask.
-    if config.causal:
-        visible &= (kv_lo <= q_hi)[None]
-        full &= (kv_hi <= q_lo)[None]
-    if config.window is not None:
-        left, right = config.window
-        if left is not None:
-            visible &= (q_lo - kv_hi <= left)[None]
-            full &= (q_hi - kv_lo <= left)[None]
-        if right is not None:
-            visible &= (kv_lo - q_hi <= right)[None]
-            full &= (kv_hi - q_lo <= right)[None]
+    """bool `[B | 1, nq, nk]`: may any query see any key (visible); do all see all (full).
+
+    The block-range rule of masks.py; ranges as `[1, nq, 1]` against `[1, 1, nk]`,
+    segment-id ranges `[B, nq, 1]` against `[B, 1, nk]`.
+    """
+    q_range, q_whole = _block_stats(q_pos, block_m)
+    kv_range, kv_whole = _block_stats(kv_pos, block_n)
+    q_range = [x[None, :, None] for x in q_range]
+    kv_range = [x[None, None] for x in kv_range]
+    seg_ranges = ()
     if q_seg is not None:
-        qs_lo, qs_hi, _ = _block_stats(q_seg, block_m)  # [B, nq]
-        ks_lo, ks_hi, _ = _block_stats(kv_seg, block_n)  # [B, nk]
-        qs_lo, qs_hi, ks_lo, ks_hi = (
-            qs_lo[:, :, None],
-            qs_hi[:, :, None],
-            ks_lo[:, None],
-            ks_hi[:, None],
-        )
-        visible &= (qs_lo <= ks_hi) & (ks_lo <= qs_hi)
-        full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
-    return visible, full
+        qs, _ = _block_stats(q_seg, block_m)  # [B, nq]
+        ks, _ = _block_stats(kv_seg, block_n)  # [B, nk]
+        seg_ranges = ([x[:, :, None] for x in qs], [x[:, None] for x in ks])
+    visible, full = masks.block_visibility(config, q_range, kv_range, *seg_ranges)
+    return visible, full & (q_whole[:, None] & kv_whole[None, :])[None]
 
 
 def _ranges(visible, full, batch):

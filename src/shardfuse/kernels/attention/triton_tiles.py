@@ -1,6 +1,6 @@
 """Tile helpers of the Triton attention kernels (`triton_kernels.py`): scores, masks, ranges.
 
-`tile_mask` is `base.visibility_mask` for one tile (positions, causal,
+`tile_mask` is `masks.visible` (masks.py, the definition) for one tile (positions, causal,
 window, segment ids, sequence padding); `block_range` and `stage_bounds`
 read the per-block visit table `(lo, full_lo, full_hi, hi)` that the JAX
 wrapper computes; `logits` applies scale and softcap in the base-2 domain.
@@ -45,7 +45,7 @@ def tile_mask(
     WINDOW_RIGHT: tl.constexpr,
     HAS_SEGMENTS: tl.constexpr,
 ):
-    """bool `[rows, cols]`: `base.visibility_mask` of one tile (-1: unbounded window side).
+    """bool `[rows, cols]`: `masks.visible` (masks.py) on one tile (-1: unbounded window side).
 
     The rows' positions and segment ids are in registers; the columns' are
     loaded at `other_offsets`. Rows are queries, or keys (dK/dV's transposed tiles).

@@ -23,13 +23,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.kernels import vma
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, masks
 from shardfuse.kernels.precision import dot_precision
 
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_KV = 256
-_I32_MAX = jnp.iinfo(jnp.int32).max
-_I32_MIN = jnp.iinfo(jnp.int32).min
 
 
 def _block_size(length: int, requested: int | None, default: int) -> int:
@@ -52,33 +50,19 @@ def _pad_axis(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _range_over_valid(values, valid):
-    """Per-block min and max of `values [n, b]` over entries where `valid`."""
-    lo = jnp.min(jnp.where(valid, values, _I32_MAX), axis=-1)
-    hi = jnp.max(jnp.where(valid, values, _I32_MIN), axis=-1)
-    return lo, hi
-
-
 def _block_visibility(config, q_pos, q_valid, kv_pos, kv_valid, q_seg, kv_seg):
     """bool `[nq, nk]`: False only where no query of the block can see any key of it."""
-    q_lo, q_hi = _range_over_valid(q_pos, q_valid)  # [nq]
-    kv_lo, kv_hi = _range_over_valid(kv_pos, kv_valid)  # [nk]
-    visible = jnp.any(q_valid, -1)[:, None] & jnp.any(kv_valid, -1)[None, :]
-    if config.causal:
-        visible &= kv_lo[None, :] <= q_hi[:, None]
-    if config.window is not None:
-        left, right = config.window
-        if left is not None:
-            visible &= q_lo[:, None] - kv_hi[None, :] <= left
-        if right is not None:
-            visible &= kv_lo[None, :] - q_hi[:, None] <= right
-    if q_seg is not None:
-        # Disjoint id ranges share no id. q_seg [nq, B, bq], kv_seg [nk, B, bk].
-        qs_lo, qs_hi = _range_over_valid(q_seg, q_valid[:, None, :])  # [nq, B]
-        ks_lo, ks_hi = _range_over_valid(kv_seg, kv_valid[:, None, :])  # [nk, B]
-        overlap = (qs_lo[:, None] <= ks_hi[None, :]) & (ks_lo[None, :] <= qs_hi[:, None])
-        visible &= jnp.any(overlap, axis=-1)
-    return visible
+    # Ranges as [nq, 1, 1] against [1, nk, 1]; segment-id ranges [nq, 1, B] against [1, nk, B].
+    q_range = [x[:, None, None] for x in masks.value_range(q_pos, q_valid)]
+    kv_range = [x[None, :, None] for x in masks.value_range(kv_pos, kv_valid)]
+    seg_ranges = ()
+    if q_seg is not None:  # q_seg [nq, B, bq], kv_seg [nk, B, bk]
+        qs = [x[:, None] for x in masks.value_range(q_seg, q_valid[:, None, :])]
+        ks = [x[None, :] for x in masks.value_range(kv_seg, kv_valid[:, None, :])]
+        seg_ranges = (qs, ks)
+    some, _ = masks.block_visibility(config, q_range, kv_range, *seg_ranges)
+    real = jnp.any(q_valid, -1)[:, None] & jnp.any(kv_valid, -1)[None, :]
+    return real & jnp.any(some, axis=-1)  # some batch row has a visible pair
 
 
 class _Tiles:
@@ -145,7 +129,7 @@ class _Tiles:
 
     def tile_mask(self, config, i, j):
         """bool `[B | 1, bq, bk]`: visibility of query block i to key block j."""
-        mask = base.visibility_mask(
+        mask = masks.visibility_mask(
             config,
             self.q_pos[i],
             self.kv_pos[j],
