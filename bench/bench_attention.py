@@ -4,9 +4,9 @@ Every group (one model's attention at one sequence length, forward or
 forward + backward) times, in the same run:
 
 - `reference`: `sf.attention_reference`, the oracle (materialises `[T, S]`);
-- `shardfuse.<impl>`: `sf.flash_attention(implementation=impl)` for each
-  implementation that runs natively here (xla everywhere; pallas_tpu on TPU,
-  triton on GPU; both on CPU only with --bench-interpret);
+- `shardfuse.<impl>`: `sf.flash_attention(implementation=impl)` for every
+  implementation (xla everywhere; pallas_tpu on TPU, and on CPU only with
+  --bench-interpret; triton on NVIDIA GPUs, elsewhere it says why not);
 - `jax.nn.xla` (and `jax.nn.cudnn` on GPU): `jax.nn.dot_product_attention`,
   the baseline that ratios are taken to (the reference where jax.nn cannot
   express the case: it has no logit softcap);
@@ -15,6 +15,9 @@ forward + backward) times, in the same run:
   interpret mode, which times a simulator (about 25x slower than shardfuse.xla
   forward at T=256 on the 2-core CI machine), so it runs there only with
   --bench-interpret. It has no GQA: K/V heads are repeated to H before timing.
+
+Every implementation is in every run: one that cannot run here is skipped
+with the reason, and `shardfuse bench` lists those under the table.
 
 Masks: causal, plus each model's sliding window (of `window` keys, the query
 itself included) and logit softcap. FLOPs and bytes: `shardfuse.bench.flops`.
@@ -26,35 +29,35 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase
-from shardfuse.bench.shapes import MODELS
+from shardfuse.bench.harness import BenchCase, not_timed_reason
+from shardfuse.models import MODELS
 
 OP = "flash_attention"
 BASELINE = "jax.nn.xla"
 
 
-def implementations(backend: str, interpret: bool) -> list[str]:
-    """The implementations timed on `backend` (CPU: Pallas ones only with `interpret`)."""
-    names = ["reference", "shardfuse.xla", "jax.nn.xla"]
-    if backend in ("gpu", "cuda"):
-        names += ["shardfuse.triton", "jax.nn.cudnn", "jax.pallas"]
-    elif backend == "tpu":
-        names += ["shardfuse.pallas_tpu", "jax.pallas"]
-    elif interpret:
-        names += ["shardfuse.pallas_tpu", "jax.pallas"]
-    return names
+# Every implementation is listed in every run: those that cannot run here are
+# skipped with the reason, which the report prints under the table.
+IMPLEMENTATIONS = (
+    "reference",
+    "shardfuse.xla",
+    "shardfuse.pallas_tpu",
+    "shardfuse.triton",
+    "jax.nn.xla",
+    "jax.nn.cudnn",
+    "jax.pallas",
+)
 
 
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ != "test_attention":
         return
     scale = metafunc.config.bench_scale
-    impls = implementations(jax.default_backend(), metafunc.config.bench_interpret)
     params, ids = [], []
     for model in scale.models:
         for seq_len in scale.seq_lens:
             for mode in flops.MODES:
-                for impl in impls:
+                for impl in IMPLEMENTATIONS:
                     params.append((model, seq_len, mode, impl))
                     ids.append(f"{model}-T{seq_len}-{mode}-{impl}")
     metafunc.parametrize("model_name, seq_len, mode, implementation", params, ids=ids)
@@ -117,7 +120,10 @@ def _with_backward(fn):
     return forward_backward
 
 
-def test_attention(measure, bench_scale, model_name, seq_len, mode, implementation):
+def test_attention(measure, bench_scale, model_name, seq_len, mode, implementation, pytestconfig):
+    reason = not_timed_reason(implementation, jax.default_backend(), pytestconfig.bench_interpret)
+    if reason:
+        pytest.skip(reason)
     model = bench_scale.scaled(MODELS[model_name])
     B, T, S = bench_scale.batch(seq_len), seq_len, seq_len
     H, K, D = model.heads, model.kv_heads, model.head_dim

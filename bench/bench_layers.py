@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 import shardfuse as sf
 from shardfuse.bench import flops
 from shardfuse.bench.harness import BenchCase
-from shardfuse.bench.shapes import MODELS
 from shardfuse.layers import reference
+from shardfuse.models import MODELS
 
 OP = "transformer_block"
 BASELINE = "reference.block.1device"

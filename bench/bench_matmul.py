@@ -7,7 +7,8 @@ each with a float32 addend `c` `[tokens, N]` (the partial sum of a
 reduce-scatter ring step, the case the fused epilogue is for).
 
 Implementations, same run: `reference` (shardfuse's oracle), `shardfuse.<impl>`
-(xla everywhere; pallas_tpu on TPU and triton on GPU where they exist), and
+(xla everywhere; pallas_tpu on TPU, on CPU only with --bench-interpret;
+triton on NVIDIA GPUs; one that cannot run here is skipped with why), and
 the baseline `jnp.dot`: `(jnp.dot(a, b, preferred_element_type=float32) + c)`
 cast to the output dtype, at the same precision (HIGHEST for float32 inputs).
 Forward only. FLOPs `2 M N C`; bytes: a, b and c read once, the output written once.
@@ -15,26 +16,28 @@ Forward only. FLOPs `2 M N C`; bytes: a, b and c read once, the output written o
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase
-from shardfuse.bench.shapes import MODELS
+from shardfuse.bench.harness import BenchCase, not_timed_reason
+from shardfuse.models import MODELS
 
 OP = "matmul"
 BASELINE = "jnp.dot"
 PROJECTIONS = ("qkv", "mlp_up", "mlp_down")
 
 
-def implementations(backend: str) -> list[str]:
-    """The implementations timed on `backend`."""
-    names = ["reference", "shardfuse.xla", BASELINE]
-    if backend in ("gpu", "cuda"):
-        names.append("shardfuse.triton")
-    elif backend == "tpu":
-        names.append("shardfuse.pallas_tpu")
-    return names
+# Every implementation is listed in every run: those that cannot run here are
+# skipped with the reason, which the report prints under the table.
+IMPLEMENTATIONS = (
+    "reference",
+    "shardfuse.xla",
+    "shardfuse.pallas_tpu",
+    "shardfuse.triton",
+    BASELINE,
+)
 
 
 def pytest_generate_tests(metafunc):
@@ -45,7 +48,7 @@ def pytest_generate_tests(metafunc):
     for model in scale.models:
         for seq_len in scale.seq_lens:
             for projection in PROJECTIONS:
-                for impl in implementations(jax.default_backend()):
+                for impl in IMPLEMENTATIONS:
                     params.append((model, seq_len, projection, impl))
                     ids.append(f"{model}-T{seq_len}-{projection}-{impl}")
     metafunc.parametrize("model_name, seq_len, projection, implementation", params, ids=ids)
@@ -72,10 +75,15 @@ def _matmul_fn(implementation, dtype):
 
         return dot
     impl = implementation.removeprefix("shardfuse.")
-    return lambda a, b, c: sf.matmul(a, b, c=c, implementation=impl)
+    return lambda a, b, c: sf.matmul(a, b, addend=c, implementation=impl)
 
 
-def test_matmul(measure, bench_scale, model_name, seq_len, projection, implementation):
+def test_matmul(
+    measure, bench_scale, model_name, seq_len, projection, implementation, pytestconfig
+):
+    reason = not_timed_reason(implementation, jax.default_backend(), pytestconfig.bench_interpret)
+    if reason:
+        pytest.skip(reason)
     model = bench_scale.scaled(MODELS[model_name])
     M = bench_scale.batch(seq_len) * seq_len
     C, N = projection_shape(model, projection)

@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 import shardfuse as sf
 from shardfuse.bench import flops
 from shardfuse.bench.harness import BenchCase
-from shardfuse.bench.shapes import MODELS
 from shardfuse.collectives.ring_attention import ring_balance
+from shardfuse.models import MODELS
 
 OP = "ring_attention"
 AXIS = "sequence"

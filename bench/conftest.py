@@ -15,14 +15,14 @@ import pytest
 if jax.config.jax_num_cpu_devices < 0:
     jax.config.update("jax_num_cpu_devices", 8)
 
-from shardfuse.bench import harness, results, shapes  # noqa: E402
+from shardfuse.bench import harness, results, scales  # noqa: E402
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("shardfuse bench")
     group.addoption("--bench-quick", action="store_true", help="the small scale")
     group.addoption(
-        "--bench-scale", choices=sorted(shapes.SCALES), default=None, help="force a scale"
+        "--bench-scale", choices=sorted(scales.SCALES), default=None, help="force a scale"
     )
     group.addoption(
         "--bench-interpret",
@@ -31,8 +31,14 @@ def pytest_addoption(parser):
     )
 
 
+# The cases skipped in this run, with their reasons: the JSON keeps them so that the
+# report lists what did not run and why (pytest-benchmark only records timed cases).
+_SKIPPED: list[dict] = []
+
+
 def pytest_configure(config):
-    config.bench_scale = shapes.pick_scale(
+    _SKIPPED.clear()
+    config.bench_scale = scales.pick_scale(
         jax.default_backend(),
         quick=config.getoption("--bench-quick"),
         override=config.getoption("--bench-scale"),
@@ -57,6 +63,12 @@ def pytest_report_header(config):
     )
 
 
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        _SKIPPED.append({"case": report.nodeid, "reason": str(reason).removeprefix("Skipped: ")})
+
+
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     results.attach_baseline_ratios(output_json["benchmarks"])
     output_json["shardfuse"] = {
@@ -66,12 +78,13 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         # Others' work on a shared machine slows every case: read ratios, not absolute times.
         "load_average_at_start": config.bench_load_at_start,
         "load_average_at_end": _load_average(),
+        "skipped": list(_SKIPPED),
     }
 
 
 @pytest.fixture(scope="session")
 def bench_scale(pytestconfig):
-    """The run's `shardfuse.bench.shapes.Scale`."""
+    """The run's `shardfuse.bench.scales.Scale`."""
     return pytestconfig.bench_scale
 
 

@@ -8,14 +8,13 @@ Example:
   (1, 64, 4, 32)
 """
 
-from shardfuse import collectives, kernels, layers
+from shardfuse import collectives, hardware, kernels, layers, models
 from shardfuse._info import info
+from shardfuse._version import __version__ as __version__
 from shardfuse.collectives.ring_attention import from_ring_layout, ring_positions, to_ring_layout
 from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
 from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BlockSizes",
@@ -24,10 +23,12 @@ __all__ = [
     "collectives",
     "flash_attention",
     "from_ring_layout",
+    "hardware",
     "info",
     "kernels",
     "layers",
     "matmul",
+    "models",
     "ring_attention",
     "ring_positions",
     "to_ring_layout",

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,10 @@ def _env():
     return env
 
 
-def _shardfuse(*args, timeout=300):
+def _shardfuse(*args, timeout=300, cwd=REPO):
     return subprocess.run(
         [sys.executable, "-m", "shardfuse", *args],
-        cwd=REPO,
+        cwd=cwd,
         env=_env(),
         capture_output=True,
         text=True,
@@ -42,19 +43,24 @@ def _parse(*argv):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
-    """Runs `shardfuse bench --quick` on one matmul group; returns (output, json path, plot)."""
+    """Runs `shardfuse bench --quick` on one matmul group from an empty folder, without
+    --json (so the suites are found beside src/ and the JSON goes to the default place);
+    returns (output, the JSON path it printed, plot)."""
     tmp = tmp_path_factory.mktemp("bench")
-    run_json, plot = tmp / "run.json", tmp / "run.png"
+    plot = tmp / "run.png"
     proc = _shardfuse(
-        "bench", "--quick", "--suite", "matmul", "-k", ONE_GROUP, "--json", str(run_json),
-        "--plot", str(plot),
-    )  # fmt: skip
+        "bench", "--quick", "--suite", "matmul", "-k", ONE_GROUP, "--plot", str(plot), cwd=tmp
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, run_json, plot
+    written = re.search(r"results written to (\S+\.json)", proc.stdout)
+    assert written, proc.stdout
+    return proc.stdout, Path(written.group(1)), plot
 
 
 def test_bench_runs_end_to_end(saved_run):
     output, run_json, plot = saved_run
+    # The printed path is where the JSON is, kept after the command: ./.benchmarks/ by default.
+    assert run_json.is_file() and run_json.parent.name == cli.DEFAULT_JSON_DIR
     data = json.loads(run_json.read_text())
     benches = data["benchmarks"]
     assert sorted(b["extra_info"]["implementation"] for b in benches) == [
@@ -75,6 +81,57 @@ def test_bench_runs_end_to_end(saved_run):
     for text in ("matmul | fwd | llama3-8b | qkv + c | float32", "baseline", "TFLOP/s", "n/a"):
         assert text in output
     assert plot.stat().st_size > 0 and "plot with 1 panel(s)" in output
+    # Backends that cannot run here are not silently missing: listed under the table, with why.
+    skipped = data["shardfuse"]["skipped"]
+    reasons = " ".join(entry["reason"] for entry in skipped)
+    assert "shardfuse.triton cannot run this case" in reasons and "NVIDIA GPU" in reasons
+    assert "shardfuse.pallas_tpu runs on 'cpu' only in TPU interpret mode" in reasons
+    assert "skipped (not in the table): 2 case(s)" in output
+    assert "1x shardfuse.triton cannot run this case" in output.replace("\n", " ")
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_json_is_kept_where_the_cli_says(saved_run, tmp_path, monkeypatch, capsys, explicit):
+    """With --json PATH and without (./.benchmarks/), the printed path exists afterwards."""
+    _, run_json, _ = saved_run
+
+    def fake_run_suites(args, bench_dir, json_path, console):  # what pytest-benchmark does
+        json_path.write_text(run_json.read_text())
+        return 0
+
+    monkeypatch.setattr(cli, "run_suites", fake_run_suites)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--bench-dir", str(BENCH_DIR)]
+    if explicit:
+        argv += ["--json", str(tmp_path / "sub" / "kept.json")]
+    assert cli.main(_parse(*argv)) == 0
+    printed = re.search(r"results written to (\S+\.json)", capsys.readouterr().out)
+    assert printed
+    kept = Path(printed.group(1))
+    assert kept.is_file() and json.loads(kept.read_text())["benchmarks"]
+    expected = tmp_path / "sub" / "kept.json" if explicit else tmp_path / cli.DEFAULT_JSON_DIR
+    assert kept == expected or kept.parent == expected
+
+
+MISSING_PYTEST = """
+import sys
+sys.modules["pytest"] = None  # as on a base install, without the test extra
+sys.modules["pytest_benchmark"] = None
+from shardfuse.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_bench_without_pytest_says_what_to_install(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", MISSING_PYTEST, "bench", "--quick", "--bench-dir", str(BENCH_DIR)],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert 'pip install -e ".[test]"' in proc.stdout
+    assert "pytest and pytest_benchmark" in proc.stdout
+    assert not (tmp_path / cli.DEFAULT_JSON_DIR).exists()
 
 
 def test_compare_and_fail_on_regression(saved_run, tmp_path):

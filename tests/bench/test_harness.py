@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from shardfuse.bench import flops, harness, shapes
+from shardfuse.bench import flops, harness, scales
 
 
 class _Stats:
@@ -48,7 +48,7 @@ def _case(**kwargs):
     return harness.BenchCase(**fields)
 
 
-SCALE = shapes.SCALES["cpu-quick"]
+SCALE = scales.SCALES["cpu-quick"]
 ARGS = (jnp.ones((32, 32), jnp.float32), jnp.ones((32, 32), jnp.float32))
 
 

@@ -1,17 +1,28 @@
 """`shardfuse bench`: runs the pytest-benchmark suites of `bench/`, reports, compares, plots.
 
 The suites run in this process through `pytest.main`, serially, with a
-progress bar; pytest-benchmark writes the run's JSON; then the run is printed
-as one table, compared with a saved run (regressions flagged) and plotted.
+progress bar; pytest-benchmark writes the run's JSON (to `--json PATH`, else
+to a new file in `./.benchmarks/`, kept either way); then the run is printed
+as one table, with the implementations that could not run listed under it and
+why, compared with a saved run (regressions flagged) and plotted.
 `--load PATH` reports a saved run without running anything.
+
+Running the suites needs pytest and pytest-benchmark (the `test` extra); the
+base install only reports saved runs (`--load`).
 """
 
 import argparse
+import datetime
+import importlib
 import sys
-import tempfile
 from pathlib import Path
 
 DEFAULT_THRESHOLD = 0.1
+# pytest-benchmark's own folder for saved runs; `shardfuse bench` keeps its JSON there too.
+DEFAULT_JSON_DIR = ".benchmarks"
+# What running the suites imports beyond the base install, and where to get it.
+RUN_REQUIREMENTS = ("pytest", "pytest_benchmark")
+INSTALL_HINT = 'pip install -e ".[test]" (in a checkout; or pip install pytest pytest-benchmark)'
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="the small scale (CPU: a few minutes in all)"
     )
-    parser.add_argument("--json", metavar="PATH", help="write the run's JSON here")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help=f"write the run's JSON here (default: a new file in ./{DEFAULT_JSON_DIR}/)",
+    )
     parser.add_argument("--compare", metavar="PATH", help="compare with a saved run's JSON")
     parser.add_argument(
         "--threshold",
@@ -68,10 +83,8 @@ def find_bench_dir(explicit=None) -> Path:
     """
     if explicit is not None:
         candidates = [Path(explicit)]
-    else:
-        import shardfuse
-
-        candidates = [Path.cwd() / "bench", Path(shardfuse.__file__).resolve().parents[2] / "bench"]
+    else:  # this file is src/shardfuse/bench/cli.py of a checkout: parents[3] is its root
+        candidates = [Path.cwd() / "bench", Path(__file__).resolve().parents[3] / "bench"]
     for candidate in candidates:
         if (candidate / "conftest.py").is_file() and (candidate / "pytest.ini").is_file():
             return candidate.resolve()
@@ -79,6 +92,36 @@ def find_bench_dir(explicit=None) -> Path:
         f"no benchmark suites found in {', '.join(str(c) for c in candidates)}: run from a "
         "shardfuse checkout or pass --bench-dir DIR"
     )
+
+
+def missing_run_requirements() -> list[str]:
+    """The modules that running the suites needs and that do not import here.
+
+    Example:
+      >>> from shardfuse.bench.cli import missing_run_requirements
+      >>> missing_run_requirements()  # with the test extra installed
+      []
+    """
+    missing = []
+    for name in RUN_REQUIREMENTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def default_json_path(now: datetime.datetime | None = None) -> Path:
+    """Where a run's JSON goes without `--json`: `./.benchmarks/shardfuse-bench_<time>.json`.
+
+    Example:
+      >>> import datetime
+      >>> from shardfuse.bench.cli import default_json_path
+      >>> default_json_path(datetime.datetime(2026, 11, 23, 10, 30, 0)).name
+      'shardfuse-bench_20261123-103000.json'
+    """
+    now = now or datetime.datetime.now()
+    return Path.cwd() / DEFAULT_JSON_DIR / f"shardfuse-bench_{now:%Y%m%d-%H%M%S}.json"
 
 
 def suites(bench_dir: Path) -> dict:
@@ -155,9 +198,8 @@ def run_suites(args, bench_dir: Path, json_path: Path, console) -> int:
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as progress:
         plugin = ProgressPlugin(progress)
         status = int(pytest.main(pytest_args, plugins=[plugin]))
-    console.print(f"{plugin.passed} case(s) timed, {sum(plugin.skips.values())} skipped")
-    for reason, count in sorted(plugin.skips.items()):
-        console.print(f"  skipped {count}x: {reason}")
+    skipped = sum(plugin.skips.values())
+    console.print(f"{plugin.passed} case(s) timed, {skipped} skipped (listed under the table)")
     for nodeid, when, text in plugin.failures:
         console.rule(f"[red]FAILED[/] {nodeid} ({when})")
         console.print(text, markup=False, highlight=False)
@@ -188,18 +230,25 @@ def main(args) -> int:
     if args.load:
         data = results.load(args.load)
     else:
+        missing = missing_run_requirements()
+        if missing:
+            console.print(
+                f"shardfuse bench: running the suites needs {' and '.join(missing)}, not "
+                f"installed here: {INSTALL_HINT}. Without them, --load PATH reports a saved run.",
+                markup=False,
+                style="red",
+            )
+            return 2
         bench_dir = find_bench_dir(args.bench_dir)
-        with tempfile.TemporaryDirectory() as tmp:
-            json_path = Path(args.json) if args.json else Path(tmp) / "run.json"
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            status = run_suites(args, bench_dir, json_path, console)
-            if not json_path.is_file():
-                console.print("[red]no results were written[/] (no case ran)")
-                return status or 1
-            data = results.load(json_path)
-            if args.json:
-                results.save(data, json_path)
-                console.print(f"results written to {json_path}")
+        json_path = Path(args.json) if args.json else default_json_path()
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        status = run_suites(args, bench_dir, json_path, console)
+        if not json_path.is_file():
+            console.print("[red]no results were written[/] (no case ran)")
+            return status or 1
+        data = results.load(json_path)
+        results.save(data, json_path)  # with the baseline ratios filled in
+        console.print(f"results written to {json_path.resolve()}", markup=False)
     run = results.records(data)
     info = data.get("machine_info", {})
     run_info = data.get("shardfuse", {})
@@ -211,6 +260,7 @@ def main(args) -> int:
         markup=False,
     )
     report.print_table(run, console)
+    report.print_skipped(run_info.get("skipped", []), console)
     if args.compare:
         comparisons = results.compare(
             results.records(results.load(args.compare)), run, args.threshold

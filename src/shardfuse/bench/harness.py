@@ -25,7 +25,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from shardfuse.bench import peaks as peaks_lib
+from shardfuse.bench.results import NOT_AVAILABLE
+from shardfuse.hardware import detect
 
 # A case is refused (skipped) when its compiled memory exceeds this share of the device's.
 MEMORY_HEADROOM = 0.9
@@ -44,7 +45,7 @@ class BenchCase:
       flops: analytic FLOPs of one call (`shardfuse.bench.flops`).
       bytes: compulsory HBM bytes of one call.
       baseline: the implementation of the same group that ratios are taken to.
-      model: the `MODELS` entry the shape comes from ("" for synthetic shapes).
+      model: the `shardfuse.models.MODELS` entry the shape comes from ("" for synthetic shapes).
       variant: mask or options ("causal", "causal window=512 softcap=50").
       seq_len: x axis of the throughput plot (None: not plotted).
     """
@@ -130,6 +131,21 @@ def rounds_for(seconds_per_call: float, target_seconds: float, min_rounds: int, 
     return int(min(max_rounds, max(min_rounds, math.ceil(target_seconds / seconds_per_call))))
 
 
+def percent_of_peak(achieved: float | None, peak: float | None) -> float | str:
+    """`100 * achieved / peak`, or "n/a" when either is unknown.
+
+    Example:
+      >>> from shardfuse.bench.harness import percent_of_peak
+      >>> percent_of_peak(494.7, 989.4)
+      50.0
+      >>> percent_of_peak(1.0, None)
+      'n/a'
+    """
+    if achieved is None or not peak:
+        return NOT_AVAILABLE
+    return 100.0 * achieved / peak
+
+
 def throughput_info(case: BenchCase, median_s: float | None, device_kind: str) -> dict:
     """TFLOP/s, GB/s and % of the device's peak from a median time (None: not timed).
 
@@ -141,7 +157,7 @@ def throughput_info(case: BenchCase, median_s: float | None, device_kind: str) -
       >>> info["pct_peak_flops"], info["pct_peak_bandwidth"]
       (50.0, 50.0)
     """
-    peak = peaks_lib.device_peak(device_kind)
+    peak = detect(device_kind)
     peak_tflops = peak.peak_tflops(case.dtype) if peak else None
     peak_gbps = peak.hbm_gb_per_s if peak else None
     tflops = gbps = None
@@ -152,12 +168,46 @@ def throughput_info(case: BenchCase, median_s: float | None, device_kind: str) -
         "median_s": median_s,
         "tflops_per_s": tflops,
         "gb_per_s": gbps,
-        "peak_device": peak.name if peak else peaks_lib.NOT_AVAILABLE,
-        "peak_tflops": peak_tflops if peak_tflops else peaks_lib.NOT_AVAILABLE,
-        "peak_gb_per_s": peak_gbps if peak_gbps else peaks_lib.NOT_AVAILABLE,
-        "pct_peak_flops": peaks_lib.percent_of_peak(tflops, peak_tflops),
-        "pct_peak_bandwidth": peaks_lib.percent_of_peak(gbps, peak_gbps),
+        "peak_device": peak.name if peak else NOT_AVAILABLE,
+        "peak_tflops": peak_tflops if peak_tflops else NOT_AVAILABLE,
+        "peak_gb_per_s": peak_gbps if peak_gbps else NOT_AVAILABLE,
+        "pct_peak_flops": percent_of_peak(tflops, peak_tflops),
+        "pct_peak_bandwidth": percent_of_peak(gbps, peak_gbps),
     }
+
+
+# Implementations that only some backends time. The library's own backends that cannot
+# run (shardfuse.triton without an NVIDIA GPU) say why themselves: NotImplementedError.
+GPU_BACKENDS = ("gpu", "cuda")
+INTERPRETED = ("shardfuse.pallas_tpu", "jax.pallas")
+
+
+def not_timed_reason(implementation: str, backend: str, interpret: bool = False) -> str | None:
+    """Why a suite does not time `implementation` on `backend`, or None when it does.
+
+    Pallas TPU kernels run off TPU only in TPU interpret mode, a simulator whose
+    time says nothing about a kernel: on CPU they are timed only with `interpret`
+    (`shardfuse bench --interpret`), never on GPU. cuDNN needs an NVIDIA GPU.
+    JAX's Pallas attention has a GPU kernel, so it runs on GPU too.
+
+    Example:
+      >>> from shardfuse.bench.harness import not_timed_reason
+      >>> not_timed_reason("shardfuse.xla", "cpu") is None
+      True
+      >>> not_timed_reason("jax.nn.cudnn", "cpu")
+      "jax.nn.cudnn needs an NVIDIA GPU; the JAX backend is 'cpu'"
+    """
+    gpu = backend in GPU_BACKENDS
+    if implementation == "jax.nn.cudnn" and not gpu:
+        return f"{implementation} needs an NVIDIA GPU; the JAX backend is {backend!r}"
+    if implementation == "shardfuse.pallas_tpu" and gpu:
+        return f"{implementation} runs on TPU (on {backend!r} only in TPU interpret mode)"
+    if implementation in INTERPRETED and backend not in ("tpu", *GPU_BACKENDS) and not interpret:
+        return (
+            f"{implementation} runs on {backend!r} only in TPU interpret mode, a simulator: "
+            "timed with --interpret"
+        )
+    return None
 
 
 def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None):
@@ -168,7 +218,7 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
       fn: the function to time (jitted here; pass a plain function or a jitted one).
       args: its positional array arguments.
       case: what is measured; `benchmark.group` becomes `case.group`.
-      scale: the run's `shardfuse.bench.shapes.Scale` (rounds and time budget).
+      scale: the run's `shardfuse.bench.scales.Scale` (rounds and time budget).
       skip: `pytest.skip` (passed in so that this module does not import pytest).
       skip_on: exception types raised while tracing or compiling that mean "this
         implementation cannot run the case": the case is skipped with the error.
@@ -219,7 +269,10 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
     if info["memory"] and limit:
         needed = sum(info["memory"][k] for k in ("temp_bytes", "argument_bytes", "output_bytes"))
         if needed > MEMORY_HEADROOM * limit and skip is not None:
-            skip(f"needs {needed / 2**30:.1f} GiB, the device has {limit / 2**30:.1f} GiB")
+            skip(
+                f"{case.implementation} needs {needed / 2**30:.1f} GiB, "
+                f"the device has {limit / 2**30:.1f} GiB"
+            )
 
     def call():
         return jax.block_until_ready(compiled(*args))

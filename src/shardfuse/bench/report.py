@@ -5,8 +5,7 @@ from collections import defaultdict
 
 from rich.markup import escape
 
-from shardfuse.bench.peaks import NOT_AVAILABLE
-from shardfuse.bench.results import IMPROVEMENT, MISSING, NEW, REGRESSION
+from shardfuse.bench.results import IMPROVEMENT, MISSING, NEW, NOT_AVAILABLE, REGRESSION
 
 PLOT_HINT = (
     "plotting needs matplotlib, which is not installed: pip install 'shardfuse[plot]' "
@@ -111,6 +110,34 @@ def print_table(records, console=None, title="shardfuse bench") -> None:
         "(> 1 is faster). % peak: of the device's dense peak (n/a on CPU). GB/s: compulsory "
         "bytes / time. temp mem: compiled temporary memory (memory_analysis)."
     )
+
+
+def print_skipped(skipped, console=None) -> None:
+    """Prints the cases that did not run (so are not in the table), grouped by reason.
+
+    Args:
+      skipped: `[{"case": nodeid, "reason": text}, ...]`, the "skipped" list that
+        `bench/conftest.py` writes under the JSON's "shardfuse" key. Reasons start
+        with the implementation ("shardfuse.triton cannot run this case: ...").
+      console: a rich Console (default: a new one).
+
+    Example:
+      >>> from shardfuse.bench import report
+      >>> report.print_skipped([{"case": "a", "reason": "shardfuse.triton: no GPU"}] * 2)
+      skipped (not in the table): 2 case(s)
+        2x shardfuse.triton: no GPU
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    if not skipped:
+        return
+    counts = defaultdict(int)
+    for entry in skipped:
+        counts[str(entry.get("reason", "skipped"))] += 1
+    console.print(f"skipped (not in the table): {len(skipped)} case(s)")
+    for reason, count in sorted(counts.items()):
+        console.print(f"  {count}x {reason}", markup=False, highlight=False)
 
 
 def print_comparison(comparisons, threshold, console=None) -> None:

@@ -17,18 +17,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import shardfuse as sf
+from shardfuse.collectives import collective_matmul
 from shardfuse.demos import time_call
+from shardfuse.kernels.matmul import matmul
 from shardfuse.testing import max_abs_error
 
 AXIS = "model"
 
 
 def _prediction(op: str) -> str:
-    from shardfuse.bench.shapes import MODELS
     from shardfuse.collectives.collective_matmul import cost_model
+    from shardfuse.models import get as model_shape
 
-    model = MODELS["llama3-70b"]
+    model = model_shape("llama3-70b")
     sizes = (
         (model.hidden, model.ffn_hidden)
         if op == "all_gather_matmul"
@@ -49,8 +50,8 @@ def _matmul_rows(seq_len):
     a = jax.random.normal(keys[0], (seq_len, 512), jnp.float32)
     b = jax.random.normal(keys[1], (512, 1024), jnp.float32) / 512**0.5
     c = jax.random.normal(keys[2], (seq_len, 1024), jnp.float32)
-    expected = sf.matmul(a, b, c=c, implementation="reference")
-    fn = jax.jit(lambda a, b, c: sf.matmul(a, b, c=c, implementation="xla"))
+    expected = matmul(a, b, addend=c, implementation="reference")
+    fn = jax.jit(lambda a, b, c: matmul(a, b, addend=c, implementation="xla"))
     return [
         dict(
             op="matmul",
@@ -70,8 +71,8 @@ def _pallas_rows():
     a = jax.random.normal(jax.random.key(2), (64, 256), jnp.float32)
     b = jax.random.normal(jax.random.key(3), (256, 128), jnp.float32) / 16
     c = jnp.ones((64, 128), jnp.float32)
-    fn = jax.jit(lambda a, b, c: sf.matmul(a, b, c=c, implementation="pallas_tpu"))
-    expected = sf.matmul(a, b, c=c, implementation="reference")
+    fn = jax.jit(lambda a, b, c: matmul(a, b, addend=c, implementation="pallas_tpu"))
+    expected = matmul(a, b, addend=c, implementation="reference")
     result = [
         dict(
             op="matmul",
@@ -112,7 +113,7 @@ def _sharded(op, implementation, mesh, specs, **options):
     x_spec, w_spec, out_spec = specs
 
     def per_shard(x, w):
-        fn = getattr(sf.collectives, op)
+        fn = getattr(collective_matmul, op)
         return fn(x, w, AXIS, implementation=implementation, **options)
 
     return jax.jit(

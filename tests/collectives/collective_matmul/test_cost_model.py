@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from shardfuse.bench.shapes import MODELS
 from shardfuse.collectives.collective_matmul import cost_model
 from shardfuse.collectives.collective_matmul.cost_model import PRESETS, Hardware, ring_cost
+from shardfuse.models import MODELS
 from tests.collectives.collective_matmul.common import Case
 from tests.collectives.collective_matmul.test_structure import _sub_jaxprs
 
@@ -131,3 +131,21 @@ def test_prediction_rows_cover_models_presets_and_directions():
     # A bidirectional ring doubles the ICI bandwidth: never less hidden than one direction.
     for uni, bi in zip(rows[0::4], rows[2::4], strict=True):
         assert bi["hidden"] >= uni["hidden"]
+
+
+def test_presets_read_the_hardware_table():
+    from shardfuse import hardware
+
+    h100, v5p = hardware.device("h100-sxm"), hardware.device("tpu-v5p")
+    assert PRESETS["h100_nvlink"].tflops == h100.peak_tflops("bfloat16")
+    assert PRESETS["h100_nvlink"].link_gb_per_s == h100.link.gb_per_s
+    assert PRESETS["tpu_v5p_ici"].egress_gb_per_s == v5p.link.egress_gb_per_s
+    assert Hardware.from_device(v5p) == PRESETS["tpu_v5p_ici"]
+    with pytest.raises(ValueError, match="'tpu-v4' has no link figures"):
+        Hardware.from_device("tpu-v4")
+    with pytest.raises(ValueError, match="'tpu-v5e' has no float32 peak"):
+        Hardware.from_device("tpu-v5e", dtype="float32")
+    # A model name works where a ModelShape does; unknown names list the valid ones.
+    assert cost_model.layer_costs("llama3-8b", tokens=1024, ring_size=8, hardware="h100_nvlink")
+    with pytest.raises(ValueError, match="is not one of"):
+        cost_model.layer_costs("llama-9", tokens=1024, ring_size=8, hardware="h100_nvlink")

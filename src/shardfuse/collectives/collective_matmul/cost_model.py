@@ -21,15 +21,20 @@ each device sends `(N - 1) / N` of the gathered x; a reduce-scatter ring moves
 float32 partial sums, `(N - 1) / N` of the full float32 product. Shapes are
 global (the unsharded layer): x `[M, C]`, w `[C, F]`.
 
-Hardware presets (peak, per device): H100 SXM, 989 dense bf16 TFLOP/s, NVLink 4
-900 GB/s bidirectional = 450 GB/s each way through NVSwitch
-(https://www.nvidia.com/en-us/data-center/h100/); TPU v5p, 459 bf16 TFLOP/s,
-ICI 1200 GB/s bidirectional per chip over 6 torus links = 100 GB/s per link
-each way (https://cloud.google.com/tpu/docs/v5p).
+Hardware presets take their figures from `shardfuse.hardware` (sources cited
+there): "h100_nvlink" is an H100 SXM (989 dense bf16 TFLOP/s, NVLink 4 at
+450 GB/s each way through NVSwitch), "tpu_v5p_ici" a TPU v5p (459 bf16 TFLOP/s,
+ICI 100 GB/s per link each way, 6 links); `Hardware.from_device` builds one
+for any chip of that table whose link figures are known.
 """
 
 import dataclasses
 import math
+
+from shardfuse.hardware import Device
+from shardfuse.hardware import device as hardware_device
+from shardfuse.models import ModelShape
+from shardfuse.models import get as model_shape
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 PARTIAL_SUM_BYTES = 4  # partial sums travel in float32
@@ -62,6 +67,35 @@ class Hardware:
         if not (math.isfinite(self.step_latency_us) and self.step_latency_us >= 0):
             raise ValueError(f"Hardware.step_latency_us={self.step_latency_us!r} must be >= 0")
 
+    @classmethod
+    def from_device(cls, device: "Device | str", dtype: str = "bfloat16") -> "Hardware":
+        """The peak of `device` for `dtype` and its link, from `shardfuse.hardware`.
+
+        Args:
+          device: a `shardfuse.hardware.Device` or its key ("h100-sxm", "tpu-v5p").
+          dtype: the matmul dtype whose peak is used.
+
+        Raises:
+          ValueError: unknown device, or one without a `dtype` peak or link figures.
+
+        Example:
+          >>> from shardfuse.collectives.collective_matmul.cost_model import Hardware
+          >>> Hardware.from_device("tpu-v5p").link_gb_per_s
+          100.0
+        """
+        if isinstance(device, str):
+            device = hardware_device(device)
+        tflops = device.peak_tflops(dtype)
+        if tflops is None or device.link is None:
+            missing = f"{dtype} peak" if tflops is None else "link figures"
+            raise ValueError(f"device {device.key!r} has no {missing} in shardfuse.hardware")
+        return cls(
+            f"{device.name}, {device.link.name}",
+            tflops,
+            device.link.gb_per_s,
+            device.link.egress_gb_per_s,
+        )
+
     def ring_bandwidth(self, bidirectional: bool) -> float:
         """Bytes per second one device sends along the ring."""
         links = 2 if bidirectional else 1
@@ -69,8 +103,8 @@ class Hardware:
 
 
 PRESETS = {
-    "h100_nvlink": Hardware("H100 SXM, NVLink 4", 989.0, 450.0, 450.0),
-    "tpu_v5p_ici": Hardware("TPU v5p, ICI", 459.0, 100.0, 600.0),
+    "h100_nvlink": Hardware.from_device("h100-sxm"),
+    "tpu_v5p_ici": Hardware.from_device("tpu-v5p"),
 }
 
 
@@ -198,20 +232,24 @@ def ring_cost(
     )
 
 
-def layer_costs(model, *, tokens: int, ring_size: int, hardware: Hardware | str, **kwargs):
-    """Costs of a Megatron sequence-parallel MLP of `model` (a `bench.shapes.ModelShape`).
+def layer_costs(
+    model: ModelShape | str, *, tokens: int, ring_size: int, hardware: Hardware | str, **kwargs
+):
+    """Costs of a Megatron sequence-parallel MLP of `model` (a `shardfuse.models.ModelShape`
+    or its name).
 
     Returns `{"mlp_up (all_gather_matmul)": RingCost, "mlp_down (matmul_reduce_scatter)": ...}`
     for x `[tokens, hidden]` @ `[hidden, ffn_hidden]` and back.
 
     Example:
-      >>> from shardfuse.bench.shapes import MODELS
       >>> from shardfuse.collectives.collective_matmul import cost_model
-      >>> costs = cost_model.layer_costs(MODELS["llama3-8b"], tokens=8192, ring_size=8,
+      >>> costs = cost_model.layer_costs("llama3-8b", tokens=8192, ring_size=8,
       ...     hardware="tpu_v5p_ici", bidirectional=True)
       >>> sorted(costs)
       ['mlp_down (matmul_reduce_scatter)', 'mlp_up (all_gather_matmul)']
     """
+    if isinstance(model, str):
+        model = model_shape(model)
     up = ring_cost(
         "all_gather_matmul",
         rows=tokens,
@@ -247,14 +285,12 @@ def prediction_rows(
       >>> {row["hidden"] for row in rows if row["preset"] == "h100_nvlink"} <= {1.0, 0.815}
       True
     """
-    from shardfuse.bench.shapes import MODELS
-
     rows = []
     for name in models:
         for preset in PRESETS:
             for bidirectional in (False, True):
                 costs = layer_costs(
-                    MODELS[name],
+                    name,
                     tokens=tokens,
                     ring_size=ring_size,
                     hardware=preset,

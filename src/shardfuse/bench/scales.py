@@ -1,66 +1,16 @@
-"""Shapes from real models, in one place, and the scale-downs that fit a CPU.
+"""How big a benchmark run is: which models of `shardfuse.models`, sequence lengths, dtype.
 
-Every suite takes its shapes from `MODELS` through a `Scale`: on accelerators
+Every suite takes its shapes from `shardfuse.models.MODELS` through a `Scale`: on accelerators
 the real head counts and head dims at sequence lengths 1k to 16k with a
 constant number of tokens per batch (16k, the FlashAttention benchmark
 convention); on CPU the head counts and attention windows are divided by 8
 (the GQA ratio kept) at short sequence lengths, so that a run takes minutes.
-
-Model configs are those of the published checkpoints (`config.json` on the
-Hugging Face Hub): meta-llama/Meta-Llama-3-8B and -70B, mistralai/Mistral-7B-v0.1,
-google/gemma-7b and google/gemma-2-9b.
+The model figures themselves (and their sources) live in `shardfuse.models`.
 """
 
 import dataclasses
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The sizes of one transformer that the benchmarks use.
-
-    Attributes:
-      name: short name used in benchmark groups ("llama3-8b").
-      hidden: model width.
-      heads: query heads H.
-      kv_heads: key/value heads K (H % K == 0).
-      head_dim: D.
-      ffn_hidden: MLP hidden size.
-      window: sliding-window size of its local attention layers, or None.
-      logit_softcap: attention logit softcap, or None.
-    """
-
-    name: str
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn_hidden: int
-    window: int | None = None
-    logit_softcap: float | None = None
-
-    @property
-    def causal_mask(self) -> tuple[tuple[int, int] | None, str]:
-        """`(window, variant)` of its causal self-attention: the `window=` argument of
-        `sf.flash_attention` (a window of W keys is `(W - 1, 0)`) and a label for groups."""
-        window = (self.window - 1, 0) if self.window else None
-        variant = "causal"
-        if window:
-            variant += f" window={self.window}"
-        if self.logit_softcap:
-            variant += f" softcap={self.logit_softcap:g}"
-        return window, variant
-
-
-MODELS = {
-    m.name: m
-    for m in (
-        ModelShape("llama3-8b", 4096, 32, 8, 128, 14336),
-        ModelShape("llama3-70b", 8192, 64, 8, 128, 28672),
-        ModelShape("mistral-7b", 4096, 32, 8, 128, 14336, window=4096),
-        ModelShape("gemma-7b", 3072, 16, 16, 256, 24576),
-        ModelShape("gemma2-9b", 3584, 16, 8, 256, 14336, window=4096, logit_softcap=50.0),
-    )
-}
+from shardfuse.models import MODELS, ModelShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +19,7 @@ class Scale:
 
     Attributes:
       name: "cpu", "cpu-quick", "device" or "device-quick".
-      models: which entries of `MODELS` the suites use.
+      models: which entries of `shardfuse.models.MODELS` the suites use.
       seq_lens: sequence lengths T (= S for self-attention).
       tokens_per_batch: batch size B = max(1, tokens_per_batch // T).
       divisor: heads, kv heads, widths and windows are divided by it
@@ -170,7 +120,7 @@ def pick_scale(backend: str, quick: bool, override: str | None = None) -> Scale:
       ValueError: `override` is not a key of `SCALES`.
 
     Example:
-      >>> from shardfuse.bench.shapes import pick_scale
+      >>> from shardfuse.bench.scales import pick_scale
       >>> pick_scale("cpu", quick=True).name
       'cpu-quick'
       >>> pick_scale("gpu", quick=False).name
