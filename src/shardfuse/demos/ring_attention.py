@@ -44,7 +44,7 @@ def rows(seq_len: int = 512):
     ):
         fn = jax.jit(
             lambda q, k, v, s=strategy, lay=layout: sf.ring_attention(
-                q, k, v, mesh=mesh, seq_axis=AXIS, layout=lay, strategy=s, causal=True
+                q, k, v, mesh=mesh, sequence_axis=AXIS, layout=lay, strategy=s, causal=True
             )
         )
         balance = ring_balance(T, n, layout).max_over_mean
@@ -68,7 +68,7 @@ def rows(seq_len: int = 512):
         return jax.jit(run)
 
     ring_grads = grads(
-        lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, seq_axis=AXIS, causal=True)
+        lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, sequence_axis=AXIS, causal=True)
     )
     ref_grads = grads(lambda q, k, v: sf.attention_reference(q, k, v, causal=True))
     got, want = ring_grads(q_s, k_s, v_s, d_out), ref_grads(q, k, v, d_out)

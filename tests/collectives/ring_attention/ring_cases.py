@@ -89,7 +89,7 @@ def with_vjp(attend):
 
 def ring_fn(case: RingCase, kwargs):
     if case.mesh == "3d":
-        mesh, extra = mesh_3d(), dict(batch_axis="data", head_axis="model")
+        mesh, extra = mesh_3d(), dict(data_axis="data", model_axis="model")
     else:
         mesh, extra = ring_mesh(case.N), {}
     return with_vjp(

@@ -19,13 +19,17 @@ concatenation of the shards, device 0 first), so that sharding the result
 evenly over the ring gives each device its shard; `from_ring_layout` is the
 exact inverse and `ring_positions` says which position each slot holds.
 Both are reshapes, flips and transposes, never gathers, so they partition
-well when the sequence axis is sharded.
+well when the sequence axis is sharded. On a mesh with Explicit axes (the
+default of `jax.make_mesh`), where those reshapes cannot be typed, they run
+with the axes made Auto and hand back `x`'s sharding.
 """
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -118,6 +122,19 @@ def _check_axis(x, axis):
     return axis % x.ndim
 
 
+def _keeping_sharding(permute, x):
+    """`permute(x)`, on Explicit mesh axes run as Auto, the result sharded as `x`."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        sharding = x.sharding  # concrete: its mesh has the devices, no context needed
+    else:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(sharding, NamedSharding) or mesh.empty or not mesh.explicit_axes:
+        return permute(x)
+    out = NamedSharding(mesh, sharding.spec)
+    return jax.sharding.auto_axes(permute, axes=mesh.explicit_axes, out_sharding=out)(x)
+
+
 def to_ring_layout(x, ring_size: int, layout: str, axis: int = 1):
     """Permutes the sequence axis from natural order into ring order.
 
@@ -149,8 +166,12 @@ def to_ring_layout(x, ring_size: int, layout: str, axis: int = 1):
     _check_ring(length, ring_size, layout, what=f"x.shape[{axis}]")
     if layout == "contiguous" or length == 0:
         return x
+    return _keeping_sharding(lambda x: _to_ring(x, ring_size, layout, axis), x)
+
+
+def _to_ring(x, n, layout, axis):
+    length = x.shape[axis]
     lead, tail = x.shape[:axis], x.shape[axis + 1 :]
-    n = ring_size
     if layout == "striped":  # natural [L/N, N] (slot, device) -> [N, L/N]
         x = x.reshape(*lead, length // n, n, *tail)
         return jnp.swapaxes(x, axis, axis + 1).reshape(*lead, length, *tail)
@@ -188,8 +209,12 @@ def from_ring_layout(x, ring_size: int, layout: str, axis: int = 1):
     _check_ring(length, ring_size, layout, what=f"x.shape[{axis}]")
     if layout == "contiguous" or length == 0:
         return x
+    return _keeping_sharding(lambda x: _from_ring(x, ring_size, layout, axis), x)
+
+
+def _from_ring(x, n, layout, axis):
+    length = x.shape[axis]
     lead, tail = x.shape[:axis], x.shape[axis + 1 :]
-    n = ring_size
     if layout == "striped":  # [N, L/N] (device, slot) -> natural [L/N, N]
         x = x.reshape(*lead, n, length // n, *tail)
         return jnp.swapaxes(x, axis, axis + 1).reshape(*lead, length, *tail)

@@ -1,8 +1,8 @@
 """`sf.ring_attention`: ring attention on global, natural-order arrays over a mesh.
 
 Pads the sequences to a multiple of the ring (2N for zigzag), runs
-`jax.shard_map` with the sequence over `seq_axis` (and batch / heads over
-other mesh axes if asked), moves each natural-order shard into ring order
+`jax.shard_map` with the sequence over `sequence_axis` (and batch / heads
+over `data_axis` / `model_axis` if asked), moves each natural-order shard into ring order
 (`relayout.py`: two ppermutes for zigzag, an all_to_all for striped; or
 `to_ring_layout` on the global arrays where those do not apply), and undoes
 all of it on the way out. Padding is masked by position where causality already
@@ -13,19 +13,24 @@ strategy="ring" runs the ring of `ring.py` (K/V travel by `ppermute`,
 O(local length) memory); strategy="all_gather" gathers K/V once over the
 axis and runs one block per device (less latency for short sequences,
 O(global length) memory for K/V), with the same positions and results.
+
+Meshes: the whole computation runs inside one `jax.jit` with the mesh's
+Explicit axes made Auto (`collectives/sharding.py`, `run_on_mesh`), so no
+`jax.set_mesh` context is needed, eagerly or under any transformation; the
+outputs come back sharded over the same axes as the inputs' specs say.
 """
 
-import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives import sharding
 from shardfuse.collectives.ring_attention import api, blocks, layouts, relayout, ring
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.attention import base
@@ -48,47 +53,26 @@ class _Plan:
     config: base.AttentionConfig
     implementation: str | None
     lengths: tuple  # (T, S, padded T, padded S)
-    explicit_axes: tuple  # mesh axes of AxisType.Explicit: run under auto_axes
     pad_by_segment: bool  # padding needs segment ids (not hidden by causality)
-
-
-def _axes(name, value, mesh):
-    """`batch_axis` / `head_axis` as a tuple of mesh axes, or None."""
-    if value is None:
-        return None
-    names = (value,) if isinstance(value, str) else tuple(value)
-    for axis in names:
-        if axis not in mesh.axis_names:
-            raise ValueError(
-                f"{name}={value!r}: axis {axis!r} is not in the mesh, whose axes are "
-                f"{list(mesh.axis_names)}"
-            )
-    return names or None
 
 
 def _plan(q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strategy, impl):
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if seq_axis not in mesh.axis_names:
-        raise ValueError(
-            f"seq_axis={seq_axis!r} is not in the mesh, whose axes are {list(mesh.axis_names)}"
-        )
+    if not isinstance(seq_axis, str):
+        raise TypeError(f"sequence_axis={seq_axis!r} must be one mesh axis name (a str)")
+    axes = sharding.check_mesh_axes(
+        mesh, sequence_axis=seq_axis, data_axis=batch_axis, model_axis=head_axis
+    )
     layouts.check_layout(layout)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
     blocks.candidates(impl)
-    batch_axes = _axes("batch_axis", batch_axis, mesh)
-    head_axes = _axes("head_axis", head_axis, mesh)
-    used = [seq_axis, *(batch_axes or ()), *(head_axes or ())]
-    if len(set(used)) != len(used):
-        raise ValueError(
-            f"seq_axis={seq_axis!r}, batch_axis={batch_axis!r} and head_axis={head_axis!r} "
-            "must name different mesh axes"
-        )
+    batch_axes, head_axes = axes["data_axis"], axes["model_axis"]
     B, T, H, _ = q.shape
     S, K = k.shape[1], k.shape[2]
-    batch_size = math.prod(mesh.shape[a] for a in batch_axes or ())
-    head_size = math.prod(mesh.shape[a] for a in head_axes or ())
+    batch_size = sharding.axes_size(mesh, batch_axes)
+    head_size = sharding.axes_size(mesh, head_axes)
     if B % batch_size:
         raise ValueError(
             f"batch size B={B} must be a multiple of the {batch_axes} size {batch_size}"
@@ -117,26 +101,8 @@ def _plan(q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strate
         config=config,
         implementation=impl,
         lengths=(T, S, *padded),
-        explicit_axes=tuple(
-            name
-            for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-            if kind == jax.sharding.AxisType.Explicit
-        ),
         pad_by_segment=needs_padding and not config.causal,
     )
-
-
-def _mesh_context(mesh, explicit_axes):
-    """`set_mesh(mesh)` unless a mesh context is already there (auto_axes needs one)."""
-    if not jax.sharding.get_abstract_mesh().empty:
-        return contextlib.nullcontext()
-    try:
-        return jax.sharding.set_mesh(mesh)
-    except ValueError:  # inside a trace: set_mesh is for outside jit only
-        raise ValueError(
-            f"the mesh has Explicit axes {list(explicit_axes)}: call sf.ring_attention under "
-            "`with jax.sharding.set_mesh(mesh):`, or build the mesh with AxisType.Auto axes"
-        ) from None
 
 
 def _pad_seq(x, length, value=0, mode="constant"):
@@ -191,8 +157,31 @@ def _ring_shard(plan, q, k, v, q_seg, kv_seg):
     return api.run(make_spec, plan.implementation, q, k, v, q_seg, kv_seg)
 
 
+def _out_specs(plan, q_shape):
+    """Output and lse specs: sharded over the sequence (and batch / heads) axes.
+
+    A length the ring does not divide comes back replicated over the sequence
+    axis: a `jax.Array` cannot hold an uneven split.
+    """
+    B, T, H, D = q_shape
+    batch, seq, heads = plan.batch_axes, plan.seq_axis, plan.head_axes
+    out = sharding.divisible_spec(plan.mesh, P(batch, seq, heads, None), (B, T, H, D))
+    lse = sharding.divisible_spec(plan.mesh, P(batch, heads, seq), (B, H, T))
+    return out, lse
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
+    # Every Explicit axis made Auto inside (the pads, layout reshapes and slices below
+    # cannot be typed on Explicit axes), the outputs typed sharded on `plan.mesh`.
+    run = sharding.run_on_mesh(
+        functools.partial(_attend, plan), plan.mesh, _out_specs(plan, q.shape)
+    )
+    return run(q, k, v, q_seg, kv_seg)
+
+
+def _attend(plan: _Plan, mesh, q, k, v, q_seg, kv_seg):
+    """The global computation on `mesh` (`plan.mesh` with Auto axes)."""
     T, S, Tp, Sp = plan.lengths
     n, layout = plan.mesh.shape[plan.seq_axis], plan.layout
     if plan.pad_by_segment and q_seg is None:
@@ -232,8 +221,7 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
     # mesh axes (the ring itself does, and is tested under check_vma=True).
     out, lse = jax.shard_map(
         per_shard,
-        # Under auto_axes (explicit meshes) the context mesh is the Auto version of plan.mesh.
-        mesh=jax.sharding.get_abstract_mesh() if plan.explicit_axes else plan.mesh,
+        mesh=mesh,
         in_specs=(q_spec, kv_spec, kv_spec, *((seg_spec, seg_spec) if has_seg else ())),
         out_specs=(q_spec, P(batch, plan.head_axes, seq)),
         check_vma=False,
@@ -244,17 +232,34 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
     return out[:, :T], lse[:, :, :T]
 
 
+def _onto_mesh(x, mesh, spec):
+    """A concrete array committed to devices outside `mesh` is moved onto it (sharded as `spec`).
+
+    Traced values and arrays already on the mesh's devices pass through (jit moves them).
+    """
+    if (
+        not isinstance(x, jax.Array)
+        or isinstance(x, jax.core.Tracer)
+        or not isinstance(mesh, jax.sharding.Mesh)
+        or not getattr(x, "committed", False)
+        or x.sharding.device_set == set(mesh.devices.flat)
+    ):
+        return x
+    return jax.device_put(x, NamedSharding(mesh, sharding.divisible_spec(mesh, spec, x.shape)))
+
+
+@sharding.renamed_keywords(seq_axis="sequence_axis", batch_axis="data_axis", head_axis="model_axis")
 def ring_attention(
     q,
     k,
     v,
     *,
     mesh,
-    seq_axis: str = "sequence",
+    sequence_axis: str = "sequence",
     layout: str = "zigzag",
     strategy: str = "ring",
-    batch_axis=None,
-    head_axis=None,
+    data_axis=None,
+    model_axis=None,
     causal: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
@@ -265,52 +270,70 @@ def ring_attention(
     implementation: str | None = None,
     block_sizes: base.BlockSizes | None = None,
 ):
-    """Context-parallel attention on global arrays: the sequence is split over `mesh[seq_axis]`.
+    """Context-parallel attention on global arrays, the sequence split over `mesh[sequence_axis]`.
 
     Same result as `sf.flash_attention(q, k, v, ...)` on one device (default
     positions: bottom-right aligned), computed by ring attention over the
-    `seq_axis` devices: inputs and outputs are natural-order global arrays;
-    the layout permutation and any padding happen inside. Lengths need not
-    divide the ring: they are padded to a multiple of N (2N for zigzag) and
-    the padding is masked. Batch and heads may be split over other mesh axes
-    at the same time (`batch_axis`, `head_axis`); an MQA kv head is then
-    replicated over the head axes.
+    `sequence_axis` devices: inputs and outputs are natural-order global
+    arrays; the layout permutation and any padding happen inside. Lengths
+    need not divide the ring: they are padded to a multiple of N (2N for
+    zigzag) and the padding is masked. Batch and heads may be split over
+    other mesh axes at the same time (`data_axis`, `model_axis`); an MQA kv
+    head is then replicated over the model axes.
+
+    Works eagerly and under `jax.jit`, `jax.grad` and `jax.vjp`, on meshes
+    with Explicit axes (`jax.make_mesh`'s default) or Auto ones, with or
+    without `jax.set_mesh(mesh)` (a context mesh, if any, must be `mesh`).
+    Inputs may come sharded any way, or not at all; concrete arrays on
+    devices outside the mesh are moved onto it.
 
     Args:
       q: `[B, T, H, D]` queries, float32, bfloat16 or float16.
       k: `[B, S, K, D]` keys, `H % K == 0`.
       v: `[B, S, K, D]` values.
       mesh: the `jax.sharding.Mesh` to run on.
-      seq_axis: mesh axis of the ring (default "sequence").
+      sequence_axis: mesh axis of the ring (default "sequence").
       layout: "zigzag" (default: balanced causal work), "contiguous" or "striped".
       strategy: "ring" (K/V rotate by ppermute, memory O(S / N)) or
         "all_gather" (K/V gathered once: fewer, larger messages for short sequences).
-      batch_axis: mesh axis name (or tuple of names) the batch is split over, or None.
-      head_axis: mesh axis name (or tuple) the heads are split over, or None.
+      data_axis: mesh axis name (or tuple of names) the batch is split over,
+        or None (default).
+      model_axis: mesh axis name (or tuple) the heads are split over, or None (default).
       causal, q_segment_ids, kv_segment_ids, window, logit_softcap, scale,
         return_lse, implementation, block_sizes: as `sf.flash_attention`
         (segment ids are global `[B, T]` / `[B, S]`; `INT32_MIN` is reserved
         for padding).
 
+    Deprecated keywords (one release, with a DeprecationWarning):
+      `seq_axis` -> `sequence_axis`, `batch_axis` -> `data_axis`,
+      `head_axis` -> `model_axis`. Passing an old and its new name is a TypeError.
+
     Returns:
-      `out` `[B, T, H, D]` in q's dtype, or `(out, lse)` with lse float32 `[B, H, T]`.
+      `out` `[B, T, H, D]` in q's dtype, or `(out, lse)` with lse float32 `[B, H, T]`,
+      sharded on `mesh`: out as `P(data_axis, sequence_axis, model_axis, None)`,
+      lse as `P(data_axis, model_axis, sequence_axis)`, whatever the inputs'
+      shardings (Explicit-typed on an Explicit mesh). When the ring size does
+      not divide T, the sequence dimension is replicated instead (a `jax.Array`
+      cannot hold an uneven split): pad T to a multiple of the ring to keep it
+      sharded.
 
     Raises:
       ValueError: invalid attention inputs (as `sf.flash_attention`), an axis
         not in the mesh (the message lists its axes), the same axis used twice,
         batch or heads not divisible by their axes, unknown layout or strategy.
-      TypeError: unsupported or mismatched dtypes, or `mesh` not a Mesh.
+      TypeError: unsupported or mismatched dtypes, `mesh` not a Mesh, or both a
+        deprecated keyword and its new name.
       NotImplementedError: the implementation cannot run these inputs here.
 
     Example:
       >>> import jax, shardfuse as sf
-      >>> from jax.sharding import Mesh
-      >>> mesh = Mesh(jax.devices()[:4], ("sequence",))
+      >>> mesh = jax.make_mesh((4,), ("sequence",), devices=jax.devices()[:4])
       >>> q = jax.random.normal(jax.random.key(0), (1, 100, 4, 32))  # 100: padded to 104
       >>> k = v = jax.random.normal(jax.random.key(1), (1, 100, 1, 32))
-      >>> out = sf.ring_attention(q, k, v, mesh=mesh, causal=True)
-      >>> out.shape
-      (1, 100, 4, 32)
+      >>> out = jax.jit(lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, causal=True))(
+      ...     q, k, v)
+      >>> out.shape, out.sharding.spec
+      ((1, 100, 4, 32), P(None, 'sequence', None, None))
     """
     config = base.validate(
         q,
@@ -333,31 +356,24 @@ def ring_attention(
         k,
         config,
         mesh=mesh,
-        seq_axis=seq_axis,
-        batch_axis=batch_axis,
-        head_axis=head_axis,
+        seq_axis=sequence_axis,
+        batch_axis=data_axis,
+        head_axis=model_axis,
         layout=layout,
         strategy=strategy,
         impl=implementation,
     )
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):
         return base.empty_result(q, return_lse)
-    args = (q, k, v, q_segment_ids, kv_segment_ids)
-    if not plan.explicit_axes:
-        out, lse = _global(plan, *args)
-    else:
-        # Explicit sharding types cannot follow the layout reshapes: run on Auto axes
-        # and hand back batch and heads sharded as asked, the sequence replicated.
-        def spec(*names):
-            return P(*(n if n and set(n) <= set(plan.explicit_axes) else None for n in names))
-
-        out_sharding = (
-            spec(plan.batch_axes, None, plan.head_axes, None),
-            spec(plan.batch_axes, plan.head_axes, None),
-        )
-        with _mesh_context(mesh, plan.explicit_axes):
-            run = jax.sharding.auto_axes(
-                functools.partial(_global, plan), axes=plan.explicit_axes, out_sharding=out_sharding
-            )
-            out, lse = run(*args)
+    q_spec = P(plan.batch_axes, plan.seq_axis, plan.head_axes, None)
+    kv_spec = P(plan.batch_axes, plan.seq_axis, plan.kv_head_axes, None)
+    seg_spec = P(plan.batch_axes, plan.seq_axis)
+    args = (
+        _onto_mesh(q, mesh, q_spec),
+        _onto_mesh(k, mesh, kv_spec),
+        _onto_mesh(v, mesh, kv_spec),
+        _onto_mesh(q_segment_ids, mesh, seg_spec),
+        _onto_mesh(kv_segment_ids, mesh, seg_spec),
+    )
+    out, lse = _global(plan, *args)
     return (out, lse) if return_lse else out

@@ -1,0 +1,166 @@
+"""Running a `shard_map` program on a given mesh, whatever the mesh context.
+
+A global wrapper (`sf.ring_attention`, the layers) gets a mesh and must work
+eagerly and under `jax.jit` / `jax.grad` / `jax.vjp`, with or without
+`jax.set_mesh(mesh)`, on meshes whose axes are `AxisType.Explicit` (the
+default of `jax.make_mesh`) or `Auto`. Two facts shape the helpers:
+
+- `jax.shard_map(mesh=<concrete Mesh>)` needs no mesh context: the concrete
+  mesh carries the devices. A traced `AbstractMesh` does not (under `jit`,
+  inputs without a device then fail with "Length of device assignment").
+- On Explicit axes every op types its output sharding, and reshapes, pads and
+  slices of a sharded dimension are refused; `jax.sharding.auto_axes` runs a
+  function with those axes made Auto. It needs a mesh: the context one, or
+  the mesh of its `out_sharding` when that is a `NamedSharding` on a concrete
+  mesh (which is how `run_on_mesh` calls it, so no context is needed).
+
+`run_on_mesh(fn, mesh, out_specs)` combines the two: `fn(auto_mesh, *args)`
+runs with every axis Auto (`auto_mesh` is the concrete mesh to hand to
+`jax.shard_map`), and the outputs come back sharded as `out_specs` on `mesh`:
+typed Explicit shardings on an Explicit mesh, a sharding constraint on an
+Auto one. `renamed_keywords` maps deprecated keyword names onto new ones.
+"""
+
+import functools
+import math
+import warnings
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def explicit_axes(mesh) -> tuple:
+    """Names of the mesh axes of type `AxisType.Explicit`."""
+    return tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    )
+
+
+def auto_mesh(mesh):
+    """`mesh` with every Explicit axis made Auto (same devices and names; Manual axes kept)."""
+    if not explicit_axes(mesh):
+        return mesh
+    types = tuple(AxisType.Auto if t == AxisType.Explicit else t for t in mesh.axis_types)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=types)
+    return mesh.update_axis_types(dict(zip(mesh.axis_names, types, strict=True)))
+
+
+def check_mesh_axes(mesh, **axes) -> dict:
+    """Each keyword's value (an axis name, a tuple of names, or None) as a tuple of names or None.
+
+    Raises ValueError naming the keyword, its value and the mesh's axes when
+    a name is not a mesh axis, or when two keywords use the same axis.
+    """
+    out, used = {}, {}
+    for keyword, value in axes.items():
+        if value is None:
+            out[keyword] = None
+            continue
+        names = (value,) if isinstance(value, str) else tuple(value)
+        for name in names:
+            if name not in mesh.axis_names:
+                raise ValueError(
+                    f"{keyword}={value!r}: axis {name!r} is not in the mesh, whose axes are "
+                    f"{list(mesh.axis_names)}"
+                )
+            if name in used:
+                raise ValueError(
+                    f"{used[name]} and {keyword}={value!r} both use mesh axis {name!r}: "
+                    "each axis may shard one dimension only"
+                )
+            used[name] = f"{keyword}={value!r}"
+        out[keyword] = names or None
+    return out
+
+
+def axes_size(mesh, names) -> int:
+    """Product of the sizes of mesh axes `names` (a tuple, or None: 1)."""
+    return math.prod(mesh.shape[a] for a in names or ())
+
+
+def divisible_spec(mesh, spec, shape) -> P:
+    """`spec` with the axes dropped from each dimension they do not divide evenly."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    kept = []
+    for entry, size in zip(entries, shape, strict=True):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept.append(entry if names and size % axes_size(mesh, names) == 0 else None)
+    return P(*kept)
+
+
+def run_on_mesh(fn, mesh, out_specs):
+    """`fn(auto_mesh, *args)` with `mesh`'s axes Auto; outputs sharded as `out_specs` on `mesh`.
+
+    Works eagerly and under any transformation, with or without a mesh
+    context (a context mesh, if set, must be `mesh`). Call it inside `jax.jit`
+    when `fn` reshapes sharded arrays. `out_specs` is a pytree of
+    PartitionSpecs matching `fn`'s outputs; on an Explicit mesh each must
+    divide its dimensions evenly (Explicit types cannot express an uneven
+    split: see `divisible_spec`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2,), ("sequence",))  # Explicit axes
+      >>> def fn(m, x):
+      ...     return jax.shard_map(
+      ...         lambda a: 2 * a, mesh=m, in_specs=P("sequence"), out_specs=P("sequence")
+      ...     )(x)
+      >>> y = jax.jit(run_on_mesh(fn, mesh, P("sequence")))(jnp.ones(4))
+      >>> y.sharding.spec
+      P('sequence',)
+    """
+    explicit = explicit_axes(mesh)
+    concrete = auto_mesh(mesh)
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+
+    @functools.wraps(fn)
+    def run(*args):
+        if not explicit:
+            return jax.tree.map(
+                lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+                out_specs,
+                fn(concrete, *args),
+                is_leaf=is_spec,
+            )
+        # A NamedSharding on the concrete mesh lets auto_axes run with no mesh context.
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=is_spec)
+        return jax.sharding.auto_axes(
+            lambda *a: fn(concrete, *a), axes=explicit, out_sharding=shardings
+        )(*args)
+
+    return run
+
+
+def renamed_keywords(**old_to_new):
+    """Decorator: deprecated keyword `old` still works as `new`, with a DeprecationWarning.
+
+    Passing both raises TypeError. Example: `@renamed_keywords(seq_axis="sequence_axis")`.
+    """
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(
+                        f"{fn.__name__}() got both {old}= (deprecated) and {new}=: pass {new}= only"
+                    )
+                warnings.warn(
+                    f"{fn.__name__}({old}=...) is deprecated and will be removed in the next "
+                    f"release: use {new}=",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

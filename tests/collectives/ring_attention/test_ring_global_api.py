@@ -1,0 +1,230 @@
+"""The global `sf.ring_attention` on every kind of mesh, context and transformation.
+
+Matrix: {Explicit mesh, Auto mesh} x {no mesh context, `jax.set_mesh(mesh)`}
+x {eager, jax.jit, jax.grad, jax.vjp}. Each case checks the values against
+`sf.attention_reference` on the full sequence (float32: 1e-5 outputs and
+lse, 2e-5 gradients) and that out and lse come back sharded over the
+sequence axis (a replicated output is an all-gather on every device).
+Then: a 3-axis mesh with data_axis / model_axis, inputs sharded any way,
+lengths the ring does not divide, the keyword renames, and bad axes.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardfuse as sf
+from shardfuse.testing import assert_close
+
+pytestmark = pytest.mark.timeout(300)
+
+B, T, H, K, D = 1, 64, 4, 2, 16
+RING = 4
+KWARGS = dict(causal=True)
+
+
+def _mesh(kind, shape=(RING,), names=("sequence",)):
+    devices = jax.devices()[: int(np.prod(shape))]
+    if kind == "explicit":
+        return jax.make_mesh(shape, names, devices=devices)  # Explicit: make_mesh's default
+    if kind == "auto":
+        return jax.make_mesh(
+            shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices
+        )
+    return jax.sharding.Mesh(np.array(devices).reshape(shape), names)  # "mesh": Auto, by hand
+
+
+def _inputs(b=B, t=T, h=H, kv=K, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (b, t, h, D), jnp.float32)
+    k = jax.random.normal(keys[1], (b, t, kv, D), jnp.float32)
+    v = jax.random.normal(keys[2], (b, t, kv, D), jnp.float32)
+    d_out = jax.random.normal(keys[3], (b, t, h, D), jnp.float32)
+    d_lse = jax.random.normal(keys[4], (b, h, t), jnp.float32)
+    return q, k, v, d_out, d_lse
+
+
+def _spec(x):
+    """`x.sharding.spec` as a tuple without trailing Nones."""
+    spec = list(x.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def _reference(q, k, v, d_out, d_lse, **kwargs):
+    def attend(q, k, v):
+        with jax.default_matmul_precision("highest"):
+            return sf.attention_reference(q, k, v, return_lse=True, **KWARGS, **kwargs)
+
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+
+def _check(out, lse, grads, expected, out_spec, lse_spec):
+    e_out, e_lse, e_grads = expected
+    assert_close(out, e_out, name="out")
+    assert_close(lse, e_lse, name="lse")
+    if grads is not None:
+        for name, g, e in zip(("dq", "dk", "dv"), grads, e_grads, strict=True):
+            assert_close(g, e, kind="grad", name=name)
+    assert _spec(out) == out_spec, out.sharding
+    assert _spec(lse) == lse_spec, lse.sharding
+
+
+def _run(mode, attend, mesh, q, k, v, d_out, d_lse):
+    """(out, lse, grads or None) of `attend` under `mode`."""
+    if mode == "eager":
+        return (*attend(q, k, v), None)
+    if mode == "jit":
+        return (*jax.jit(attend)(q, k, v), None)
+    if mode == "grad":
+
+        def loss(q, k, v, d_out, d_lse):
+            out, lse = attend(q, k, v)
+            return jnp.sum(out * d_out) + jnp.sum(lse * d_lse), (out, lse)
+
+        grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+        if jax.sharding.get_abstract_mesh().empty and AxisType.Explicit in mesh.axis_types:
+            # JAX itself cannot seed an eager jax.grad whose loss is typed on an Explicit
+            # mesh without a mesh context ("Length of device assignment 1"), whatever the
+            # loss: jit supplies the devices. Auto meshes run eagerly either way.
+            grad = jax.jit(grad)
+        grads, (out, lse) = grad(q, k, v, d_out, d_lse)
+        return out, lse, grads
+    (out, lse), vjp = jax.vjp(attend, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "grad", "vjp"])
+@pytest.mark.parametrize("context", [False, True], ids=["no_context", "set_mesh"])
+@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+def test_matrix(mesh_kind, context, mode):
+    mesh = _mesh(mesh_kind)
+    q, k, v, d_out, d_lse = _inputs()
+    expected = _reference(q, k, v, d_out, d_lse)
+
+    def attend(q, k, v):
+        return sf.ring_attention(q, k, v, mesh=mesh, layout="zigzag", return_lse=True, **KWARGS)
+
+    ctx = jax.sharding.set_mesh(mesh) if context else contextlib.nullcontext()
+    with ctx:
+        out, lse, grads = _run(mode, attend, mesh, q, k, v, d_out, d_lse)
+    _check(out, lse, grads, expected, (None, "sequence"), (None, None, "sequence"))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+def test_three_axis_mesh(mesh_kind, strategy):
+    mesh = _mesh(mesh_kind, (2, 2, 2), ("data", "sequence", "model"))
+    q, k, v, d_out, d_lse = _inputs(b=2, t=32)
+    expected = _reference(q, k, v, d_out, d_lse)
+
+    def attend(q, k, v):
+        return sf.ring_attention(
+            q, k, v, mesh=mesh, strategy=strategy, data_axis="data", model_axis="model",
+            return_lse=True, **KWARGS,
+        )  # fmt: skip
+
+    out, lse, grads = _run("vjp", jax.jit(attend), mesh, q, k, v, d_out, d_lse)
+    _check(out, lse, grads, expected, ("data", "sequence", "model"), ("data", "model", "sequence"))
+
+
+@pytest.mark.parametrize("mesh_kind", ["explicit", "mesh"])
+def test_inputs_sharded_any_way(mesh_kind):
+    mesh = _mesh(mesh_kind)
+    q, k, v, d_out, d_lse = _inputs()
+    expected = _reference(q, k, v, d_out, d_lse)
+    q = jax.device_put(q, NamedSharding(mesh, P(None, None, "sequence")))  # heads over the ring
+    k = jax.device_put(k, jax.devices()[5])  # one device outside the mesh
+    v = jax.device_put(v, NamedSharding(mesh, P(None, "sequence")))
+
+    def attend(q, k, v):
+        return sf.ring_attention(q, k, v, mesh=mesh, return_lse=True, **KWARGS)
+
+    out, lse, _ = _run("eager", attend, mesh, q, k, v, d_out, d_lse)
+    _check(out, lse, None, expected, (None, "sequence"), (None, None, "sequence"))
+    k = jax.device_put(k, NamedSharding(mesh, P()))
+    out, lse, _ = _run("jit", attend, mesh, q, k, v, d_out, d_lse)
+    _check(out, lse, None, expected, (None, "sequence"), (None, None, "sequence"))
+
+
+@pytest.mark.parametrize("t", [60, 62])
+@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+def test_lengths_the_ring_does_not_divide(mesh_kind, t):
+    """Padded inside (zigzag: to a multiple of 2 x ring = 8). The output is sharded over the
+    sequence when the ring divides its length (60); 62 comes back replicated over the ring
+    (a jax.Array cannot hold an uneven split), on Auto and Explicit meshes alike."""
+    mesh = _mesh(mesh_kind)
+    q, k, v, d_out, d_lse = _inputs(t=t)
+    expected = _reference(q, k, v, d_out, d_lse)
+
+    def attend(q, k, v):
+        return sf.ring_attention(q, k, v, mesh=mesh, return_lse=True, **KWARGS)
+
+    seq = "sequence" if t % RING == 0 else None
+    out_spec, lse_spec = ((None, seq), (None, None, seq)) if seq else ((), ())
+    for mode in ("jit", "vjp"):
+        out, lse, grads = _run(mode, attend, mesh, q, k, v, d_out, d_lse)
+        _check(out, lse, grads, expected, out_spec, lse_spec)
+
+
+@pytest.mark.parametrize(
+    "old, new, value",
+    [("seq_axis", "sequence_axis", "sequence"), ("batch_axis", "data_axis", None),
+     ("head_axis", "model_axis", None)],
+)  # fmt: skip
+def test_renamed_keywords(old, new, value):
+    mesh = _mesh("auto")
+    q, k, v, *_ = _inputs(t=16)
+    with pytest.warns(
+        DeprecationWarning, match=rf"ring_attention\({old}=\.\.\.\) is deprecated.*use {new}="
+    ):
+        out = sf.ring_attention(q, k, v, mesh=mesh, **{old: value}, **KWARGS)
+    assert_close(out, sf.attention_reference(q, k, v, **KWARGS), name="out")
+    with pytest.raises(TypeError, match=rf"both {old}= \(deprecated\) and {new}="):
+        sf.ring_attention(q, k, v, mesh=mesh, **{old: value, new: value})
+
+
+@pytest.mark.parametrize("keyword", ["sequence_axis", "data_axis", "model_axis"])
+def test_axis_absent_from_mesh(keyword):
+    mesh = _mesh("explicit", (2, 2, 2), ("data", "sequence", "model"))
+    q, k, v, *_ = _inputs(b=2, t=16)
+    match = (
+        rf"{keyword}='context': axis 'context' is not in the mesh, "
+        r"whose axes are \['data', 'sequence', 'model'\]"
+    )
+    with pytest.raises(ValueError, match=match):
+        sf.ring_attention(q, k, v, mesh=mesh, **{keyword: "context"})
+    with pytest.raises(ValueError, match=match):  # under jit too, before anything is traced
+        jax.jit(lambda q: sf.ring_attention(q, k, v, mesh=mesh, **{keyword: "context"}))(q)
+
+
+def test_same_axis_twice():
+    mesh = _mesh("auto", (2, 2, 2), ("data", "sequence", "model"))
+    q, k, v, *_ = _inputs(b=2, t=16)
+    with pytest.raises(
+        ValueError, match="sequence_axis='sequence' and data_axis='sequence' both use"
+    ):
+        sf.ring_attention(q, k, v, mesh=mesh, data_axis="sequence")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
+@pytest.mark.parametrize("context", [False, True], ids=["no_context", "set_mesh"])
+def test_layout_helpers_under_jit_on_explicit_mesh(layout, context):
+    mesh = _mesh("explicit", (2,), ("sequence",))
+    x = jnp.arange(2 * 16 * 3, dtype=jnp.float32).reshape(2, 16, 3)
+    sharded = jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
+    expected = sf.to_ring_layout(x, 2, layout)
+    ctx = jax.sharding.set_mesh(mesh) if context else contextlib.nullcontext()
+    with ctx:
+        ring = jax.jit(lambda x: sf.to_ring_layout(x, 2, layout))(sharded)
+        back = jax.jit(lambda x: sf.from_ring_layout(x, 2, layout))(ring)
+    np.testing.assert_array_equal(ring, expected)
+    np.testing.assert_array_equal(back, x)
+    assert _spec(ring) == (None, "sequence") and _spec(back) == (None, "sequence")
