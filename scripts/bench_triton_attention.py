@@ -14,6 +14,8 @@ Implementations: `triton` (`sf.flash_attention(implementation="triton")`),
 `cudnn` and `xla` (`jax.nn.dot_product_attention(implementation=...)`), and
 `sf-xla` (shardfuse's portable path). A case an implementation cannot run
 (out of memory, cuDNN refusing a shape) prints its error in the table.
+The header names the device's dense peak from `shardfuse.hardware` (n/a where
+the table has no entry, e.g. CPU) and the table gives each time as % of it.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 import shardfuse as sf
 from shardfuse.demos import time_call
+from shardfuse.hardware import current_device
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -77,12 +80,20 @@ def main(argv=None):
     parser.add_argument("--out", help="also write the markdown table here")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
+    chip = current_device()
+    peak = chip.peak_tflops(args.dtype) if chip else None
+    peak_text = f"{chip.name} {args.dtype} peak {peak} TFLOP/s" if peak else "peak n/a"
+
+    def of_peak(tflops):
+        return f" ({100 * tflops / peak:.0f}%)" if peak else ""
+
     lines = [
         f"# Flash attention throughput on {device.device_kind}",
         "",
         f"`python scripts/bench_triton_attention.py` on {datetime.date.today().isoformat()}, "
         f"jax {jax.__version__}, {args.dtype}, {TOKENS} tokens per batch, hidden {HIDDEN}; "
-        "TFLOP/s as in the FlashAttention-2 paper (backward = 2.5 x forward FLOPs).",
+        "TFLOP/s as in the FlashAttention-2 paper (backward = 2.5 x forward FLOPs), "
+        f"in brackets % of the dense peak ({peak_text}, from shardfuse.hardware).",
         "",
         "| impl | head dim | S | causal | B x H | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -100,7 +111,8 @@ def main(argv=None):
                         line = (
                             f"| {impl} | {head_dim} | {seq_len} | {causal} | "
                             f"{r['batch']} x {r['heads']} | {r['fwd_ms']:.3f} | "
-                            f"{r['fwd_tflops']:.1f} | {r['bwd_ms']:.3f} | {r['bwd_tflops']:.1f} |"
+                            f"{r['fwd_tflops']:.1f}{of_peak(r['fwd_tflops'])} | "
+                            f"{r['bwd_ms']:.3f} | {r['bwd_tflops']:.1f}{of_peak(r['bwd_tflops'])} |"
                         )
                     except Exception as e:  # a baseline refusing a case is a result too
                         message = str(e).splitlines()[0][:80] if str(e) else ""
