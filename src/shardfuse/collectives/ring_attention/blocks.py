@@ -1,6 +1,7 @@
 """One ring step's attention block, forward and backward, over the attention implementations.
 
-The ring needs two things of a single-device attention backend:
+The ring runs, per step, the two functions of the backend protocol
+(`kernels/attention/protocol.py`) of the single-device implementation:
 
 - `forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg) -> (out, lse)`,
   the block's partial result with a float32 lse, for the lse merge;
@@ -10,29 +11,24 @@ The ring needs two things of a single-device attention backend:
   the block's slice of the global softmax, and `delta = rowsum(d_out * out)
   - d_lse` is global too).
 
-`xla` provides both directly (`kernels/attention/xla.py`). Any other
-implementation (reference, and pallas_tpu / triton once they exist) is used
-through its `flash_attention(config, ...)` entry point and its VJP: with
-`w = exp(lse_b - lse)`, the global result is `out = sum_b w_b out_b`, so
-
-    d out_b = w_b d_out
-    d lse_b = w_b (rowsum(d_out * (out_b - out)) + d_lse)
-
-which costs one block forward more per step than a dedicated backward.
+Every implementation (reference, xla, pallas_tpu, triton) provides both, so
+the backward ring runs only backward kernels: no block forward is recomputed
+per step.
 """
 
 import dataclasses
 import importlib
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-
 from shardfuse.kernels.attention import api
 
-# Implementations with a dedicated block backward from the global out / lse:
-# name -> module exposing `forward` and `backward` with the signatures above.
-BLOCK_KERNELS = {"xla": "shardfuse.kernels.attention.xla"}
+# name -> the module exposing the protocol's `forward` and `backward`.
+BLOCK_KERNELS = {
+    "reference": "shardfuse.kernels.attention.reference",
+    "xla": "shardfuse.kernels.attention.xla",
+    "pallas_tpu": "shardfuse.kernels.attention.pallas_tpu",
+    "triton": "shardfuse.kernels.attention.triton_gpu",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,39 +40,14 @@ class BlockOps:
     backward: Callable
 
 
-def candidates(implementation: str | None) -> tuple[str, ...]:
-    """Implementations to try, best first: the one asked for, or the platform's preference."""
-    if implementation is None:
-        return api.PREFERENCE.get(jax.default_backend(), ("xla",))
-    if implementation not in api.IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not one of {[None, *api.IMPLEMENTATIONS]}"
-        )
-    return (implementation,)
+def candidates(implementation) -> tuple[str, ...]:
+    """Implementations to try, in order: the attention registry's reading of `implementation=`
+    (None: the platform's preference; a name; a sequence of names). ValueError if unknown."""
+    return api.ATTENTION.candidates(implementation)
 
 
 def load(name: str) -> BlockOps:
     """The block ops of implementation `name`; NotImplementedError if it cannot run here."""
-    if name in BLOCK_KERNELS:
-        module = importlib.import_module(BLOCK_KERNELS[name])
-        return BlockOps(name, module.forward, module.backward)
-    attention = api.load_implementation(name)  # raises NotImplementedError if absent
-
-    def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
-        def block(q, k, v):
-            return attention(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-
-        (out_b, lse_b), vjp = jax.vjp(block, q, k, v)
-        lse_ref = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        # w <= 1 since lse >= lse_b; 0 where this block sees nothing.
-        weight = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - lse_ref), 0.0)  # [B, H, T]
-        d_out32 = d_out.astype(jnp.float32)
-        d_out_b = (jnp.swapaxes(weight, 1, 2)[..., None] * d_out32).astype(out_b.dtype)
-        shift = jnp.einsum(
-            "BTHD,BTHD->BHT", d_out32, out_b.astype(jnp.float32) - out.astype(jnp.float32)
-        )
-        d_lse_b = weight * (shift + d_lse)
-        dq, dk, dv = vjp((d_out_b, d_lse_b))
-        return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-
-    return BlockOps(name, attention, backward)
+    api.load_implementation(name)  # raises NotImplementedError if absent (optional dependencies)
+    module = importlib.import_module(BLOCK_KERNELS[name])
+    return BlockOps(name, module.forward, module.backward)

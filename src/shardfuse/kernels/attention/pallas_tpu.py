@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, protocol
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
 from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, BlockSizes
@@ -125,33 +125,13 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
     return out, lse[:, :, : lay.T, 0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(config, interpret, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    return forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)
-
-
-def _flash_fwd(config, interpret, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _flash_bwd(config, interpret, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
-    d_out, d_lse = cotangents
-    dq, dk, dv = backward(
-        config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
-        interpret=interpret, grad_dtype=q.dtype,
-    )  # fmt: skip
-    return dq, dk, dv, None, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = protocol.differentiable(forward, backward)
 
 
 def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Pallas TPU flash attention on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
 
-    Differentiable (custom_vjp: FlashAttention-2 backward kernels). Called by
+    Differentiable (`protocol.differentiable`: the FlashAttention-2 backward kernels). Called by
     `shardfuse.flash_attention(..., implementation="pallas_tpu")`, which
     validates the inputs first; the kernels run as Mosaic on TPU and in TPU
     interpret mode on CPU (see `pallas_interpret.interpret_mode`).
@@ -181,4 +161,5 @@ def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg,
       (1, 128, 4, 128)
     """
     check_supported(q, config.block_sizes)  # NotImplementedError before any tracing
-    return _flash(config, current_interpret_params(None), q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    interpret = current_interpret_params(None)
+    return _flash(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, interpret=interpret)

@@ -7,6 +7,11 @@ Float32 accumulation and statistics, `Precision.HIGHEST` for float32 inputs,
 no tiling and no custom_vjp: gradients come from autodiff, written so that
 rows without a visible key give 0, lse = -inf and zero (finite) gradients.
 Memory is O(T * S); use it to check other implementations, not to train.
+
+For the backend protocol (`protocol.py`), `forward` is `reference_attention`
+and `backward` writes the FlashAttention-2 gradients out naively from a given
+(possibly global) `out` and `lse`: the oracle of the other backends' block
+backwards, itself checked against autodiff.
 """
 
 import jax.numpy as jnp
@@ -55,3 +60,67 @@ def reference_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_
         precision=precision,
     )
     return out.reshape(B, T, H, D).astype(q.dtype), lse.reshape(B, H, T)
+
+
+forward = reference_attention
+
+
+def backward(
+    config: base.AttentionConfig,
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    q_seg,
+    kv_seg,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    grad_dtype=jnp.float32,
+):
+    """Gradients `(dq, dk, dv)` in `grad_dtype` from a saved `out` and float32 `lse`, naively.
+
+    With `p = exp(s - lse)` over the visible keys and
+    `delta = rowsum(d_out * out) - d_lse` (both global when `out` and `lse` are
+    those of a larger attention this call is one block of):
+
+        dv = p^T d_out,   ds = p * (d_out v^T - delta) * cap'(s),
+        dq = scale * ds k,   dk = scale * ds^T q
+
+    Everything is float32 at `Precision.HIGHEST`, over the whole `[T, S]` score matrix.
+    """
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    hi = lax.Precision.HIGHEST
+    f32 = jnp.float32
+    mask = masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
+    mask = jnp.broadcast_to(mask, (B, T, S))  # [B, T, S]
+    # As in the forward: what nobody sees is zeroed, so that NaN there never leaks.
+    row_visible = jnp.any(mask, axis=2)[:, :, None, None]  # [B, T, 1, 1]
+    col_visible = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]
+    q = jnp.where(row_visible, q, 0).astype(f32).reshape(B, T, K, G, D)
+    k = jnp.where(col_visible, k, 0).astype(f32)
+    v = jnp.where(col_visible, v, 0).astype(f32)
+    d_out = jnp.where(row_visible, d_out, 0).astype(f32)
+    out = jnp.where(row_visible, out, 0).astype(f32)
+
+    s = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, precision=hi) * config.scale
+    cap_grad = 1.0
+    if config.logit_softcap is not None:
+        t = jnp.tanh(s / config.logit_softcap)
+        s, cap_grad = config.logit_softcap * t, 1.0 - t * t
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(B, K, G, T)
+    p = jnp.exp(jnp.where(mask[:, None, None], s - lse[..., None], -jnp.inf))  # [B, K, G, T, S]
+    delta = jnp.einsum("BTHD,BTHD->BHT", d_out, out, precision=hi) - d_lse
+    delta = delta.reshape(B, K, G, T)
+    d_out = d_out.reshape(B, T, K, G, D)
+    dv = jnp.einsum("BKGTS,BTKGD->BSKD", p, d_out, precision=hi)
+    dp = jnp.einsum("BTKGD,BSKD->BKGTS", d_out, v, precision=hi)
+    ds = p * (dp - delta[..., None]) * cap_grad * config.scale
+    dq = jnp.einsum("BKGTS,BSKD->BTKGD", ds, k, precision=hi).reshape(B, T, H, D)
+    dk = jnp.einsum("BKGTS,BTKGD->BSKD", ds, q, precision=hi)
+    return dq.astype(grad_dtype), dk.astype(grad_dtype), dv.astype(grad_dtype)

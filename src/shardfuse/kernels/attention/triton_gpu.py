@@ -21,16 +21,15 @@ K kv heads, G = H // K, D head dim, nq/nk query/key blocks.
 Without an NVIDIA GPU (compute capability >= 8.0), triton or jax_triton,
 `flash_attention` raises NotImplementedError with the reason, so that
 dispatch falls back; on CPU the kernels run under the Triton interpreter
-with `launcher=triton_launch.InterpretLauncher()`.
+with `launcher=triton.launch.InterpretLauncher()`.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from shardfuse.kernels.attention import base, masks, triton_configs
-from shardfuse.kernels.attention.triton_launch import gpu_launcher
+from shardfuse.kernels.attention import base, masks, protocol, triton_configs
+from shardfuse.kernels.triton import launch
 
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (B * H programs)
 
@@ -48,10 +47,10 @@ def _tile(length: int, configured: int, requested: int | None, name: str) -> int
 
 
 def kernel_config(config, tuned, T, S):
-    """The `tuned` `KernelConfig` with the user's `BlockSizes` applied, tiles fitted to T and S."""
+    """The `tuned` `AttentionKernelConfig` with the user's `BlockSizes` applied, fitted to T, S."""
     block_m = _tile(T, tuned.block_m, config.block_sizes.block_q, "block_q")
     block_n = _tile(S, tuned.block_n, config.block_sizes.block_kv, "block_kv")
-    return triton_configs.KernelConfig(block_m, block_n, tuned.num_warps, tuned.num_stages)
+    return triton_configs.AttentionKernelConfig(block_m, block_n, tuned.num_warps, tuned.num_stages)
 
 
 def _block_stats(values, block):
@@ -125,7 +124,13 @@ def _segments(q_seg, kv_seg):
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
-def _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, launcher=None):
+    """The forward kernel on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
+
+    `launcher`: None (jax-triton on this GPU) or `triton.launch.InterpretLauncher()`.
+    Used by `flash_attention` and by collectives that merge partial results.
+    """
+    launcher = _launcher_for(config, q, k, launcher)
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     configs = triton_configs.default_configs(launcher.compute_capability, D, q.dtype)
@@ -154,7 +159,30 @@ def _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     return out, lse
 
 
-def _backward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
+def backward(
+    config,
+    q,
+    k,
+    v,
+    q_pos,
+    kv_pos,
+    q_seg,
+    kv_seg,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    grad_dtype=jnp.float32,
+    launcher=None,
+):
+    """The delta, dK/dV and dQ kernels: `(dq, dk, dv)` in `grad_dtype` (float32 by default).
+
+    `out` and `lse` may be those of a larger attention that this call is one
+    block of (ring attention): `delta = rowsum(d_out * out) - d_lse` and
+    `p = exp(s - lse)` then give this block's share of the gradients.
+    """
+    launcher = _launcher_for(config, q, k, launcher)
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
     configs = triton_configs.default_configs(launcher.compute_capability, D, q.dtype)
@@ -180,7 +208,7 @@ def _backward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse,
     dk, dv = launcher(
         "attention_backward_dkdv_kernel",
         [*inputs, ranges, d_out, lse, delta],
-        [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+        [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
         (ranges.shape[1], B * K),
         tile,
         dict(**shape, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **options),
@@ -192,7 +220,7 @@ def _backward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse,
     (dq,) = launcher(
         "attention_backward_dq_kernel",
         [*inputs, ranges, d_out, lse, delta],
-        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        [jax.ShapeDtypeStruct(q.shape, grad_dtype)],
         (ranges.shape[1], B * H),
         tile,
         dict(**shape, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **options),
@@ -200,26 +228,7 @@ def _backward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse,
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    return _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-
-
-def _flash_fwd(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = _forward(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _flash_bwd(config, launcher, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
-    d_out, d_lse = cotangents
-    dq, dk, dv = _backward(
-        config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse
-    )
-    return dq, dk, dv, None, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = protocol.differentiable(forward, backward)
 
 
 def _check_supported(q, k):
@@ -245,6 +254,19 @@ def _check_supported(q, k):
         )
 
 
+def _launcher_for(config, q, k, launcher):
+    """`launcher`, or the GPU's; NotImplementedError for inputs these kernels cannot run."""
+    _check_supported(q, k)
+    launcher = launch.resolve(launcher, triton_configs.KERNELS_MODULE)
+    triton_configs.default_configs(launcher.compute_capability, q.shape[3], q.dtype)
+    for size, name in (
+        (config.block_sizes.block_q, "block_q"),
+        (config.block_sizes.block_kv, "block_kv"),
+    ):
+        _tile(1, 16, size, name)
+    return launcher
+
+
 def flash_attention(
     config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, launcher=None
 ):
@@ -258,7 +280,7 @@ def flash_attention(
       q_pos, kv_pos: int32 `[T]`, `[S]` absolute positions.
       q_seg, kv_seg: None or int `[B, T]`, `[B, S]` segment ids.
       launcher: None for jax-triton on this machine's GPU, or
-        `triton_launch.InterpretLauncher()` to run the kernels on CPU.
+        `triton.launch.InterpretLauncher()` to run the kernels on CPU.
 
     Returns:
       `(out [B, T, H, D] in q's dtype, lse float32 [B, H, T])`, differentiable
@@ -280,22 +302,15 @@ def flash_attention(
 
       On CPU, the same kernels under the Triton interpreter (needs torch and triton):
 
-      >>> from shardfuse.kernels.attention import base, triton_gpu, triton_launch
+      >>> from shardfuse.kernels.attention import base, triton_gpu
+      >>> from shardfuse.kernels.triton.launch import InterpretLauncher
       >>> q = k = v = jax.numpy.ones((1, 32, 2, 16))
       >>> config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=0.25)
       >>> pos = jax.numpy.arange(32)
       >>> out, lse = triton_gpu.flash_attention(  # doctest: +SKIP
-      ...     config, q, k, v, pos, pos, None, None, launcher=triton_launch.InterpretLauncher())
+      ...     config, q, k, v, pos, pos, None, None, launcher=InterpretLauncher())
     """
-    _check_supported(q, k)
-    if launcher is None:
-        launcher = gpu_launcher()
-    triton_configs.default_configs(launcher.compute_capability, q.shape[3], q.dtype)
-    for size, name in (
-        (config.block_sizes.block_q, "block_q"),
-        (config.block_sizes.block_kv, "block_kv"),
-    ):
-        _tile(1, 16, size, name)
+    launcher = _launcher_for(config, q, k, launcher)  # NotImplementedError before tracing
     q_pos = jnp.asarray(q_pos, jnp.int32)
     kv_pos = jnp.asarray(kv_pos, jnp.int32)
-    return _flash(config, launcher, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    return _flash(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, launcher=launcher)

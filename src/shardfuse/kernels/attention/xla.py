@@ -15,15 +15,13 @@ Sequence lengths that are not block multiples are zero padded and the pad
 is masked by validity, so any T and S work.
 """
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.kernels import vma
-from shardfuse.kernels.attention import base, masks
+from shardfuse.kernels.attention import base, masks, protocol
 from shardfuse.kernels.precision import dot_precision
 
 DEFAULT_BLOCK_Q = 256
@@ -211,8 +209,10 @@ def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     return tiles.untile_queries(out), tiles.untile_row_stats(lse)
 
 
-def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
-    """Blockwise backward from saved `out` and `lse`: float32 `(dq, dk, dv)`.
+def backward(
+    config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse, *, grad_dtype=jnp.float32
+):
+    """Blockwise backward from saved `out` and `lse`: `(dq, dk, dv)` in `grad_dtype` (float32).
 
     `out` and `lse` may be those of a larger attention that this call is one
     block of (ring attention): `delta = rowsum(d_out * out) - d_lse` and
@@ -291,33 +291,16 @@ def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_l
 
     dq_init = vma.to_varying(jnp.zeros((tiles.nq, B, K, G, tiles.block_q, D), jnp.float32), axes)
     dq, (dk, dv) = lax.scan(kv_block, dq_init, (jnp.arange(tiles.nk), k_tiles, v_tiles))
-    dq = tiles.untile_queries(dq)
-    return dq, tiles.untile_keys(dk), tiles.untile_keys(dv)
+    dq, dk, dv = tiles.untile_queries(dq), tiles.untile_keys(dk), tiles.untile_keys(dv)
+    return dq.astype(grad_dtype), dk.astype(grad_dtype), dv.astype(grad_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    return forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-
-
-def _flash_fwd(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    out, lse = forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    return (out, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse)
-
-
-def _flash_bwd(config, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
-    d_out, d_lse = cotangents
-    dq, dk, dv = backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = protocol.differentiable(forward, backward)
 
 
 def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    """Blockwise attention on validated inputs; `(out [B, T, H, D], lse float32 [B, H, T])`."""
-    # One vma for all inputs outside the custom_vjp, so that its cotangents match
-    # (inside shard_map, e.g. a kv head replicated over a tensor-parallel axis).
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    """Blockwise attention on validated inputs; `(out [B, T, H, D], lse float32 [B, H, T])`.
+
+    Differentiable: `protocol.differentiable(forward, backward)`.
+    """
     return _flash(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
