@@ -21,6 +21,10 @@ def test_info():
     assert result.returncode == 0, result.stderr
     for expected in ("jax", "flax", "backend: cpu", "devices (8)", "xla", "triton"):
         assert expected in result.stdout
+    # Every registered op, the collective matmuls included, each with its own texts.
+    for op in ("attention", "matmul", "all_gather_matmul", "matmul_reduce_scatter"):
+        assert op in result.stdout
+    assert "matmul_all_reduce" in result.stdout and "TPU interpret mode" in result.stdout
 
 
 def test_bad_arguments_exit_with_usage():

@@ -1,58 +1,16 @@
-"""`shardfuse info`: what this machine has and which implementations can run on it."""
+"""`shardfuse info`: what this machine has and which implementations can run on it.
 
-import importlib.util
+Every row comes from the registry (`kernels/registry.py`): each registered op,
+each of its backends with its own description, whether it can run here and
+why, and the order `implementation=None` tries them in on this platform.
+"""
+
 import platform as _platform
 
 import jax
 
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _triton_status(backend: str) -> tuple[bool, str]:
-    """Whether the Triton kernels can launch here: the launcher's own checks (NVIDIA GPU of
-    compute capability >= 8.0, triton and jax-triton importable with this jaxlib)."""
-    from shardfuse.kernels.attention.triton_launch import gpu_launcher
-
-    try:
-        launcher = gpu_launcher()
-    except NotImplementedError as e:
-        return False, str(e)
-    return True, f"sm_{launcher.compute_capability}: triton and jax-triton available"
-
-
-def _module_status(module_name: str) -> tuple[bool, str] | None:
-    """None when the implementation module exists, else (False, reason)."""
-    if not _has_module(module_name):
-        return False, "not part of this version of shardfuse"
-    return None
-
-
-def implementation_status(op_implementations: dict[str, tuple[str, str]], backend: str):
-    """`{name: (usable, why)}` for the implementations of one op on this backend."""
-    status = {}
-    for name, (module_name, _) in op_implementations.items():
-        missing = _module_status(module_name)
-        if missing is not None:
-            status[name] = missing
-        elif name == "reference":
-            status[name] = (True, "plain jnp, runs anywhere (slow, O(T*S) memory)")
-        elif name == "xla":
-            status[name] = (True, "portable blockwise JAX, runs anywhere")
-        elif name == "pallas_tpu":
-            if backend == "tpu":
-                status[name] = (True, "TPU: Mosaic kernels")
-            else:
-                status[name] = (True, f"no TPU: runs in TPU interpret mode on {backend} (slow)")
-        elif name == "triton":
-            status[name] = _triton_status(backend)
-        else:
-            status[name] = (True, "")
-    return status
+from shardfuse._version import __version__
+from shardfuse.kernels import registry
 
 
 def info(print_report: bool = True) -> dict:
@@ -62,38 +20,39 @@ def info(print_report: bool = True) -> dict:
       print_report: print a table (with rich) as well as returning the data.
 
     Returns:
-      A dict with keys "shardfuse", "python", "jax", "jaxlib", "flax", "backend",
-      "devices" (list of str) and "implementations" (`{op: {name: (usable, why)}}`).
+      A dict with keys "shardfuse", "python", "jax", "jaxlib", "flax",
+      "backend", "devices" (list of str), "implementations"
+      (`{op: {name: (usable, why)}}`), "descriptions" (`{op: {name: text}}`,
+      the op's own text under `""`) and "preference" (`{op: names}`, what
+      `implementation=None` tries here, in order), for every registered op.
 
     Example:
       >>> import shardfuse as sf
       >>> report = sf.info(print_report=False)
       >>> report["implementations"]["attention"]["xla"][0]
       True
+      >>> "all_gather_matmul" in report["implementations"]
+      True
     """
     import flax
     import jaxlib
 
-    import shardfuse
-    from shardfuse.kernels.attention.api import IMPLEMENTATIONS as ATTENTION
-
     backend = jax.default_backend()
-    ops = {"attention": ATTENTION}
-    try:
-        from shardfuse.kernels.matmul.api import IMPLEMENTATIONS as MATMUL
-
-        ops["matmul"] = MATMUL
-    except ImportError:
-        pass
+    ops = registry.ops()
     report = {
-        "shardfuse": shardfuse.__version__,
+        "shardfuse": __version__,
         "python": _platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "flax": flax.__version__,
         "backend": backend,
         "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
-        "implementations": {op: implementation_status(impls, backend) for op, impls in ops.items()},
+        "implementations": {name: op.status(backend) for name, op in ops.items()},
+        "descriptions": {
+            name: {"": op.description} | {b.name: b.description for b in op.backends.values()}
+            for name, op in ops.items()
+        },
+        "preference": {name: op.candidates(None) for name, op in ops.items()},
     }
     if print_report:
         _print(report)
@@ -105,16 +64,24 @@ def _print(report):
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 120))  # a pipe or a file: no ragged wrapping
     console.print(
         f"shardfuse {report['shardfuse']}  python {report['python']}  jax {report['jax']}  "
         f"jaxlib {report['jaxlib']}  flax {report['flax']}"
     )
     devices = report["devices"]
     console.print(f"backend: {report['backend']}  devices ({len(devices)}): {', '.join(devices)}")
-    table = Table(title="implementations")
-    for column in ("op", "implementation", "usable", "why"):
-        table.add_column(column)
+    table = Table(title="implementations (default: the order implementation=None tries them in)")
+    for column in ("op / implementation", "usable", "default", "what it is", "why"):
+        table.add_column(column, no_wrap=column in ("op / implementation", "usable", "default"))
     for op, impls in report["implementations"].items():
+        descriptions = report["descriptions"][op]
+        preference = report["preference"][op]
+        table.add_row(op, "", "", descriptions[""], "", style="bold")
         for name, (usable, why) in impls.items():
-            table.add_row(op, name, "yes" if usable else "no", why)
+            order = str(preference.index(name) + 1) if name in preference else ""
+            usable = "yes" if usable else "no"
+            table.add_row(f"  {name}", usable, order, descriptions[name], why)
+        table.add_section()
     console.print(table)

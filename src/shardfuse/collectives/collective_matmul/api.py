@@ -1,51 +1,85 @@
-"""Public per-shard collective matmuls and the dispatch over implementations.
+"""Public per-shard collective matmuls; their implementations are declared in the registry.
 
 Each function validates its inputs and the surrounding mesh once, before
 anything is traced, builds the static `RingPlan`, then calls the requested
-implementation or, with `implementation=None`, the best for the platform
-(TPU: pallas_tpu, else xla); a backend that raises `NotImplementedError`
-hands over to the next one. Call them inside `jax.shard_map`.
+implementation (`implementation=` a name, a sequence of names tried in order,
+or None for the platform's preference: TPU pallas_tpu, else xla; see
+`kernels/registry.py`): a backend that raises `NotImplementedError` hands
+over to the next one. Call them inside `jax.shard_map`.
 """
 
-import importlib
 import math
 
 import jax
 import jax.numpy as jnp
 
 from shardfuse.collectives.collective_matmul import base
-from shardfuse.kernels import dispatch
+from shardfuse.kernels import registry
 from shardfuse.kernels.matmul import base as matmul_base
 
-_MODULES = {
-    "reference": "shardfuse.collectives.collective_matmul.reference",
-    "xla": "shardfuse.collectives.collective_matmul.xla",
-    "pallas_tpu": "shardfuse.collectives.collective_matmul.pallas_tpu",
-}
-PREFERENCE = {"tpu": ("pallas_tpu", "xla")}
+_MODULE = "shardfuse.collectives.collective_matmul."
 
 
-def _load(name: str, function: str):
-    try:
-        module = importlib.import_module(_MODULES[name])
-    except ModuleNotFoundError as e:
-        if e.name == _MODULES[name]:
-            raise NotImplementedError(
-                f"{function}: implementation {name!r} is not part of this version of shardfuse"
-            ) from e
-        raise NotImplementedError(f"{function}: implementation {name!r} needs {e.name!r}") from e
-    return getattr(module, function)
+def _no_fused_kernel(platform: str) -> registry.Status:
+    return False, "no fused kernel: raises NotImplementedError, so the xla ring runs"
+
+
+_STATUS = {"pallas_tpu": registry.pallas_tpu_status}
+
+
+def _register(function: str, description: str, backends: dict, preference, status=None) -> None:
+    """Declares collective matmul `function`; `backends` maps name -> description, and each
+    backend's function is `function` of module `<name>.py`."""
+    status = {**_STATUS, **(status or {})}
+    registry.register(
+        function,
+        description=description,
+        backends=[
+            registry.Backend(
+                name, _MODULE + name, function, text, status.get(name, registry.runs_anywhere)
+            )
+            for name, text in backends.items()
+        ],
+        preference=preference,
+    )
+
+
+_register(
+    "all_gather_matmul",
+    "all_gather(x) @ w over a mesh axis, the transfers hidden behind the chunk matmuls",
+    {
+        "reference": "the oracle: lax.all_gather, then one matmul (no overlap)",
+        "xla": "ppermute ring: each chunk's matmul overlaps the next chunk's transfer",
+        "pallas_tpu": "fused Pallas TPU kernel: remote DMAs double-buffered under the matmuls",
+    },
+    {"tpu": ("pallas_tpu", "xla")},
+)
+_register(
+    "matmul_reduce_scatter",
+    "psum_scatter(x @ w) over a mesh axis, float32 partial sums travelling under the matmuls",
+    {
+        "reference": "the oracle: one matmul, then lax.psum_scatter in float32 (no overlap)",
+        "xla": "ppermute ring: the partial sum travels while the next chunk multiplies",
+        "pallas_tpu": "fused Pallas TPU kernel: remote DMAs double-buffered under the matmuls",
+    },
+    {"tpu": ("pallas_tpu", "xla")},
+)
+_register(
+    "matmul_all_reduce",
+    "psum(x @ w) over a mesh axis, the reduce-scatter half overlapped with the matmul",
+    {
+        "reference": "the oracle: one matmul, then lax.psum in float32 (no overlap)",
+        "xla": "ring all-reduce: bidirectional matmul-reduce-scatter ring, then an all-gather",
+        "pallas_tpu": "none yet: refuses every input",
+    },
+    {"tpu": ("xla",)},
+    status={"pallas_tpu": _no_fused_kernel},
+)
 
 
 def _dispatch(function: str, implementation, args):
-    base.check_implementation(implementation, function=function)
-    if implementation is None:
-        names = PREFERENCE.get(jax.default_backend(), ("xla",))
-    else:
-        names = (implementation,)
-    return dispatch.run(
-        function, names, implementation is not None, lambda name: _load(name, function)(*args)
-    )
+    op = registry.get(function)
+    return op.run(implementation, lambda name: op.load(name)(*args))
 
 
 def _as_array(x):
@@ -81,8 +115,9 @@ def all_gather_matmul(
       gather_axis: the axis of x to gather, any but the last (C). Default 0.
       bidirectional: split each chunk in halves that travel in opposite directions
         (needs m >= 2; otherwise one direction is used).
-      implementation: None (best for the platform), "reference" (lax.all_gather
-        then one matmul), "xla" (ring) or "pallas_tpu" (fused kernel).
+      implementation: None (the platform's preference: pallas_tpu on TPU, else
+        xla), "reference" (lax.all_gather then one matmul), "xla" (ring),
+        "pallas_tpu" (fused kernel), or a sequence of them tried in order.
       precision: precision of every chunk matmul: None (HIGHEST for float32,
         DEFAULT for 16-bit), a `jax.lax.Precision` or its name (as `jnp.dot`).
 
@@ -93,7 +128,8 @@ def all_gather_matmul(
       ValueError: `axis_name` is not a (manual) axis of the surrounding mesh (the
         message lists the axes present), bad ranks/shapes or `gather_axis`.
       TypeError: non-array inputs, unsupported or mismatched dtypes, non-bool flags.
-      NotImplementedError: the requested implementation cannot run this input here.
+      NotImplementedError: the named implementation cannot run this input here
+        (with None or a sequence: none could, with each reason).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
@@ -112,7 +148,7 @@ def all_gather_matmul(
     n = base.mesh_axis_size(axis_name, function=function)
     axis = base.normalize_axis(gather_axis, x.ndim, name="gather_axis", function=function)
     bidirectional = base.check_flag(bidirectional, name="bidirectional", function=function)
-    base.check_implementation(implementation, function=function)
+    registry.candidates(function, implementation)  # an unknown name fails before tracing
     x, w = _as_array(x), _as_array(w)
     precision = matmul_base.check_precision(precision)
     plan = base.make_plan(axis_name, n, axis, x.shape[axis], bidirectional, precision)
@@ -140,7 +176,7 @@ def matmul_reduce_scatter(
     implementation is a ring: each step multiplies this device's contribution
     to the next chunk while the float32 partial sum of the previous step
     travels, and adds it in the matmul epilogue,
-    `acc = sf.matmul(x_chunk, w, c=received, out_dtype=float32)`. The gradient
+    `acc = sf.matmul(x_chunk, w, addend=received, out_dtype=float32)`. The gradient
     is an all-gather-matmul (dx) plus a per-step dw accumulation.
 
     Args:
@@ -150,8 +186,9 @@ def matmul_reduce_scatter(
       axis_name: the mesh axis to reduce over, manual in the surrounding shard_map.
       scatter_axis: the axis of x (and of the result) to scatter, any but the last.
       bidirectional: two half-chunk partial sums travel in opposite directions.
-      implementation: None, "reference" (matmul then lax.psum_scatter), "xla"
-        or "pallas_tpu".
+      implementation: None (the platform's preference: pallas_tpu on TPU, else
+        xla), "reference" (matmul then lax.psum_scatter), "xla", "pallas_tpu",
+        or a sequence of them tried in order.
       precision: precision of every chunk matmul: None (HIGHEST for float32,
         DEFAULT for 16-bit), a `jax.lax.Precision` or its name (as `jnp.dot`).
 
@@ -162,7 +199,8 @@ def matmul_reduce_scatter(
       ValueError: `axis_name` is not a (manual) mesh axis here (the message lists
         the axes present), M is not divisible by N, bad ranks/shapes/axis.
       TypeError: non-array inputs, unsupported or mismatched dtypes, non-bool flags.
-      NotImplementedError: the requested implementation cannot run this input here.
+      NotImplementedError: the named implementation cannot run this input here
+        (with None or a sequence: none could, with each reason).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
@@ -180,7 +218,7 @@ def matmul_reduce_scatter(
     n = base.mesh_axis_size(axis_name, function=function)
     axis = base.normalize_axis(scatter_axis, x.ndim, name="scatter_axis", function=function)
     bidirectional = base.check_flag(bidirectional, name="bidirectional", function=function)
-    base.check_implementation(implementation, function=function)
+    registry.candidates(function, implementation)  # an unknown name fails before tracing
     if x.shape[axis] % n:
         raise ValueError(
             f"{function}: x.shape[{scatter_axis}]={x.shape[axis]} (x shape {tuple(x.shape)}) "
@@ -209,7 +247,9 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=No
       x: `[..., M, C]`, float32, bfloat16 or float16 (C typically sharded).
       w: `[C, F]`, same dtype.
       axis_name: the mesh axis to sum over, manual in the surrounding shard_map.
-      implementation: None, "reference" (matmul then lax.psum) or "xla".
+      implementation: None (xla), "reference" (matmul then lax.psum), "xla",
+        "pallas_tpu" (no fused kernel yet: NotImplementedError), or a sequence
+        of them tried in order.
       precision: precision of every chunk matmul: None (HIGHEST for float32,
         DEFAULT for 16-bit), a `jax.lax.Precision` or its name (as `jnp.dot`).
 
@@ -220,7 +260,8 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=No
       ValueError: `axis_name` is not a (manual) mesh axis here (the message lists
         the axes present), bad ranks or shapes.
       TypeError: non-array inputs, unsupported or mismatched dtypes.
-      NotImplementedError: the requested implementation cannot run this input here.
+      NotImplementedError: the named implementation cannot run this input here
+        (with None or a sequence: none could, with each reason).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
@@ -236,7 +277,7 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=No
     function = "matmul_all_reduce"
     base.check_operands(x, w, function=function)
     n = base.mesh_axis_size(axis_name, function=function)
-    base.check_implementation(implementation, function=function)
+    registry.candidates(function, implementation)  # an unknown name fails before tracing
     x, w = _as_array(x), _as_array(w)
     axis = next((a for a in range(x.ndim - 1) if x.shape[a] >= n and x.shape[a] % n == 0), None)
     precision = matmul_base.check_precision(precision)

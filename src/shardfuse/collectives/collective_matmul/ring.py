@@ -11,7 +11,7 @@ In step s every device
   transfer in flight;
 - scatter ring: sends the partial sum it finished in step s - 1 while it
   multiplies its own contribution to the next chunk, then adds the received
-  partial in the epilogue: `acc = sf.matmul(x_chunk, w, c=received)`.
+  partial in the epilogue: `acc = sf.matmul(x_chunk, w, addend=received)`.
 
 Bidirectional rings (as on TPU ICI and NVLink, where each link is full
 duplex) split every chunk into two halves moving in opposite directions, so
@@ -30,9 +30,14 @@ from shardfuse.collectives.collective_matmul.base import RingPlan
 from shardfuse.kernels.matmul import api as matmul_api
 
 
-def _matmul(a, b, c=None, *, implementation, precision, out_dtype=None):
+def _matmul(a, b, addend=None, *, implementation, precision, out_dtype=None):
     return matmul_api.matmul(
-        a, b, c=c, out_dtype=out_dtype, implementation=implementation, precision=precision
+        a,
+        b,
+        addend=addend,
+        out_dtype=out_dtype,
+        implementation=implementation,
+        precision=precision,
     )
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.collectives.ring_attention import blocks, layouts, ring
+from shardfuse.kernels import registry
 from shardfuse.kernels.attention import base
 
 
@@ -30,21 +31,20 @@ def ring_size(axis_name) -> int:
 
 
 def run(make_spec, implementation, q, k, v, q_seg, kv_seg):
-    """Runs `ring.ring` with the first implementation that can (NotImplementedError: next).
+    """Runs `ring.ring` with the attention implementation(s) asked for (`kernels/registry.py`).
 
-    `make_spec(name) -> RingSpec`. The fallback happens while the forward is
-    traced; a backend that refuses only in its backward fails there.
+    `make_spec(name) -> RingSpec`; `implementation` is None (the platform's
+    preference), a name, or a sequence of names tried in order: a backend
+    raising NotImplementedError hands over to the next, unless it was named
+    alone. The fallback happens while the forward is traced; a backend that
+    refuses only in its backward fails there.
     """
-    reasons = []
-    for name in blocks.candidates(implementation):
-        try:
-            blocks.load(name)
-            return ring.ring(make_spec(name), q, k, v, q_seg, kv_seg)
-        except NotImplementedError as e:
-            if implementation is not None:
-                raise
-            reasons.append(f"{name}: {e}")
-    raise NotImplementedError("no attention implementation can run here: " + "; ".join(reasons))
+
+    def call(name):
+        blocks.load(name)
+        return ring.ring(make_spec(name), q, k, v, q_seg, kv_seg)
+
+    return registry.run("attention", implementation, call)
 
 
 def ring_attention(
@@ -61,7 +61,7 @@ def ring_attention(
     logit_softcap: float | None = None,
     scale: float | None = None,
     return_lse: bool = False,
-    implementation: str | None = None,
+    implementation=None,
     block_sizes: base.BlockSizes | None = None,
 ):
     """Context-parallel flash attention over the ring `axis_name`, per shard (inside `shard_map`).
@@ -92,8 +92,10 @@ def ring_attention(
       logit_softcap: `softcap * tanh(logits / softcap)`.
       scale: logit scale; default `1 / sqrt(D)`.
       return_lse: also return the float32 lse `[B, H, T]` of the global softmax.
-      implementation: the single-device attention of each step: None (best for
-        the platform), "xla", "reference", "pallas_tpu" or "triton".
+      implementation: the single-device attention of each step (the attention
+        backends of `sf.flash_attention`): None (the platform's preference),
+        "xla", "reference", "pallas_tpu", "triton", or a sequence of them tried
+        in order.
       block_sizes: tile sizes passed to that implementation; default: its own
         (for zigzag on xla, tiles aligned to the two chunks of a shard).
 
@@ -105,7 +107,8 @@ def ring_attention(
         implementation; an `axis_name` not bound here; zigzag with an odd
         local length (the global length must be a multiple of 2N).
       TypeError: unsupported or mismatched dtypes.
-      NotImplementedError: the implementation cannot run these inputs here.
+      NotImplementedError: the named implementation cannot run these inputs
+        here (with None or a sequence: none could, with each reason).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
@@ -140,7 +143,7 @@ def ring_attention(
     # After validation, so that float64 NumPy inputs are refused, not downcast.
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     layouts.check_layout(layout)
-    blocks.candidates(implementation)  # validates the name
+    registry.candidates("attention", implementation)  # an unknown name fails before tracing
     n = ring_size(axis_name)
     B, T, H, D = q.shape
     S = k.shape[1]

@@ -1,39 +1,70 @@
-"""Public attention entry points and the dispatch over implementations.
+"""Public attention entry points; the implementations are declared in the registry.
 
 `flash_attention` validates once, before anything is traced, then calls the
-requested implementation, or with `implementation=None` the best one for the
-platform: a backend that raises `NotImplementedError` (valid input it cannot
-handle: dtype, head dim, platform) hands over to the next one.
+requested implementation (`implementation=` a name, a sequence of names tried
+in order, or None for the platform's preference; see `kernels/registry.py`):
+a backend that raises `NotImplementedError` (valid input it cannot handle:
+dtype, head dim, platform) hands over to the next one. Ring attention runs
+the same backends per ring step.
 """
 
 import jax
 import jax.numpy as jnp
 
-from shardfuse.kernels import dispatch
+from shardfuse.kernels import registry
 from shardfuse.kernels.attention import base
 
-# name -> (module, function). Modules are imported on first use only, so that
-# optional dependencies (triton, jax_triton) are never imported by `import shardfuse`.
-IMPLEMENTATIONS = {
-    "reference": ("shardfuse.kernels.attention.reference", "reference_attention"),
-    "xla": ("shardfuse.kernels.attention.xla", "flash_attention"),
-    "pallas_tpu": ("shardfuse.kernels.attention.pallas_tpu", "flash_attention"),
-    "triton": ("shardfuse.kernels.attention.triton_gpu", "flash_attention"),
-}
+_MODULE = "shardfuse.kernels.attention."
 
-# What `implementation=None` tries, best first, per platform.
-PREFERENCE = {
-    "tpu": ("pallas_tpu", "xla"),
-    "gpu": ("triton", "xla"),
-    "cuda": ("triton", "xla"),
-    "rocm": ("xla",),
-    "cpu": ("xla",),
-}
+# Backend modules are imported on first use only, so that optional
+# dependencies (triton, jax_triton) are never imported by `import shardfuse`.
+ATTENTION = registry.register(
+    "attention",
+    description="flash attention, GQA, masks on positions, float32 lse (and each ring step)",
+    backends=[
+        registry.Backend(
+            "reference",
+            _MODULE + "reference",
+            "reference_attention",
+            "the oracle: plain jnp, float32 [B, H, T, S] scores, memory O(T*S)",
+        ),
+        registry.Backend(
+            "xla",
+            _MODULE + "xla",
+            "flash_attention",
+            "blockwise JAX, online softmax in lax loops, custom_vjp, memory O(T+S)",
+        ),
+        registry.Backend(
+            "pallas_tpu",
+            _MODULE + "pallas_tpu",
+            "flash_attention",
+            "Pallas TPU (Mosaic) flash attention kernels, forward and backward",
+            registry.pallas_tpu_status,
+        ),
+        registry.Backend(
+            "triton",
+            _MODULE + "triton_gpu",
+            "flash_attention",
+            "Triton flash attention kernels through jax-triton, forward and backward",
+            registry.triton_status,
+        ),
+    ],
+    # What `implementation=None` tries, best first, per platform.
+    preference={
+        "tpu": ("pallas_tpu", "xla"),
+        "gpu": ("triton", "xla"),
+        "cuda": ("triton", "xla"),
+        "rocm": ("xla",),
+        "cpu": ("xla",),
+    },
+)
+IMPLEMENTATIONS = ATTENTION.names
+PREFERENCE = ATTENTION.preference  # the registry's own dict: tests patch it in place
 
 
 def load_implementation(name: str):
     """Returns the backend function `name`, or raises NotImplementedError saying why not."""
-    return dispatch.load("attention", IMPLEMENTATIONS, name)
+    return ATTENTION.load(name)
 
 
 def flash_attention(
@@ -50,7 +81,7 @@ def flash_attention(
     logit_softcap: float | None = None,
     scale: float | None = None,
     return_lse: bool = False,
-    implementation: str | None = None,
+    implementation=None,
     block_sizes: base.BlockSizes | None = None,
 ):
     """Memory-efficient multi-head attention with GQA, masks on positions and a float32 lse.
@@ -81,8 +112,10 @@ def flash_attention(
       logit_softcap: cap the scaled logits with `softcap * tanh(x / softcap)`.
       scale: logit scale; default `1 / sqrt(D)`.
       return_lse: also return the float32 log-sum-exp `[B, H, T]`.
-      implementation: None (best for the platform), "reference", "xla",
-        "pallas_tpu" or "triton".
+      implementation: None (the platform's preference: pallas_tpu on TPU,
+        triton on GPU, else xla, each falling back to xla), one of
+        "reference", "xla", "pallas_tpu", "triton", or a sequence of them
+        tried in order (each NotImplementedError hands over to the next).
       block_sizes: optional `BlockSizes(block_q, block_kv)` for the tiled paths.
 
     Returns:
@@ -91,8 +124,8 @@ def flash_attention(
     Raises:
       ValueError: invalid shapes, head counts, window, softcap, scale or implementation.
       TypeError: unsupported or mismatched dtypes.
-      NotImplementedError: the requested implementation cannot run these inputs
-        here (with `implementation=None`: none could, with each reason).
+      NotImplementedError: the named implementation cannot run these inputs
+        here (with None or a sequence: none could, with each reason).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardfuse as sf
@@ -118,7 +151,7 @@ def flash_attention(
         block_sizes=block_sizes,
     )
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
-    names = dispatch.candidates(IMPLEMENTATIONS, PREFERENCE, implementation)
+    ATTENTION.candidates(implementation)  # an unknown name fails before anything runs
     B, T, _, _ = q.shape
     S = k.shape[1]
     if B == 0 or T == 0 or S == 0:
@@ -129,7 +162,7 @@ def flash_attention(
         fn = load_implementation(name)
         return fn(config, q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
 
-    out, lse = dispatch.run("attention", names, implementation is not None, call)
+    out, lse = ATTENTION.run(implementation, call)
     return (out, lse) if return_lse else out
 
 
