@@ -129,8 +129,9 @@ def test_bench_without_pytest_says_what_to_install(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert 'pip install -e ".[test]"' in proc.stdout
-    assert "pytest and pytest_benchmark" in proc.stdout
+    assert proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()  # one line
+    assert 'pip install -e ".[test]"' in line and "pytest and pytest_benchmark" in line
     assert not (tmp_path / cli.DEFAULT_JSON_DIR).exists()
 
 

@@ -232,11 +232,10 @@ def main(args) -> int:
     else:
         missing = missing_run_requirements()
         if missing:
-            console.print(
+            print(  # one line on stderr, no traceback
                 f"shardfuse bench: running the suites needs {' and '.join(missing)}, not "
                 f"installed here: {INSTALL_HINT}. Without them, --load PATH reports a saved run.",
-                markup=False,
-                style="red",
+                file=sys.stderr,
             )
             return 2
         bench_dir = find_bench_dir(args.bench_dir)
