@@ -155,7 +155,7 @@ def search():
                         head_dim=head_dim,
                         dtype=DTYPES[kind],
                         variant=variant,
-                        config=triton_configs.KernelConfig(*candidate),
+                        config=triton_configs.AttentionKernelConfig(*candidate),
                     )
                     print(f"#   {_row(stats, 0.0)}", flush=True)
                     ok = ok and stats.ok

@@ -31,7 +31,7 @@ def rows(seq_len: int = 512):
       >>> rows = attention_triton.rows(seq_len=64)  # doctest: +SKIP
     """
     from shardfuse.kernels.attention import api, base, triton_gpu
-    from shardfuse.kernels.attention.triton_launch import InterpretLauncher
+    from shardfuse.kernels.triton.launch import InterpretLauncher
 
     on_gpu = jax.default_backend() in ("gpu", "cuda")
     if not on_gpu and not all(importlib.util.find_spec(m) for m in ("torch", "triton")):

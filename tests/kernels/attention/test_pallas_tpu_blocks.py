@@ -9,26 +9,26 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
-from shardfuse.kernels.attention import api, base, masks, pallas_tpu
+from shardfuse.kernels.attention import api, base, masks
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close
 
 
 def test_block_sizes_defaults_and_rule():
-    assert pallas_tpu.BlockSizes.get_default(jnp.bfloat16, 128) == pallas_tpu.BlockSizes(
+    assert blocks.PallasTPUBlockSizes.get_default(jnp.bfloat16, 128) == blocks.PallasTPUBlockSizes(
         512, 512, 256, 512
     )
-    assert pallas_tpu.BlockSizes.get_default(jnp.float32, 128) == pallas_tpu.BlockSizes(
+    assert blocks.PallasTPUBlockSizes.get_default(jnp.float32, 128) == blocks.PallasTPUBlockSizes(
         256, 256, 128, 256
     )
-    assert pallas_tpu.BlockSizes.get_default(jnp.float32, 256) == pallas_tpu.BlockSizes(
+    assert blocks.PallasTPUBlockSizes.get_default(jnp.float32, 256) == blocks.PallasTPUBlockSizes(
         128, 128, 128, 128
     )
     with pytest.raises(ValueError, match=r"block_q=100 must be a multiple of 128"):
-        pallas_tpu.BlockSizes(100, 128, 128, 128)
+        blocks.PallasTPUBlockSizes(100, 128, 128, 128)
     with pytest.raises(ValueError, match=r"block_kv_bwd=0 must be a positive int"):
-        pallas_tpu.BlockSizes(128, 128, 128, 0)
+        blocks.PallasTPUBlockSizes(128, 128, 128, 0)
     assert blocks.fit_block(97, 512) == 128
     assert blocks.fit_block(600, 512) == 384  # two even tiles, not 512 + 88
     assert blocks.fit_block(1024, 512) == 512

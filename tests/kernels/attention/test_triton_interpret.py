@@ -18,7 +18,7 @@ pytest.importorskip("torch", reason="the Triton interpreter runs on torch CPU te
 pytest.importorskip("triton", reason="needs triton (pip install triton)")
 
 from shardfuse.kernels.attention import triton_gpu  # noqa: E402
-from shardfuse.kernels.attention.triton_launch import InterpretLauncher  # noqa: E402
+from shardfuse.kernels.triton.launch import InterpretLauncher  # noqa: E402
 
 LAUNCHER = InterpretLauncher()
 

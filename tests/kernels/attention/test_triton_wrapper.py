@@ -10,7 +10,7 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.kernels.attention import base, masks, triton_configs, triton_gpu
-from shardfuse.kernels.attention.triton_launch import InterpretLauncher
+from shardfuse.kernels.triton.launch import InterpretLauncher
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
 
@@ -19,7 +19,7 @@ def test_import_does_not_import_triton():
     code = (
         "import sys, shardfuse\n"
         "import shardfuse.kernels.attention.triton_gpu\n"
-        "import shardfuse.kernels.attention.triton_launch\n"
+        "import shardfuse.kernels.triton.launch\n"
         "bad = [m for m in ('triton', 'jax_triton', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

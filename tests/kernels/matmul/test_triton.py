@@ -13,7 +13,7 @@ pytest.importorskip("torch", reason="the Triton interpreter runs on torch CPU te
 pytest.importorskip("triton", reason="needs triton (pip install triton)")
 
 from shardfuse.kernels.matmul import triton_compile, triton_gpu  # noqa: E402
-from shardfuse.kernels.matmul.triton_launch import InterpretLauncher  # noqa: E402
+from shardfuse.kernels.triton.launch import InterpretLauncher  # noqa: E402
 
 LAUNCHER = InterpretLauncher()
 # Small tiles so that the tiny shapes still span several tiles, partial edges and K steps.

@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from shardfuse.kernels.attention import base, protocol
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
-from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, BlockSizes
+from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, PallasTPUBlockSizes
 from shardfuse.kernels.attention.pallas_tpu_bwd import backward
 from shardfuse.kernels.attention.pallas_tpu_layout import (
     Layout,
@@ -48,7 +48,7 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
 )
 from shardfuse.kernels.pallas_interpret import current_interpret_params
 
-__all__ = ["BlockSizes", "backward", "flash_attention", "forward"]
+__all__ = ["PallasTPUBlockSizes", "backward", "flash_attention", "forward"]
 
 
 def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret=None):

@@ -40,7 +40,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
+class PallasTPUBlockSizes:
     """Tile sizes of the Pallas TPU flash attention kernels.
 
     Attributes:
@@ -54,8 +54,8 @@ class BlockSizes:
     a block gets one block, rounded up to 128.
 
     Example:
-      >>> BlockSizes.get_default(jnp.bfloat16, head_dim=128)
-      BlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=512)
+      >>> PallasTPUBlockSizes.get_default(jnp.bfloat16, head_dim=128)
+      PallasTPUBlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=512)
     """
 
     block_q: int
@@ -67,17 +67,20 @@ class BlockSizes:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
+                raise ValueError(
+                    f"PallasTPUBlockSizes.{field.name}={value!r} must be a positive int"
+                )
             if value % NUM_LANES:
                 raise ValueError(
-                    f"BlockSizes.{field.name}={value} must be a multiple of {NUM_LANES}: the "
-                    "TPU tiling rule wants the last two block dims to be multiples of "
+                    f"PallasTPUBlockSizes.{field.name}={value} must be a multiple of "
+                    f"{NUM_LANES}: the TPU tiling rule wants the last two block dims to be "
+                    "multiples of "
                     f"({NUM_SUBLANES}, {NUM_LANES}), and this size is a lane dim of the "
                     "lse, position and transposed score tiles"
                 )
 
     @classmethod
-    def get_default(cls, dtype, head_dim: int) -> "BlockSizes":
+    def get_default(cls, dtype, head_dim: int) -> "PallasTPUBlockSizes":
         """Defaults by bytes per row: 512 rows for up to 256 bytes, 256 up to 512, else 128.
 
         A bfloat16 row of D = 128 is 256 bytes: 512 x 512 tiles keep the
@@ -95,7 +98,7 @@ class BlockSizes:
         return cls(rows, rows, max(rows // 2, NUM_LANES), rows)
 
     @classmethod
-    def from_config(cls, requested: base.BlockSizes, dtype, head_dim: int) -> "BlockSizes":
+    def from_config(cls, requested: base.BlockSizes, dtype, head_dim: int) -> "PallasTPUBlockSizes":
         """The defaults, overridden (forward and backward) by the user's `base.BlockSizes`.
 
         Raises:

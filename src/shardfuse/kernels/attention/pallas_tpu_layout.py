@@ -19,7 +19,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
-from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, NUM_SUBLANES, BlockSizes
+from shardfuse.kernels.attention.pallas_tpu_blocks import (
+    NUM_LANES,
+    NUM_SUBLANES,
+    PallasTPUBlockSizes,
+)
 from shardfuse.kernels.precision import dot_precision
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -166,7 +170,7 @@ def check_supported(q, block_sizes):
     Example:
       >>> from shardfuse.kernels.attention import base
       >>> check_supported(jnp.zeros((1, 8, 2, 128), jnp.bfloat16), base.BlockSizes())
-      BlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=512)
+      PallasTPUBlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=512)
     """
     D = q.shape[-1]
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
@@ -178,4 +182,4 @@ def check_supported(q, block_sizes):
         raise NotImplementedError(
             f"pallas_tpu needs head dim D = 64 or a multiple of {NUM_LANES} (lane tiles); got D={D}"
         )
-    return BlockSizes.from_config(block_sizes, q.dtype, D)
+    return PallasTPUBlockSizes.from_config(block_sizes, q.dtype, D)

@@ -1,11 +1,8 @@
 """Compiles the Triton attention kernels for sm_80 / sm_90 without a GPU and reads their costs.
 
-`triton.compile` lowers a kernel to PTX and a cubin for a `GPUTarget`
-without a device; shared memory per block comes from the compiled kernel's
-metadata, registers per thread and spill bytes from `ptxas -v`, run with the
-ptxas that ships in the triton wheel (the one triton itself uses for that
-architecture). The kernels are compiled the way jax-triton compiles them:
-every pointer 16-byte aligned, shapes and options as `tl.constexpr`.
+How a kernel is compiled and measured (`triton.compile` for a `GPUTarget`,
+`ptxas -v`, jax-triton's pointer alignment) is `shardfuse.kernels.triton.compile_stats`;
+this module picks the kernels, the shapes, the masking variants and the configs.
 
 Used by `scripts/triton_compile_stats.py` (which writes
 `bench/results/triton_compile_stats.md`) and by the compile tests.
@@ -15,9 +12,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from shardfuse.kernels import triton_support
 from shardfuse.kernels.attention import base, triton_configs
 from shardfuse.kernels.attention.triton_gpu import kernel_options
+from shardfuse.kernels.triton import launch
+from shardfuse.kernels.triton.compile_stats import ResourceUsage, compile_usage
 
 KERNEL_NAMES = {
     "forward": "attention_forward_kernel",
@@ -27,7 +25,6 @@ KERNEL_NAMES = {
 }
 _INT_POINTERS = {"q_pos_ref", "kv_pos_ref", "q_seg_ref", "kv_seg_ref", "ranges_ref"}
 _FLOAT32_POINTERS = {"lse_ref", "delta_ref", "d_lse_ref"}
-_TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 # The masking variants compiled: the plainest causal kernel and every option at once.
 VARIANTS = {
@@ -37,7 +34,7 @@ VARIANTS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class CompileStats(triton_support.ResourceUsage):
+class AttentionCompileStats(ResourceUsage):
     """What one compiled attention kernel uses per program (CUDA block)."""
 
     kernel: str
@@ -45,7 +42,7 @@ class CompileStats(triton_support.ResourceUsage):
     head_dim: int
     dtype: str
     variant: str
-    config: triton_configs.KernelConfig
+    config: triton_configs.AttentionKernelConfig
 
 
 def compile_kernel(
@@ -55,11 +52,11 @@ def compile_kernel(
     head_dim: int,
     dtype: str = "bfloat16",
     variant: str = "causal",
-    config: triton_configs.KernelConfig | None = None,
+    config: triton_configs.AttentionKernelConfig | None = None,
     seq_len: int = 4096,
     num_heads: int = 16,
     num_kv_heads: int = 4,
-) -> CompileStats:
+) -> AttentionCompileStats:
     """Compiles one kernel for `sm_{arch}` and returns its register and memory use.
 
     Args:
@@ -72,7 +69,7 @@ def compile_kernel(
       seq_len, num_heads, num_kv_heads: T = S, H and K of the constexpr shape.
 
     Returns:
-      `CompileStats` of the compiled kernel.
+      `AttentionCompileStats` of the compiled kernel.
 
     Example:
       >>> from shardfuse.kernels.attention import triton_compile
@@ -80,57 +77,38 @@ def compile_kernel(
       >>> stats.spill_stores, stats.shared_memory <= stats.shared_memory_limit  # doctest: +SKIP
       (0, True)
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from shardfuse.kernels.attention.triton_launch import kernel_module
-
     if config is None:
         config = triton_configs.default_configs(arch, head_dim, jnp.dtype(dtype)).get(kernel)
-    fn = getattr(kernel_module(), KERNEL_NAMES[kernel])
-    if not isinstance(fn, triton.runtime.JITFunction):
-        raise RuntimeError(
-            "the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 when triton "
-            "was imported); compile them in a process without it"
-        )
-    T = S = seq_len
-    shape = dict(T=T, S=S, H=num_heads, K=num_kv_heads, D=head_dim)
+    fn = getattr(launch.kernel_module(triton_configs.KERNELS_MODULE), KERNEL_NAMES[kernel])
+    shape = dict(T=seq_len, S=seq_len, H=num_heads, K=num_kv_heads, D=head_dim)
     shape["BLOCK_D"] = triton_configs.padded_head_dim(head_dim)
     attention = VARIANTS[variant]
     constexprs = dict(shape, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
     constexprs.update(kernel_options(attention, jnp.dtype(dtype), has_segments=variant == "all"))
     constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-    signature, attrs = {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        if name in _INT_POINTERS:
-            signature[name] = "*i32"
-        elif name in _FLOAT32_POINTERS:
-            signature[name] = "*fp32"
-        else:
-            signature[name] = "*" + _TRITON_TYPES[dtype]
-        attrs[(index,)] = [["tt.divisibility", 16]]  # jax-triton's alignment assumption
-    compiled = triton.compile(
-        triton.compiler.ASTSource(fn, signature, constexprs, attrs),
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(
-            num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=True
-        ),
+    pointer_dtypes = {
+        name: "int32"
+        if name in _INT_POINTERS
+        else "float32"
+        if name in _FLOAT32_POINTERS
+        else dtype
+        for name in fn.arg_names
+    }
+    usage = compile_usage(
+        fn,
+        constexprs,
+        pointer_dtypes,
+        arch=arch,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=True,
     )
-    registers, spill_stores, spill_loads = triton_support.ptxas_usage(compiled.asm["ptx"], arch)
-    generation = triton_configs.generation(arch)
-    return CompileStats(
+    return AttentionCompileStats(
         kernel=kernel,
         arch=arch,
         head_dim=head_dim,
         dtype=dtype,
         variant=variant,
         config=config,
-        registers=registers,
-        spill_stores=spill_stores,
-        spill_loads=spill_loads,
-        shared_memory=compiled.metadata.shared,
-        shared_memory_limit=triton_configs.SHARED_MEMORY_LIMIT[generation],
+        **usage,
     )

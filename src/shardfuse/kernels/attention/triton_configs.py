@@ -1,6 +1,6 @@
 """Launch configurations of the Triton attention kernels, per GPU generation and head dim.
 
-A `KernelConfig` is the tile shape and the launch options of one kernel:
+An `AttentionKernelConfig` is the tile shape and the launch options of one kernel:
 `block_m` query rows and `block_n` key rows per tile, `num_warps`, and
 `num_stages` (software-pipelining depth of the inner loop). `TUNED` maps
 (GPU generation, padded head dim, input class) to the four kernels' configs.
@@ -28,17 +28,20 @@ import dataclasses
 
 import numpy as np
 
+from shardfuse.kernels.triton.compile_stats import generation
+
+KERNELS_MODULE = "shardfuse.kernels.attention.triton_kernels"  # the kernels these configs launch
+
 MAX_HEAD_DIM = 256
 # float32 inputs use exact IEEE dots (FMA, no tensor cores): above this head dim
 # the dQ kernel spills at any tile size, so float32 falls back to another implementation.
 MAX_FLOAT32_HEAD_DIM = 64
-SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}  # bytes per block (opt-in maximum)
 GENERATIONS = ("sm80", "sm90")
 KERNELS = ("forward", "delta", "dkdv", "dq")
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class AttentionKernelConfig:
     """Tile shape and launch options of one kernel.
 
     Attributes:
@@ -58,21 +61,21 @@ class KernelConfig:
 class AttentionConfigs:
     """The configs of the four kernels of one attention call."""
 
-    forward: KernelConfig
-    delta: KernelConfig
-    dkdv: KernelConfig
-    dq: KernelConfig
+    forward: AttentionKernelConfig
+    delta: AttentionKernelConfig
+    dkdv: AttentionKernelConfig
+    dq: AttentionKernelConfig
 
-    def get(self, kernel: str) -> KernelConfig:
+    def get(self, kernel: str) -> AttentionKernelConfig:
         return getattr(self, kernel)
 
 
 def _configs(forward, dkdv, dq, delta=(128, 16, 4, 1)):
     return AttentionConfigs(
-        forward=KernelConfig(*forward),
-        delta=KernelConfig(*delta),
-        dkdv=KernelConfig(*dkdv),
-        dq=KernelConfig(*dq),
+        forward=AttentionKernelConfig(*forward),
+        delta=AttentionKernelConfig(*delta),
+        dkdv=AttentionKernelConfig(*dkdv),
+        dq=AttentionKernelConfig(*dq),
     )
 
 
@@ -116,25 +119,6 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
-def generation(compute_capability: int) -> str:
-    """The table generation of a compute capability given as an int (80, 86, 90, ...).
-
-    Raises:
-      NotImplementedError: compute capability below 8.0.
-
-    Example:
-      >>> from shardfuse.kernels.attention.triton_configs import generation
-      >>> generation(86), generation(90)
-      ('sm80', 'sm90')
-    """
-    if compute_capability < 80:
-        raise NotImplementedError(
-            f"the Triton attention kernels need an NVIDIA GPU of compute capability >= 8.0 "
-            f"(Ampere); this one is {compute_capability // 10}.{compute_capability % 10}"
-        )
-    return "sm80" if compute_capability < 90 else "sm90"
-
-
 def default_configs(compute_capability: int, head_dim: int, dtype) -> AttentionConfigs:
     """The tuned configs of an attention call.
 
@@ -154,7 +138,7 @@ def default_configs(compute_capability: int, head_dim: int, dtype) -> AttentionC
       >>> import jax.numpy as jnp
       >>> from shardfuse.kernels.attention import triton_configs
       >>> triton_configs.default_configs(90, 128, jnp.bfloat16).forward
-      KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+      AttentionKernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     """
     if head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(

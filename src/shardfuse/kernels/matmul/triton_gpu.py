@@ -24,15 +24,17 @@ import jax
 import jax.numpy as jnp
 
 from shardfuse.kernels.matmul import base
-from shardfuse.kernels.matmul.triton_launch import gpu_launcher
+from shardfuse.kernels.triton import launch
+from shardfuse.kernels.triton.compile_stats import generation
 
+KERNELS_MODULE = "shardfuse.kernels.matmul.triton_kernels"
 KERNEL = "matmul_plus_reduce_kernel"
 GROUP_M = 8
 _INT32_LIMIT = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelConfig:
+class MatmulKernelConfig:
     """Tile shape and launch options of the kernel."""
 
     block_m: int
@@ -43,20 +45,19 @@ class KernelConfig:
 
 
 CONFIGS = {
-    ("sm80", "16bit"): KernelConfig(128, 128, 32, num_warps=8, num_stages=4),
-    ("sm90", "16bit"): KernelConfig(128, 128, 64, num_warps=8, num_stages=3),
-    ("sm80", "float32"): KernelConfig(64, 64, 32, num_warps=4, num_stages=3),
-    ("sm90", "float32"): KernelConfig(64, 64, 32, num_warps=4, num_stages=3),
+    ("sm80", "16bit"): MatmulKernelConfig(128, 128, 32, num_warps=8, num_stages=4),
+    ("sm90", "16bit"): MatmulKernelConfig(128, 128, 64, num_warps=8, num_stages=3),
+    ("sm80", "float32"): MatmulKernelConfig(64, 64, 32, num_warps=4, num_stages=3),
+    ("sm90", "float32"): MatmulKernelConfig(64, 64, 32, num_warps=4, num_stages=3),
 }
 
 
-def default_config(compute_capability: int, dtype) -> KernelConfig:
-    generation = "sm80" if compute_capability < 90 else "sm90"
+def default_config(compute_capability: int, dtype) -> MatmulKernelConfig:
     kind = "float32" if jnp.dtype(dtype) == jnp.float32 else "16bit"
-    return CONFIGS[(generation, kind)]
+    return CONFIGS[(generation(compute_capability), kind)]
 
 
-def _with_blocks(config: KernelConfig, blocks: base.MatmulBlockSizes) -> KernelConfig:
+def _with_blocks(config: MatmulKernelConfig, blocks: base.MatmulBlockSizes) -> MatmulKernelConfig:
     sizes = {}
     for name in ("block_m", "block_n", "block_k"):
         value = getattr(blocks, name)
@@ -69,6 +70,22 @@ def _with_blocks(config: KernelConfig, blocks: base.MatmulBlockSizes) -> KernelC
     return dataclasses.replace(config, **sizes)
 
 
+def kernel_constexprs(config: MatmulKernelConfig, M, N, C, *, dtype, has_c, has_bias) -> dict:
+    """The kernel's `tl.constexpr` arguments: sizes, tiles and options (IEEE dots for float32)."""
+    return dict(
+        M=M,
+        N=N,
+        C=C,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=GROUP_M,
+        HAS_C=has_c,
+        HAS_BIAS=has_bias,
+        IEEE=jnp.dtype(dtype) == jnp.float32,
+    )
+
+
 def _matmul_2d(launcher, a, b, c, bias, out_dtype, blocks):
     """The kernel on `a [M, C]`, `b [C, N]`, optional `c [M, N]` and `bias [N]`."""
     M, C = a.shape
@@ -77,17 +94,8 @@ def _matmul_2d(launcher, a, b, c, bias, out_dtype, blocks):
     # Unused operands still need a pointer; the kernel never reads them.
     dummy = jnp.zeros((1,), jnp.float32)
     grid = (math.ceil(M / config.block_m) * math.ceil(N / config.block_n),)
-    constexprs = dict(
-        M=M,
-        N=N,
-        C=C,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=GROUP_M,
-        HAS_C=c is not None,
-        HAS_BIAS=bias is not None,
-        IEEE=jnp.dtype(a.dtype) == jnp.float32,
+    constexprs = kernel_constexprs(
+        config, M, N, C, dtype=a.dtype, has_c=c is not None, has_bias=bias is not None
     )
     (out,) = launcher(
         KERNEL,
@@ -136,7 +144,7 @@ def matmul(config: base.MatmulConfig, a, b, c, bias, *, launcher=None):
       config: from `base.validate`.
       a, b, c, bias: validated operands.
       launcher: None for jax-triton on this machine's GPU, or
-        `triton_launch.InterpretLauncher()` (the Triton interpreter on CPU).
+        `triton.launch.InterpretLauncher()` (the Triton interpreter on CPU).
 
     Raises:
       NotImplementedError: no usable NVIDIA GPU / triton / jax-triton (launcher=None),
@@ -147,8 +155,7 @@ def matmul(config: base.MatmulConfig, a, b, c, bias, *, launcher=None):
     sizes = (rows * a.shape[-1], b.size, rows * b.shape[1])
     if max(sizes) >= _INT32_LIMIT:
         raise NotImplementedError(f"triton matmul indexes with int32; operand sizes {sizes}")
-    _with_blocks(KernelConfig(16, 16, 16, 4, 1), config.block_sizes)  # refuse before tracing
+    _with_blocks(MatmulKernelConfig(16, 16, 16, 4, 1), config.block_sizes)  # refuse before tracing
     base.require_default_precision(config, a.dtype, "triton")
-    if launcher is None:
-        launcher = gpu_launcher()
+    launcher = launch.resolve(launcher, KERNELS_MODULE)
     return _matmul(launcher, a, b, c, bias, config)
