@@ -27,7 +27,7 @@ def _inputs(shape_a, n, dtype, *, with_c=True, with_bias=True, c_dtype=jnp.float
 
 
 def _reference(a, b, c, bias, out_dtype=None):
-    return sf.matmul(a, b, c=c, bias=bias, out_dtype=out_dtype, implementation="reference")
+    return sf.matmul(a, b, addend=c, bias=bias, out_dtype=out_dtype, implementation="reference")
 
 
 def _upcast(*xs):
@@ -53,7 +53,7 @@ def test_reference_is_the_formula():
 def test_forward_float32(implementation, shape_a, n, with_c, with_bias):
     a, b, c, bias = _inputs(shape_a, n, jnp.float32, with_c=with_c, with_bias=with_bias)
     out = jax.jit(
-        lambda a, b, c, bias: sf.matmul(a, b, c=c, bias=bias, implementation=implementation)
+        lambda a, b, c, bias: sf.matmul(a, b, addend=c, bias=bias, implementation=implementation)
     )(a, b, c, bias)
     assert out.shape == (*shape_a[:-1], n) and out.dtype == jnp.float32
     assert_close(out, _reference(a, b, c, bias), name=f"{implementation} out")
@@ -64,7 +64,7 @@ def test_forward_float32(implementation, shape_a, n, with_c, with_bias):
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32])
 def test_forward_low_precision(implementation, dtype, out_dtype):
     a, b, c, bias = _inputs((2, 33, 96), 80, dtype, c_dtype=jnp.float32)
-    out = sf.matmul(a, b, c=c, bias=bias, out_dtype=out_dtype, implementation=implementation)
+    out = sf.matmul(a, b, addend=c, bias=bias, out_dtype=out_dtype, implementation=implementation)
     assert out.dtype == (out_dtype or dtype)
     ref32 = _reference(*_upcast(a, b, c, bias))
     ref_lp = _reference(a, b, c, bias, out_dtype=dtype)
@@ -78,7 +78,7 @@ def test_gradients(implementation, dtype):
     cotangent = jax.random.normal(jax.random.key(7), (2, 24, 48), jnp.float32).astype(dtype)
 
     def grads(impl, *args):
-        f = lambda a, b, c, bias: sf.matmul(a, b, c=c, bias=bias, implementation=impl)
+        f = lambda a, b, c, bias: sf.matmul(a, b, addend=c, bias=bias, implementation=impl)
         _, vjp = jax.vjp(f, *args)
         return vjp(cotangent.astype(args[0].dtype))
 
@@ -100,7 +100,7 @@ def test_gradients(implementation, dtype):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_deterministic_under_jit(implementation):
     a, b, c, bias = _inputs((64, 96), 32, jnp.float32)
-    f = jax.jit(lambda *x: sf.matmul(*x[:2], c=x[2], bias=x[3], implementation=implementation))
+    f = jax.jit(lambda *x: sf.matmul(*x[:2], addend=x[2], bias=x[3], implementation=implementation))
     np.testing.assert_array_equal(f(a, b, c, bias), f(a, b, c, bias))
 
 
@@ -114,7 +114,7 @@ def test_empty_shapes(implementation):
 
 def test_default_dispatch_runs_on_cpu():
     a, b, c, bias = _inputs((8, 16), 4, jnp.float32)
-    assert_close(sf.matmul(a, b, c=c, bias=bias), _reference(a, b, c, bias))
+    assert_close(sf.matmul(a, b, addend=c, bias=bias), _reference(a, b, c, bias))
     assert "xla" in matmul_api.candidates(None)
 
 

@@ -23,8 +23,8 @@ def test_multi_tile_grid_with_padding():
     """3 x 2 x 3 grid: padded M, N and C; c enters the accumulator, bias the epilogue."""
     a, b, c, bias = _inputs(40, 300, 200)
     blocks = MatmulBlockSizes(block_m=16, block_n=128, block_k=128)
-    out = sf.matmul(a, b, c=c, bias=bias, implementation="pallas_tpu", block_sizes=blocks)
-    expected = sf.matmul(a, b, c=c, bias=bias, implementation="reference")
+    out = sf.matmul(a, b, addend=c, bias=bias, implementation="pallas_tpu", block_sizes=blocks)
+    expected = sf.matmul(a, b, addend=c, bias=bias, implementation="reference")
     assert_close(out, expected, name="pallas_tpu multi-tile")
 
 
@@ -53,7 +53,9 @@ def test_lowers_for_tpu(dtype):
     a, b, c, bias = _inputs(64, 256, 256, dtype)
 
     def loss(a, b, c, bias):
-        out = sf.matmul(a, b, c=c, bias=bias, out_dtype=jnp.float32, implementation="pallas_tpu")
+        out = sf.matmul(
+            a, b, addend=c, bias=bias, out_dtype=jnp.float32, implementation="pallas_tpu"
+        )
         return out.sum()
 
     with interpret_mode(False):

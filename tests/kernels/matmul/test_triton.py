@@ -35,7 +35,7 @@ def _interpreted(a, b, c, bias, out_dtype=None):
 
 
 def _reference(a, b, c, bias, out_dtype=None):
-    return sf.matmul(a, b, c=c, bias=bias, out_dtype=out_dtype, implementation="reference")
+    return sf.matmul(a, b, addend=c, bias=bias, out_dtype=out_dtype, implementation="reference")
 
 
 def test_forward_float32_multi_tile():
@@ -83,7 +83,7 @@ def test_compiles_without_spills(arch, dtype):
 @pytest.mark.gpu
 def test_on_gpu():
     a, b, c, bias = _inputs((2, 300, 256), 384, jnp.bfloat16)
-    out = sf.matmul(a, b, c=c, bias=bias, implementation="triton")
+    out = sf.matmul(a, b, addend=c, bias=bias, implementation="triton")
     up = [x.astype(jnp.float32) for x in (a, b)]
     ref32 = _reference(*up, c, bias)
     assert_close_low_precision(out, ref32, _reference(a, b, c, bias))

@@ -68,6 +68,8 @@ def _plan(q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strate
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
     blocks.candidates(impl)
+    if isinstance(impl, list):
+        impl = tuple(impl)  # hashable: the plan is a jit cache key
     batch_axes, head_axes = axes["data_axis"], axes["model_axis"]
     B, T, H, _ = q.shape
     S, K = k.shape[1], k.shape[2]
