@@ -137,9 +137,22 @@ class Op:
     def candidates(self, implementation) -> tuple[str, ...]:
         """The backends `implementation=` asks for, in the order to try them.
 
+        None gives the platform's preference; a name, itself; a sequence, its
+        names in order (a repeated name is tried once).
+
         Raises:
           ValueError: an unknown name, or an empty sequence.
           TypeError: neither None, a str nor a sequence of str.
+
+        Example:
+          >>> import shardfuse
+          >>> from shardfuse.kernels import registry
+          >>> registry.get("attention").candidates(["pallas_tpu", "xla"])
+          ('pallas_tpu', 'xla')
+          >>> registry.get("attention").candidates("cuda")  # doctest: +ELLIPSIS
+          Traceback (most recent call last):
+          ...
+          ValueError: implementation='cuda' is not one of [None, 'reference', ...
         """
         if implementation is None:
             return tuple(self.preference.get(jax.default_backend(), self.default))
@@ -179,6 +192,16 @@ class Op:
         Raises:
           NotImplementedError: a single named backend's own error; otherwise
             "no <op> implementation can run here" with each backend's reason.
+
+        Example:
+          >>> import shardfuse
+          >>> from shardfuse.kernels import registry
+          >>> def call(name):
+          ...     if name == "pallas_tpu":
+          ...         raise NotImplementedError("no TPU here")
+          ...     return name
+          >>> registry.get("matmul").run(("pallas_tpu", "xla"), call)
+          'xla'
         """
         names = self.candidates(implementation)
         if isinstance(implementation, str):
@@ -189,9 +212,12 @@ class Op:
                 return call(name)
             except NotImplementedError as e:
                 reasons.append(f"{name}: {e}")
-        asked = "the platform's preference" if implementation is None else "implementation="
+        if implementation is None:
+            asked = f"the preference for {jax.default_backend()!r}"
+        else:
+            asked = "as implementation= asked"
         raise NotImplementedError(
-            f"no {self.name} implementation can run here (tried {list(names)}, from {asked}): "
+            f"no {self.name} implementation can run here (tried {list(names)}, {asked}): "
             + "; ".join(reasons)
         )
 
