@@ -38,8 +38,6 @@ from shardfuse.collectives.ring_attention import blocks, layouts
 from shardfuse.kernels import vma
 from shardfuse.kernels.attention import base, masks
 
-_I32_MAX = jnp.iinfo(jnp.int32).max
-_I32_MIN = jnp.iinfo(jnp.int32).min
 # Largest xla tile that zigzag chunks are cut into, so tiles never straddle two chunks.
 _MAX_ALIGNED_BLOCK = 256
 

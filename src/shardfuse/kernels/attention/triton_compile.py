@@ -95,13 +95,7 @@ def compile_kernel(
         for name in fn.arg_names
     }
     usage = compile_usage(
-        fn,
-        constexprs,
-        pointer_dtypes,
-        arch=arch,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        enable_fp_fusion=True,
+        fn, constexprs, pointer_dtypes, arch=arch, config=config, enable_fp_fusion=True
     )
     return AttentionCompileStats(
         kernel=kernel,

@@ -44,12 +44,5 @@ def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_c=True, 
         "bias_ref": "float32",
         "out_ref": dtype,
     }
-    usage = compile_usage(
-        fn,
-        constexprs,
-        pointer_dtypes,
-        arch=arch,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    usage = compile_usage(fn, constexprs, pointer_dtypes, arch=arch, config=config)
     return MatmulCompileStats(arch=arch, dtype=dtype, config=config, **usage)

@@ -68,8 +68,7 @@ def compile_usage(
     pointer_dtypes: dict,
     *,
     arch: int,
-    num_warps: int,
-    num_stages: int,
+    config,
     **options,
 ) -> dict:
     """Compiles `fn` for `sm_{arch}`; returns the `ResourceUsage` fields of the result.
@@ -80,7 +79,8 @@ def compile_usage(
       pointer_dtypes: element dtype name ("float32", "bfloat16", "float16",
         "int32") of each pointer argument.
       arch: 80 (A100) or 90 (H100).
-      num_warps, num_stages, options: compile options.
+      config: the launch config (its `num_warps` and `num_stages` are read).
+      options: further compile options.
 
     Raises:
       RuntimeError: the kernels were built for the Triton interpreter.
@@ -103,7 +103,7 @@ def compile_usage(
     compiled = triton.compile(
         triton.compiler.ASTSource(fn, signature, constexprs, attrs),
         target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages, **options),
+        options=dict(num_warps=config.num_warps, num_stages=config.num_stages, **options),
     )
     registers, spill_stores, spill_loads = ptxas_usage(compiled.asm["ptx"], arch)
     return dict(

@@ -33,7 +33,7 @@ class JaxTritonLauncher:
 
     Attributes:
       compute_capability: of the GPU, e.g. 90; picks the tuned config table.
-      kernels_module: the module of `@triton.jit` kernels.
+      kernels_module: the module of `@triton.jit` kernels (bound by the op: `resolve`).
     """
 
     compute_capability: int
@@ -65,7 +65,7 @@ class InterpretLauncher:
     Attributes:
       compute_capability: which tuned config table to use (tests override the
         block sizes anyway).
-      kernels_module: the module of `@triton.jit` kernels.
+      kernels_module: the module of `@triton.jit` kernels (bound by the op: `resolve`).
     """
 
     compute_capability: int = 90
