@@ -47,19 +47,10 @@ class RingBalance:
 def _visible_counts(q_pos, kv_sorted, causal, window):
     """For each query, how many keys of `kv_sorted` it sees (positions only).
 
-    `masks.visible` counted without the `[T, S]` matrix: under causal and window
-    the visible keys of a query are the interval `[q - left, min(q, q + right)]`.
+    The visible keys of a query form an interval (`masks.key_interval`).
     """
-    lo = np.full(q_pos.shape, -np.inf)
-    hi = np.full(q_pos.shape, np.inf)
-    if causal:
-        hi = np.minimum(hi, q_pos)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = np.maximum(lo, q_pos - left)
-        if right is not None:
-            hi = np.minimum(hi, q_pos + right)
+    unbounded = np.full(q_pos.shape, np.inf)
+    lo, hi = masks.key_interval(causal, window, q_pos, -unbounded, unbounded)
     count = np.searchsorted(kv_sorted, hi, side="right") - np.searchsorted(
         kv_sorted, lo, side="left"
     )
@@ -67,7 +58,7 @@ def _visible_counts(q_pos, kv_sorted, causal, window):
 
 
 def _step_computed(config, q_pos, kv_pos) -> bool:
-    """The ring's skip test (`ring.step_visible`) on position ranges, in NumPy."""
+    """The ring's skip test (`ring.step_visible`, masks.block_visibility) on position ranges."""
     q_range, kv_range = (q_pos.min(), q_pos.max()), (kv_pos.min(), kv_pos.max())
     some, _ = masks.block_visibility(config, q_range, kv_range)
     return bool(some)

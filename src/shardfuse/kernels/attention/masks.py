@@ -22,6 +22,7 @@ import functools
 import operator
 
 import jax.numpy as jnp
+import numpy as np
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 _I32_MIN = jnp.iinfo(jnp.int32).min
@@ -73,6 +74,29 @@ def visibility_mask(config, q_pos, kv_pos, q_seg=None, kv_seg=None):
     """
     seg = () if q_seg is None else (q_seg[:, :, None], kv_seg[:, None, :])
     return visible(config, q_pos[..., :, None], kv_pos[..., None, :], *seg)
+
+
+def key_interval(causal: bool, window, q_pos, lo, hi):
+    """`visible` on positions as an interval: the keys `[lo, hi]` a query at `q_pos` sees.
+
+    For host-side counts (NumPy, int64 or float bounds; no `[T, S]` matrix):
+    `lo, hi` start as the key positions that exist and are narrowed by the
+    causal and window rules. An empty interval has `hi < lo`.
+
+    Example:
+      >>> import numpy as np
+      >>> key_interval(True, (1, None), np.arange(3), np.zeros(3), np.full(3, 2.0))
+      (array([0., 0., 1.]), array([0., 1., 2.]))
+    """
+    if causal:
+        hi = np.minimum(hi, q_pos)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = np.maximum(lo, q_pos - left)
+        if right is not None:
+            hi = np.minimum(hi, q_pos + right)
+    return lo, hi
 
 
 def value_range(values, valid=None, *, axis=-1):
