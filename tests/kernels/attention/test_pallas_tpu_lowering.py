@@ -15,15 +15,10 @@ from jax.experimental.pallas.ops.tpu import flash_attention as jax_flash
 import shardfuse as sf
 from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close
-from tests.kernels.attention.pallas_tpu_cases import (
-    CASES,
-    SLOW_CASES,
-    STRICT,
-    positions,
-    segment_ids,
-)
+from tests.kernels.attention.attention_backends import PALLAS_TPU, STRICT
+from tests.kernels.attention.attention_cases import CASE, make_inputs
 
-# Interpret mode can hang rather than fail (see pallas_tpu_cases.runner): cap each test.
+# Interpret mode can hang rather than fail (see attention_backends.run): cap each test.
 pytestmark = pytest.mark.timeout(300)
 
 KERNEL_NAMES = (
@@ -33,27 +28,29 @@ KERNEL_NAMES = (
 )
 
 
-@pytest.mark.parametrize("name", [*CASES, *SLOW_CASES])
+@pytest.mark.parametrize("name", [*PALLAS_TPU.default, *PALLAS_TPU.slow])
 def test_lowers_for_tpu_forward_and_backward(name):
-    case = {**CASES, **SLOW_CASES}[name]
+    """Every case of the pallas_tpu budget in test_attention_backends.py."""
+    case = CASE[name]
     dtype = jnp.dtype(case.dtype)
     q = jax.ShapeDtypeStruct((case.B, case.T, case.H, case.D), dtype)
     kv = jax.ShapeDtypeStruct((case.B, case.S, case.K, case.D), dtype)
-    q_seg, kv_seg = segment_ids(case)
-    q_pos, kv_pos = positions(case)
+    inputs = make_inputs(case)
+    block_sizes = None if case.block is None else sf.BlockSizes(*case.block)
 
     def attention(q, k, v):
         return sf.flash_attention(
             q,
             k,
             v,
-            q_positions=q_pos,
-            kv_positions=kv_pos,
-            q_segment_ids=q_seg,
-            kv_segment_ids=kv_seg,
+            q_positions=inputs.q_pos,
+            kv_positions=inputs.kv_pos,
+            q_segment_ids=inputs.q_seg,
+            kv_segment_ids=inputs.kv_seg,
             implementation="pallas_tpu",
             return_lse=True,
-            **case.kwargs(),
+            block_sizes=block_sizes,
+            **case.options(),
         )
 
     def forward_and_backward(q, k, v):
@@ -121,7 +118,7 @@ def test_matches_jax_pallas_tpu_flash_attention():
         return out, *vjp(d_out)
 
     with pltpu.force_tpu_interpret_mode(STRICT), interpret_mode(STRICT):
-        # Blocking after each: see pallas_tpu_cases.runner (interpreter deadlock).
+        # Blocking after each: see attention_backends.run (interpreter deadlock).
         expected = jax.block_until_ready(jax.jit(lambda: with_grads(theirs))())
         actual = jax.block_until_ready(jax.jit(lambda: with_grads(ours))())
     for label, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
