@@ -116,14 +116,31 @@ def _global_out_lse(case, config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 def _block_grads(backward, case, config, inputs, **options):
     """`[(dq, dk, dv)]` of each block by `backward`, from the global out/lse, nonzero d_lse."""
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, d_out, d_lse = inputs
-    out, lse = _global_out_lse(case, config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)  # as a user's loss would
-    grads = []
-    for k_b, v_b, kv_pos_b, kv_seg_b in _split(case, k, v, kv_pos, kv_seg):
-        args = (config, q, k_b, v_b, q_pos, kv_pos_b, q_seg, kv_seg_b, out, lse, d_out, d_lse)
-        grads.append(jax.block_until_ready(backward(*args, **options)))
-    return grads
+
+    @jax.jit
+    def grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, d_out, d_lse):
+        out, lse = _global_out_lse(case, config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+        d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)  # as a user's loss would
+        return [
+            backward(
+                config,
+                q,
+                k_b,
+                v_b,
+                q_pos,
+                kv_pos_b,
+                q_seg,
+                kv_seg_b,
+                out,
+                lse,
+                d_out,
+                d_lse,
+                **options,
+            )  # fmt: skip
+            for k_b, v_b, kv_pos_b, kv_seg_b in _split(case, k, v, kv_pos, kv_seg)
+        ]
+
+    return jax.block_until_ready(grads(*inputs))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -132,18 +149,22 @@ def test_reference_block_backward_sums_to_autodiff(case):
     inputs = _inputs(case)
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, d_out, d_lse = inputs
     config = _config(case)
-    out, lse = _global_out_lse(case, config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-    full_out, full_lse = reference.forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+    @jax.jit
+    def oracle(q, k, v, d_out, d_lse):
+        merged = _global_out_lse(case, config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+        def attend(q, k, v):
+            return reference.forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        return merged, (out, lse), vjp((d_out, jnp.where(jnp.isfinite(lse), d_lse, 0.0)))
+
+    (out, lse), (full_out, full_lse), expected = oracle(q, k, v, d_out, d_lse)
     assert_close(out, full_out, name="merged out")
     assert_close(lse, full_lse, name="merged lse")
     if case.segments:
         assert np.all(np.isneginf(np.asarray(lse[:, :, 3:6])))
-
-    def attend(q, k, v):
-        return reference.forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
-
-    _, vjp = jax.vjp(attend, q, k, v)
-    expected = vjp((d_out, jnp.where(jnp.isfinite(full_lse), d_lse, 0.0)))
     (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = _block_grads(reference.backward, case, config, inputs)
     actual = (dq_a + dq_b, jnp.concatenate([dk_a, dk_b], 1), jnp.concatenate([dv_a, dv_b], 1))
     for name, a, e in zip(("dq", "dk", "dv"), actual, expected, strict=True):
@@ -168,8 +189,17 @@ BACKENDS = {
 }
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("implementation", list(BACKENDS))
+def _backend_cases():
+    """Every backend on the richest case; the interpreted ones on the plain case with -m slow."""
+    for implementation in BACKENDS:
+        for case in CASES:
+            marks = [pytest.mark.slow] if implementation != "xla" and case is CASES[0] else []
+            yield pytest.param(
+                implementation, case, marks=marks, id=f"{implementation}-{case.name}"
+            )
+
+
+@pytest.mark.parametrize("implementation, case", list(_backend_cases()))
 def test_block_backward_matches_reference(implementation, case):
     block_sizes, get = BACKENDS[implementation]
     backward, options = get()
