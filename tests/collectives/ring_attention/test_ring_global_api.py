@@ -23,7 +23,7 @@ from shardfuse.testing import assert_close
 
 pytestmark = pytest.mark.timeout(300)
 
-B, T, H, K, D = 1, 64, 4, 2, 16
+B, T, H, K, D = 1, 32, 4, 2, 16
 RING = 4
 KWARGS = dict(causal=True)
 
@@ -118,11 +118,12 @@ def test_matrix(mesh_kind, context, mode):
     _check(out, lse, grads, expected, (None, "sequence"), (None, None, "sequence"))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
-@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+@pytest.mark.parametrize(
+    "mesh_kind, strategy", [("explicit", "ring"), ("explicit", "all_gather"), ("auto", "ring")]
+)
 def test_three_axis_mesh(mesh_kind, strategy):
     mesh = _mesh(mesh_kind, (2, 2, 2), ("data", "sequence", "model"))
-    q, k, v, d_out, d_lse = _inputs(b=2, t=32)
+    q, k, v, d_out, d_lse = _inputs(b=2, t=16)
     expected = _reference(q, k, v, d_out, d_lse)
 
     def attend(q, k, v):
@@ -149,16 +150,13 @@ def test_inputs_sharded_any_way(mesh_kind):
 
     out, lse, _ = _run("eager", attend, mesh, q, k, v, d_out, d_lse)
     _check(out, lse, None, expected, (None, "sequence"), (None, None, "sequence"))
-    k = jax.device_put(k, NamedSharding(mesh, P()))
-    out, lse, _ = _run("jit", attend, mesh, q, k, v, d_out, d_lse)
-    _check(out, lse, None, expected, (None, "sequence"), (None, None, "sequence"))
 
 
-@pytest.mark.parametrize("t", [60, 62])
+@pytest.mark.parametrize("t", [28, 30])
 @pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
 def test_lengths_the_ring_does_not_divide(mesh_kind, t):
     """Padded inside (zigzag: to a multiple of 2 x ring = 8). The output is sharded over the
-    sequence when the ring divides its length (60); 62 comes back replicated over the ring
+    sequence when the ring divides its length (28); 30 comes back replicated over the ring
     (a jax.Array cannot hold an uneven split), on Auto and Explicit meshes alike."""
     mesh = _mesh(mesh_kind)
     q, k, v, d_out, d_lse = _inputs(t=t)
@@ -169,9 +167,8 @@ def test_lengths_the_ring_does_not_divide(mesh_kind, t):
 
     seq = "sequence" if t % RING == 0 else None
     out_spec, lse_spec = ((None, seq), (None, None, seq)) if seq else ((), ())
-    for mode in ("jit", "vjp"):
-        out, lse, grads = _run(mode, attend, mesh, q, k, v, d_out, d_lse)
-        _check(out, lse, grads, expected, out_spec, lse_spec)
+    out, lse, grads = _run("vjp", jax.jit(attend), mesh, q, k, v, d_out, d_lse)
+    _check(out, lse, grads, expected, out_spec, lse_spec)
 
 
 @pytest.mark.parametrize(
