@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.ring_attention import blocks
 from shardfuse.collectives.ring_attention.api import ring_attention
 from shardfuse.collectives.ring_attention.ring import _merge
-from shardfuse.kernels.attention import base, pallas_tpu, protocol, reference, xla
+from shardfuse.kernels.attention import api, base, pallas_tpu, protocol, reference, xla
 from shardfuse.testing import assert_close, iter_eqns
 from tests.collectives.ring_attention.ring_cases import oracle_fn, ring_mesh, with_vjp
 
@@ -37,6 +37,7 @@ pytestmark = pytest.mark.timeout(600)
 # Same tiling rule as pallas_tpu_cases.STRICT: out-of-bounds reads raise, fresh memory is NaN.
 STRICT = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 FORWARD_KERNEL = "shardfuse_flash_attention_fwd"
+load_block_ops = blocks.load  # the real one, before any test patches it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +215,7 @@ def test_block_backward_matches_reference(implementation, case):
 
 
 def test_every_backend_has_a_block_backward():
-    for name in blocks.BLOCK_KERNELS:
+    for name in api.IMPLEMENTATIONS:
         if name == "triton":
             pytest.importorskip("triton")
         ops = blocks.load(name)
@@ -293,8 +294,8 @@ def test_backward_ring_runs_no_block_forward(implementation):
 def _fallback_load(name):
     """The pre-protocol block ops: backward as the VJP of the differentiable entry, which
     recomputes the block forward at every ring step."""
-    module = __import__(blocks.BLOCK_KERNELS[name], fromlist=["forward"])
-    attention = protocol.differentiable(module.forward, module.backward)
+    ops = load_block_ops(name)
+    attention = protocol.differentiable(ops.forward, ops.backward)
 
     def backward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse):
         def block(q, k, v):
@@ -307,7 +308,7 @@ def _fallback_load(name):
         shift = jnp.einsum("BTHD,BTHD->BHT", d_out, out_b - out)
         return vjp((d_out_b.astype(out_b.dtype), weight * (shift + d_lse)))
 
-    return blocks.BlockOps(name, module.forward, backward)
+    return blocks.BlockOps(name, ops.forward, backward)
 
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
@@ -327,10 +328,9 @@ def test_pallas_tpu_ring_matches_reference(monkeypatch):
     deadlocks against the ring's ppermute on CPU devices (a device thread waits
     in the collective while the callback needs the CPU client).
     """
-    load = blocks.load
 
     def load_interpreted(name):
-        ops = load(name)
+        ops = load_block_ops(name)
         forward = functools.partial(ops.forward, interpret=True)
         return blocks.BlockOps(name, forward, functools.partial(ops.backward, interpret=True))
 

@@ -17,18 +17,9 @@ per step.
 """
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 
 from shardfuse.kernels.attention import api
-
-# name -> the module exposing the protocol's `forward` and `backward`.
-BLOCK_KERNELS = {
-    "reference": "shardfuse.kernels.attention.reference",
-    "xla": "shardfuse.kernels.attention.xla",
-    "pallas_tpu": "shardfuse.kernels.attention.pallas_tpu",
-    "triton": "shardfuse.kernels.attention.triton_gpu",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +38,6 @@ def candidates(implementation) -> tuple[str, ...]:
 
 
 def load(name: str) -> BlockOps:
-    """The block ops of implementation `name`; NotImplementedError if it cannot run here."""
-    api.load_implementation(name)  # raises NotImplementedError if absent (optional dependencies)
-    module = importlib.import_module(BLOCK_KERNELS[name])
-    return BlockOps(name, module.forward, module.backward)
+    """The block ops of implementation `name`: the protocol's `forward` and `backward` of the
+    attention registry's module for `name`; NotImplementedError if it cannot be imported."""
+    return BlockOps(name, api.ATTENTION.load(name, "forward"), api.ATTENTION.load(name, "backward"))
