@@ -3,7 +3,7 @@
 The default cases cover every ring size (1, 2, 4, 8), every layout, causal and
 not, GQA and MQA, segment ids, window, softcap, float32 and bfloat16, padding
 (lengths not divisible by the ring), T != S both ways, both strategies, the
-generic block backward (implementation="reference") and batch / heads sharded
+reference's naive block backward (implementation="reference") and batch / heads sharded
 over other mesh axes. The full cross product runs with `-m slow`.
 """
 
@@ -43,7 +43,7 @@ FAST_CASES = [
     C(N=2, layout="striped", T=13, S=27, causal=False, segments=True),  # pad masked by segment id
     # Low precision: the 2x (outputs) / 3x (gradients) rule.
     C(N=4, layout="zigzag", dtype="bfloat16", H=8, K=2),
-    # all_gather strategy; the generic block backward; batch and heads on other mesh axes.
+    # all_gather strategy; the reference block backward; batch and heads on other mesh axes.
     C(N=4, layout="zigzag", strategy="all_gather", T=30, S=30),
     C(N=4, layout="zigzag", implementation="reference", segments=True),
     C(N=2, layout="zigzag", B=2, H=4, K=2, mesh="3d"),
@@ -146,7 +146,7 @@ def _per_shard(n, layout, check_vma, implementation, **kwargs):
     "implementation, check_vma",
     [
         pytest.param("xla", False, marks=pytest.mark.slow),  # the global wrapper's path
-        ("reference", True),  # the generic block backward, clean under vma checks
+        ("reference", True),  # the reference block backward, clean under vma checks
     ],
 )
 def test_per_shard_function_in_user_shard_map(implementation, check_vma):
