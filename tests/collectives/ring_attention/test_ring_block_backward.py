@@ -17,6 +17,7 @@ did before every backend had a block backward) is caught.
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -215,11 +216,17 @@ def test_block_backward_matches_reference(implementation, case):
 
 
 def test_every_backend_has_a_block_backward():
+    """Each backend module has the protocol's forward and backward (with `grad_dtype`)."""
+    expected = inspect.signature(protocol.AttentionBackend.backward).parameters
     for name in api.IMPLEMENTATIONS:
         if name == "triton":
             pytest.importorskip("triton")
         ops = blocks.load(name)
         assert ops.backward.__name__ == "backward", (name, ops.backward)
+        params = inspect.signature(ops.backward).parameters
+        assert list(params)[:12] == list(expected)[1:13], (name, list(params))
+        assert "grad_dtype" in params, name
+        assert list(inspect.signature(ops.forward).parameters)[:8] == list(expected)[1:9], name
 
 
 # --- structure: no block forward in the backward ring -------------------------------------
