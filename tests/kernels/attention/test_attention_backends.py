@@ -117,7 +117,7 @@ def test_fully_masked_rows_and_unseen_keys(backend, case):
 def test_nan_in_invisible_positions_never_leaks(backend, case):
     backend.require()
     blind, unseen = blind_rows_and_unseen_keys(case, make_inputs(case))
-    assert blind.any() and unseen.any(), "a poisoning case needs blind rows and unseen keys"
+    assert blind.any() or unseen.any(), "a poisoning case needs blind rows or unseen keys"
     for name in (backend.name, "reference"):
         clean, poisoned = results(name, case.name), results(name, case.name, "poisoned")
         _check_finite(f"{name} {case.name} poisoned", poisoned)
