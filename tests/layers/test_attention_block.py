@@ -245,10 +245,10 @@ def test_training_with_optax_matches_reference_and_learns():
         ),
         (dict(num_kv_heads=3), r"num_heads=8 must be a positive multiple of num_kv_heads=3"),
         (
-            dict(tp_axis="tensor"),
-            r"tp_axis='tensor' is not an axis of the mesh; its axes are \('model',\)",
+            dict(model_axis="tensor"),
+            r"model_axis='tensor' is not an axis of the mesh; its axes are \('model',\)",
         ),
-        (dict(cp_axis="context"), r"cp_axis='context' is not an axis"),
+        (dict(sequence_axis="context"), r"sequence_axis='context' is not an axis"),
         (dict(head_dim=7), r"head_dim=7 must be even"),
         (dict(layout="spiral"), r"layout='spiral' must be one of"),
     ],
@@ -262,7 +262,9 @@ def test_attention_bad_construction(kwargs, match):
 
 def test_bad_calls():
     block = _block(mesh_3d())
-    with pytest.raises(ValueError, match=r"T=20 must be divisible by 8 \(cp=2 x tp=2"):
+    with pytest.raises(
+        ValueError, match=r"T=20 must be divisible by 8 \(sequence size 2 x model size 2"
+    ):
         block(jnp.zeros((2, 20, 32)))
     with pytest.raises(ValueError, match=r"expected \[B, T, features=32\]"):
         block(jnp.zeros((2, 32, 16)))

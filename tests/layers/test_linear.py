@@ -136,9 +136,9 @@ def test_explicit_sharding_mesh():
         ),
         (
             lambda m: sf.layers.ColumnParallelLinear(
-                16, 32, mesh=m, axis="tensor", rngs=nnx.Rngs(0)
+                16, 32, mesh=m, model_axis="tensor", rngs=nnx.Rngs(0)
             ),
-            r"axis='tensor' is not an axis of the mesh; its axes are \('model',\)",
+            r"model_axis='tensor' is not an axis of the mesh; its axes are \('model',\)",
         ),
         (
             lambda m: sf.layers.ColumnParallelLinear(

@@ -4,9 +4,18 @@ Data flows one way: layers -> collectives -> kernels. Each layer holds its
 parameters (created already sharded, with `nnx.get_partition_spec`-visible
 specs) and a mesh, and calls per-shard collectives inside `jax.shard_map`.
 `shardfuse.layers.reference` holds unsharded single-device references.
+
+Every layer works eagerly (one compiled program per layer configuration,
+reused from the second call on), under `nnx.jit`, `jax.jit` (through
+`nnx.split` / `nnx.merge`) and `nnx.grad`, on meshes with Explicit or Auto
+axes, with or without `jax.set_mesh`. Keywords: `model_axis` (tensor
+parallel), `sequence_axis` (context parallel), `data_axis` (batch);
+`place_on_mesh` readies an `nnx.Optimizer` so that a jitted training step
+compiles once.
 """
 
 from shardfuse.layers import reference
+from shardfuse.layers._sharding import place_on_mesh
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -19,5 +28,6 @@ __all__ = [
     "ParallelSelfAttention",
     "ParallelTransformerBlock",
     "RowParallelLinear",
+    "place_on_mesh",
     "reference",
 ]

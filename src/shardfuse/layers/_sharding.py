@@ -7,6 +7,9 @@ parameters are created already sharded: the initializer runs under `jax.jit`
 with `out_shardings`, so no device ever holds a full copy first.
 """
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -81,3 +84,119 @@ def replicated_param(initializer, key, shape, dtype, mesh) -> nnx.Param:
 def compute_dtype(dtype, *arrays):
     """The layer's compute dtype: `dtype`, else the promoted dtype of the inputs."""
     return jnp.dtype(dtype) if dtype is not None else jnp.result_type(*arrays)
+
+
+def check_activations(x, argument: str = "x"):
+    """TypeError unless `x` is a floating-point array (activations, not token ids)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{argument} has dtype {dtype}; expected floating-point activations "
+            "(float32, bfloat16 or float16). Integer token ids go through an embedding first."
+        )
+
+
+def renamed_keywords(**old_to_new):
+    """Decorator for `__init__`: deprecated keyword `old` still works as `new` for one release.
+
+    Passing `old` warns with a DeprecationWarning naming `new`; passing both
+    raises TypeError.
+    """
+
+    def decorate(init):
+        @functools.wraps(init)
+        def wrapper(self, *args, **kwargs):
+            for old, new in old_to_new.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(
+                        f"{type(self).__name__}() got both {old}= (deprecated) and {new}=: "
+                        f"pass {new}= only"
+                    )
+                warnings.warn(
+                    f"{type(self).__name__}({old}=...) is deprecated and will be removed in the "
+                    f"next release: use {new}=",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return init(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compiled(graphdef, method: str, state, args):
+    return getattr(nnx.merge(graphdef, state), method)(*args)
+
+
+def call_compiled(module: nnx.Module, method: str, *args):
+    """`module.<method>(*args)` through one `jax.jit` per layer configuration.
+
+    The parameters are inputs of the compiled function (`nnx.split`), never
+    constants baked into it, and the module's structure and static settings
+    (its `GraphDef`) are the cache key: every layer with the same
+    configuration shares one compiled program per input shape. Eager calls
+    thus run one compiled program instead of dispatching each op of the
+    shard_map body (ring loops included) one at a time; under `nnx.jit`,
+    `jax.jit` or `nnx.grad` the inner jit is simply inlined into the trace.
+    """
+    graphdef, state = nnx.split(module)
+    return _compiled(graphdef, method, state, args)
+
+
+def empty_output(x, shape, mesh, spec: P):
+    """Zeros of `shape` in x's dtype, sharded `spec` on `mesh` (the result for empty inputs).
+
+    Made inside a `jax.shard_map` over the concrete mesh: with no other op
+    naming the mesh, that is what tells a jit without `jax.set_mesh` which
+    devices the output lives on.
+    """
+    local = list(shape)
+    for dim, entry in enumerate(tuple(spec)):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        for name in names:
+            local[dim] //= mesh.shape[name]
+    make = jax.shard_map(lambda: jnp.zeros(local, x.dtype), mesh=mesh, in_specs=(), out_specs=spec)
+    return make()
+
+
+def place_on_mesh(node, mesh):
+    """Puts every array of `node` that is not yet on `mesh` onto it, replicated; returns `node`.
+
+    `node` is an NNX object (a model, an `nnx.Optimizer`) or a pytree of
+    arrays. Arrays already sharded on `mesh` keep their sharding. Call it once
+    on a freshly built `nnx.Optimizer`: optax and NNX create their step
+    counters on one device, a jitted training step hands them back on the
+    mesh, and that change of input sharding would make the second step
+    compile again. (Building the optimizer inside `with jax.set_mesh(mesh):`
+    has the same effect.)
+
+    Example usage::
+
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> mesh = jax.make_mesh((1,), ("model",))
+      >>> model = sf.layers.ColumnParallelLinear(4, 8, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> opt = sf.layers.place_on_mesh(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), mesh)
+      >>> opt.step[...].sharding.spec
+      PartitionSpec()
+    """
+    replicated = NamedSharding(mesh, P())
+
+    def put(x):
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated)
+
+    if isinstance(node, nnx.Object):
+        nnx.update(node, jax.tree.map(put, nnx.state(node)))
+        return node
+    return jax.tree.map(put, node)

@@ -8,12 +8,12 @@ attention the kv heads are split too when `K % tp == 0`; when `tp % K == 0`
 the one kv head its query heads read. Rotary embeddings (RoFormer, Su et al.
 2021) use absolute positions, so tokens may be in any order, e.g. the
 load-balanced ring layouts of context parallelism. Attention itself is ring
-attention over `cp_axis` (Liu et al. 2023), or flash attention when the
+attention over `sequence_axis` (Liu et al. 2023), or flash attention when the
 sequence is not split. The output projection is row-parallel
 (reduce-scatter along the sequence, or all-reduce).
 
 Inputs `[B, T, F]` are laid out along the sequence in the ring `layout`
-order when `cp_axis` is set (see `sf.to_ring_layout`): convert once at the
+order when `sequence_axis` is set (see `sf.to_ring_layout`): convert once at the
 model input and back at the output; every per-token layer is indifferent
 to the order.
 """
@@ -44,7 +44,7 @@ def rope(x, positions, theta: float):
 
 
 class ParallelSelfAttention(nnx.Module):
-    """Multi-head (GQA) self-attention split over heads (`tp_axis`) and sequence (`cp_axis`).
+    """Multi-head (GQA) self-attention split over heads (`model_axis`) and sequence.
 
     Parameters (2-D kernels, initialised like `nnx.Linear` kernels):
     `q_kernel` `[F, H * D]` `P(None, tp)`; `kv_kernel` `[F, K * 2 * D]`
@@ -54,45 +54,55 @@ class ParallelSelfAttention(nnx.Module):
     `[K * 2 * D]` (like `kv_kernel`) and `o_bias` `[F]` `P()`.
 
     Masks (causal, window) apply to token positions in natural order (the
-    ring layout's positions when `cp_axis` is set); `positions` given to
+    ring layout's positions when `sequence_axis` is set); `positions` given to
     `__call__` only feed RoPE (e.g. positions that restart per packed
     sequence, with `segment_ids`).
 
-    Input and output `[B, T, F]`: `P(data, (cp, tp), None)` with
+    Input and output `[B, T, F]`: `P(data, (sequence, model), None)` with
     `sequence_parallel=True` (Megatron sequence parallelism), else
-    `P(data, cp, None)`.
+    `P(data, sequence, None)` (see `io_spec()`). Integer or bool `x` raises
+    TypeError; an empty batch gives an empty output.
 
     Args:
       features: model width F.
-      num_heads: query heads H, divisible by the size of `tp_axis`.
+      num_heads: query heads H, divisible by the size of `model_axis`.
       num_kv_heads: kv heads K (default H); `H % K == 0`, and K divisible by or
         dividing the tp size.
       head_dim: D (default F // H); even (RoPE).
       mesh: the mesh.
-      tp_axis: tensor-parallel axis (heads).
-      cp_axis: context-parallel axis (sequence, ring attention), or None.
-      data_axis: batch axis (the default is ignored when the mesh lacks it).
-      sequence_parallel: activations sequence-sharded over `tp_axis` too.
+      model_axis: tensor-parallel axis (heads); deprecated spelling `tp_axis`.
+      sequence_axis: context-parallel axis: the sequence is sharded over it
+        and ring attention runs over it (the same axis `sequence_axis` names
+        in the linear layers), or None; deprecated spelling `cp_axis`.
+      data_axis: batch axis. The defaults of `data_axis` and `sequence_axis`
+        are ignored when the mesh lacks them.
+      sequence_parallel: Megatron sequence parallelism: activations
+        sequence-sharded over `model_axis` too. Default False, as in the
+        linear layers and `ParallelMLP`.
       causal: causal mask on absolute positions.
-      layout: ring layout of the sequence over `cp_axis`: "contiguous",
+      layout: ring layout of the sequence over `sequence_axis`: "contiguous",
         "zigzag" or "striped".
       rope_theta: RoPE base.
       window, logit_softcap: as in `sf.flash_attention`.
-      use_bias, dtype, param_dtype, precision, kernel_init, bias_init,
-        implementation, rngs: as in `nnx.Linear` / `ColumnParallelLinear`
-        (`precision` applies to the projections).
+      use_bias: biases on the projections; default False (Llama-style
+        attention, unlike the `nnx.Linear`-compatible linear layers).
+      dtype, param_dtype, precision, kernel_init, bias_init, implementation,
+        rngs: as in `nnx.Linear` / `ColumnParallelLinear` (`precision`
+        applies to the projections).
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import shardfuse as sf
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("sequence", "model"))
+      >>> mesh = jax.make_mesh((2, 2), ("sequence", "model"))
       >>> attn = sf.layers.ParallelSelfAttention(32, 4, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> attn(jnp.ones((2, 16, 32))).shape
-      (2, 16, 32)
+      >>> y = attn(jnp.ones((2, 16, 32)))
+      >>> y.shape, y.sharding.spec
+      ((2, 16, 32), PartitionSpec(None, 'sequence', None))
     """
 
+    @_sharding.renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
     def __init__(
         self,
         features: int,
@@ -101,8 +111,8 @@ class ParallelSelfAttention(nnx.Module):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         mesh,
-        tp_axis: str = "model",
-        cp_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
+        model_axis: str = "model",
+        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
         sequence_parallel: bool = False,
         causal: bool = True,
@@ -120,24 +130,24 @@ class ParallelSelfAttention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
-        self.tp_axis = _sharding.require_axis(mesh, tp_axis, "tp_axis")
-        self.cp_axis = _sharding.optional_axis(
-            mesh, cp_axis, "cp_axis", _sharding.DEFAULT_SEQUENCE_AXIS
+        self.model_axis = _sharding.require_axis(mesh, model_axis, "model_axis")
+        self.sequence_axis = _sharding.optional_axis(
+            mesh, sequence_axis, "sequence_axis", _sharding.DEFAULT_SEQUENCE_AXIS
         )
         self.data_axis = _sharding.optional_axis(
             mesh, data_axis, "data_axis", _sharding.DEFAULT_DATA_AXIS
         )
-        tp = _sharding.axis_size(mesh, self.tp_axis)
+        tp = _sharding.axis_size(mesh, self.model_axis)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
             )
-        _sharding.check_divisible("num_heads", num_heads, self.tp_axis, tp)
+        _sharding.check_divisible("num_heads", num_heads, self.model_axis, tp)
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ValueError(
                 f"num_kv_heads={num_kv_heads} must divide or be divisible by the size {tp} of "
-                f"tp_axis {self.tp_axis!r}"
+                f"model_axis {self.model_axis!r}"
             )
         if head_dim is None:
             if features % num_heads:
@@ -157,7 +167,9 @@ class ParallelSelfAttention(nnx.Module):
         )
         self.sequence_parallel = bool(sequence_parallel)
         self.causal, self.layout, self.rope_theta = bool(causal), layout, float(rope_theta)
-        self.window, self.logit_softcap = window, logit_softcap
+        # a tuple: the layer configuration is a (hashable) cache key of `call_compiled`
+        self.window = None if window is None else tuple(window)
+        self.logit_softcap = logit_softcap
         self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
         self.precision = matmul_base.check_precision(precision)
         self.kv_sharded = num_kv_heads % tp == 0
@@ -179,12 +191,12 @@ class ParallelSelfAttention(nnx.Module):
 
     def _param_specs(self):
         """PartitionSpec of each parameter (kv replicated when `K % tp != 0`)."""
-        kv = P(None, self.tp_axis) if self.kv_sharded else P()
+        kv = P(None, self.model_axis) if self.kv_sharded else P()
         return dict(
-            q_kernel=P(None, self.tp_axis),
+            q_kernel=P(None, self.model_axis),
             kv_kernel=kv,
-            o_kernel=P(self.tp_axis, None),
-            q_bias=P(self.tp_axis),
+            o_kernel=P(self.model_axis, None),
+            q_bias=P(self.model_axis),
             kv_bias=P(*kv[1:]),
             o_bias=P(),
         )
@@ -200,9 +212,9 @@ class ParallelSelfAttention(nnx.Module):
 
     def default_positions(self, seq_len: int):
         """int32 `[T]`: natural positions of the tokens in layout order."""
-        if self.cp_axis is None:
+        if self.sequence_axis is None:
             return jnp.arange(seq_len, dtype=jnp.int32)
-        ring = _sharding.axis_size(self.mesh, self.cp_axis)
+        ring = _sharding.axis_size(self.mesh, self.sequence_axis)
         return ring_positions(seq_len, ring, self.layout).reshape(-1)
 
     def local(self, x, positions, segment_ids, q_w, kv_w, o_w, q_b, kv_b, o_b):
@@ -211,7 +223,7 @@ class ParallelSelfAttention(nnx.Module):
         x `[b, t, F]` (t = T / cp, or T / (cp * tp) with sequence parallelism),
         positions int `[T / cp]`, segment_ids int `[b, T / cp]` or None.
         """
-        tp = self.tp_axis
+        tp = self.model_axis
         heads = self.num_heads // _sharding.axis_size(self.mesh, tp)  # local query heads
         D = self.head_dim
         if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
@@ -247,8 +259,8 @@ class ParallelSelfAttention(nnx.Module):
             logit_softcap=self.logit_softcap,
             implementation=self.implementation,
         )
-        if self.cp_axis is not None:
-            o = ring_attention(q, k, v, self.cp_axis, layout=self.layout, **masks)
+        if self.sequence_axis is not None:
+            o = ring_attention(q, k, v, self.sequence_axis, layout=self.layout, **masks)
         else:
             o = attention_api.flash_attention(q, k, v, **masks)
         o = o.reshape(b, t, heads * D)
@@ -270,30 +282,36 @@ class ParallelSelfAttention(nnx.Module):
     def io_spec(self):
         """PartitionSpec of the `[B, T, F]` input and output."""
         seq = tuple(
-            a for a in (self.cp_axis, self.tp_axis if self.sequence_parallel else None) if a
+            a
+            for a in (self.sequence_axis, self.model_axis if self.sequence_parallel else None)
+            if a
         )
         return P(self.data_axis, seq if len(seq) > 1 else (seq[0] if seq else None), None)
 
     def check_input(self, x, positions, segment_ids):
         """Validates a `__call__`'s arguments; returns positions (defaulted)."""
+        _sharding.check_activations(x)
         if x.ndim != 3 or x.shape[-1] != self.features:
             raise ValueError(f"x has shape {x.shape}; expected [B, T, features={self.features}]")
         B, T = x.shape[:2]
-        cp = _sharding.axis_size(self.mesh, self.cp_axis)
-        tp = _sharding.axis_size(self.mesh, self.tp_axis) if self.sequence_parallel else 1
+        cp = _sharding.axis_size(self.mesh, self.sequence_axis)
+        tp = _sharding.axis_size(self.mesh, self.model_axis) if self.sequence_parallel else 1
         shards = cp * tp * (2 if self.layout == "zigzag" and cp > 1 else 1)
         if T % shards:
+            parts = [f"{self.sequence_axis} size {cp}"] if cp > 1 else []
+            parts += [f"{self.model_axis} size {tp} (sequence parallel)"] if tp > 1 else []
+            parts += ["2 for the zigzag layout"] if shards != cp * tp else []
             raise ValueError(
-                f"sequence length T={T} must be divisible by {shards} (cp={cp} x "
-                f"{'tp=' + str(tp) + ' (sequence parallel) x ' if tp > 1 else ''}"
-                f"{'2 for the zigzag layout' if shards != cp * tp else '1'})"
+                f"sequence length T={T} must be divisible by {shards} ({' x '.join(parts)})"
             )
         _sharding.check_divisible(
             "batch size B", B, self.data_axis, _sharding.axis_size(self.mesh, self.data_axis)
         )
         if positions is None:
-            positions = self.default_positions(T)
-        if tuple(positions.shape) != (T,) or not jnp.issubdtype(positions.dtype, jnp.integer):
+            positions = self.default_positions(T) if T else jnp.zeros((0,), jnp.int32)
+        if not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise TypeError(f"positions has dtype {positions.dtype}; expected an integer dtype")
+        if tuple(positions.shape) != (T,):
             raise ValueError(
                 f"positions must be int [T] = ({T},); got {positions.dtype}{tuple(positions.shape)}"
             )
@@ -309,25 +327,34 @@ class ParallelSelfAttention(nnx.Module):
     def __call__(self, x, *, positions=None, segment_ids=None):
         """Self-attention of `x` `[B, T, F]` -> `[B, T, F]` (sharding: `io_spec()`).
 
+        Raises TypeError for a non-floating `x` (or non-integer positions or
+        segment ids), ValueError for wrong shapes or indivisible lengths.
+
         Args:
-          x: activations in ring-layout order along T when `cp_axis` is set.
+          x: activations in ring-layout order along T when `sequence_axis` is set.
           positions: int `[T]` RoPE positions (default: the tokens' natural positions).
           segment_ids: int `[B, T]` packed-sequence ids; tokens attend within a segment.
         """
         positions = self.check_input(x, positions, segment_ids)
+        return _sharding.call_compiled(self, "forward", x, positions, segment_ids)
+
+    def forward(self, x, positions, segment_ids):
+        """`__call__` on checked arguments (traced by `call_compiled`)."""
         dtype = _sharding.compute_dtype(self.dtype, x, self.q_kernel[...])
-        values, specs = self.local_params(dtype)
         spec = self.io_spec()
-        seg_spec = P(self.data_axis, self.cp_axis)
+        if x.size == 0:  # empty batch or sequence
+            return _sharding.empty_output(x.astype(dtype), x.shape, self.mesh, spec)
+        values, specs = self.local_params(dtype)
+        seg_spec = P(self.data_axis, self.sequence_axis)
         fn = jax.shard_map(
             self.local,
             mesh=self.mesh,
-            in_specs=(spec, P(self.cp_axis), seg_spec, *specs),
+            in_specs=(spec, P(self.sequence_axis), seg_spec, *specs),
             out_specs=spec,
         )
         args = [
             _sharding.place(x.astype(dtype), self.mesh, spec),
-            _sharding.place(positions, self.mesh, P(self.cp_axis)),
+            _sharding.place(positions, self.mesh, P(self.sequence_axis)),
         ]
         args.append(
             None if segment_ids is None else _sharding.place(segment_ids, self.mesh, seg_spec)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.layers import _sharding
 from shardfuse.layers.attention import ParallelSelfAttention
+from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.mlp import ParallelMLP
 
 NORMS = ("rmsnorm", "layernorm")
@@ -37,13 +38,24 @@ def normalize(kind: str, x, scale, bias, eps: float):
 class Norm(nnx.Module):
     """RMSNorm (`scale` `[F]`) or LayerNorm (`scale` and `bias` `[F]`), replicated `P()`.
 
+    Per token: `x` `[..., F]` keeps its sharding (no communication). Integer or
+    bool `x` raises TypeError; empty inputs give empty outputs.
+
+    Args:
+      features: F.
+      kind: "rmsnorm" or "layernorm".
+      eps: added to the mean square.
+      mesh: the mesh the parameters are replicated over.
+      param_dtype: storage dtype of `scale` (and `bias`).
+      rngs: `nnx.Rngs`.
+
     Example usage::
 
-      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
-      >>> from shardfuse.layers.block import Norm
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
-      >>> Norm(8, kind="rmsnorm", mesh=mesh, rngs=nnx.Rngs(0))(jnp.ones((2, 8))).shape
+      >>> import shardfuse as sf
+      >>> mesh = jax.make_mesh((2,), ("model",))
+      >>> sf.layers.Norm(8, kind="rmsnorm", mesh=mesh, rngs=nnx.Rngs(0))(jnp.ones((2, 8))).shape
       (2, 8)
     """
 
@@ -58,7 +70,7 @@ class Norm(nnx.Module):
         rngs: nnx.Rngs,
     ):
         if kind not in NORMS:
-            raise ValueError(f"norm={kind!r} must be one of {NORMS}")
+            raise ValueError(f"kind={kind!r} must be one of {NORMS}")
         self.kind, self.eps = kind, float(eps)
         ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
         self.scale = _sharding.replicated_param(ones, rngs.params(), (features,), param_dtype, mesh)
@@ -72,6 +84,8 @@ class Norm(nnx.Module):
         return [self.scale[...], None if self.bias is None else self.bias[...]]
 
     def __call__(self, x):
+        """Normalizes `x` `[..., F]` over its last axis; same shape, dtype and sharding."""
+        _sharding.check_activations(x)
         scale, bias = self.params()
         return normalize(self.kind, x, scale, bias, self.eps)
 
@@ -79,36 +93,51 @@ class Norm(nnx.Module):
 class ParallelTransformerBlock(nnx.Module):
     """Pre-norm transformer block: `ParallelSelfAttention` and `ParallelMLP` with residuals.
 
-    Input and output `[B, T, features]`, sharded `P(data, (cp, tp), None)` with
-    `sequence_parallel=True` (the default here: Megatron sequence
-    parallelism), else `P(data, cp, None)`; along T in the ring `layout` order
-    when `cp_axis` is set (`sf.to_ring_layout` once at the model input).
+    Input and output `[B, T, features]`, sharded `P(data, (sequence, model),
+    None)` with `sequence_parallel=True` (the default here), else
+    `P(data, sequence, None)` (see `io_spec()`); along T in the ring `layout`
+    order when `sequence_axis` is set (`sf.to_ring_layout` once at the model
+    input). Integer or bool `x` raises TypeError (token ids go through an
+    embedding first); an empty batch gives an empty output.
 
     Args:
       features: model width.
-      num_heads: query heads.
-      hidden_features: MLP width.
+      num_heads: query heads, divisible by the size of `model_axis`.
+      hidden_features: MLP width, divisible by the size of `model_axis`.
+      mesh: the mesh (Explicit or Auto axes; `jax.set_mesh` is not needed).
+      num_kv_heads, head_dim, causal, layout, rope_theta, window,
+        logit_softcap: attention options, as in `ParallelSelfAttention`.
       norm: "rmsnorm" or "layernorm".
       norm_eps: epsilon of the norms.
       activation: MLP activation, "gelu" or "swiglu".
-      mesh, tp_axis, cp_axis, data_axis, sequence_parallel, num_kv_heads,
-        head_dim, causal, layout, rope_theta, window, logit_softcap, use_bias,
-        dtype, param_dtype, kernel_init, bias_init, implementation: as in
-        `ParallelSelfAttention` and `ParallelMLP` (`tp_axis` is the MLP's `axis`).
+      model_axis: tensor-parallel axis of attention heads and MLP hidden
+        units (deprecated spelling: `tp_axis`).
+      sequence_axis: context-parallel axis (ring attention); None: the
+        sequence is not split over a context axis (deprecated: `cp_axis`).
+      data_axis: batch axis.
+      sequence_parallel: Megatron sequence parallelism over `model_axis`.
+        Default True, unlike the single layers: activations stay sharded from
+        block to block, which is what a stack of blocks wants.
+      use_bias: default False, Llama-style (the linear layers default to
+        True for `nnx.Linear` compatibility).
+      dtype, param_dtype, precision, kernel_init, bias_init, implementation:
+        as in `ColumnParallelLinear`, for attention and MLP alike.
       rngs: `nnx.Rngs`.
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import shardfuse as sf
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("sequence", "model"))
+      >>> mesh = jax.make_mesh((2, 2), ("sequence", "model"))
       >>> block = sf.layers.ParallelTransformerBlock(32, 4, 64, num_kv_heads=2, mesh=mesh,
       ...                                            rngs=nnx.Rngs(0))
-      >>> block(jnp.ones((2, 16, 32))).shape
-      (2, 16, 32)
+      >>> y = block(jnp.ones((2, 16, 32)))
+      >>> y.shape, y.sharding.spec
+      ((2, 16, 32), PartitionSpec(None, ('sequence', 'model'), None))
     """
 
+    @_sharding.renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
     def __init__(
         self,
         features: int,
@@ -116,50 +145,59 @@ class ParallelTransformerBlock(nnx.Module):
         hidden_features: int,
         *,
         mesh,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        causal: bool = True,
+        layout: str = "zigzag",
+        rope_theta: float = 10000.0,
+        window=None,
+        logit_softcap: float | None = None,
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
-        tp_axis: str = "model",
-        cp_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
+        model_axis: str = "model",
+        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
         sequence_parallel: bool = True,
         use_bias: bool = False,
+        dtype=None,
         param_dtype=jnp.float32,
+        precision=None,
+        kernel_init=default_kernel_init,
+        bias_init=default_bias_init,
+        implementation: str | None = None,
         rngs: nnx.Rngs,
-        **attention_kwargs,
     ):
-        mlp_kwargs = {
-            k: attention_kwargs[k]
-            for k in ("dtype", "precision", "kernel_init", "bias_init", "implementation")
-            if k in attention_kwargs
-        }
+        if norm not in NORMS:
+            raise ValueError(f"norm={norm!r} must be one of {NORMS}")
+        common = dict(
+            mesh=mesh,
+            model_axis=model_axis,
+            sequence_axis=sequence_axis,
+            data_axis=data_axis,
+            sequence_parallel=sequence_parallel,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            implementation=implementation,
+            rngs=rngs,
+        )
         self.attention = ParallelSelfAttention(
             features,
             num_heads,
-            mesh=mesh,
-            tp_axis=tp_axis,
-            cp_axis=cp_axis,
-            data_axis=data_axis,
-            sequence_parallel=sequence_parallel,
-            use_bias=use_bias,
-            param_dtype=param_dtype,
-            rngs=rngs,
-            **attention_kwargs,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            causal=causal,
+            layout=layout,
+            rope_theta=rope_theta,
+            window=window,
+            logit_softcap=logit_softcap,
+            **common,
         )
-        self.mlp = ParallelMLP(
-            features,
-            hidden_features,
-            activation=activation,
-            mesh=mesh,
-            axis=tp_axis,
-            sequence_parallel=sequence_parallel,
-            data_axis=data_axis,
-            sequence_axis=cp_axis,
-            use_bias=use_bias,
-            param_dtype=param_dtype,
-            rngs=rngs,
-            **mlp_kwargs,
-        )
+        self.mlp = ParallelMLP(features, hidden_features, activation=activation, **common)
         norm_kwargs = dict(kind=norm, eps=norm_eps, mesh=mesh, param_dtype=param_dtype, rngs=rngs)
         self.norm_1 = Norm(features, **norm_kwargs)
         self.norm_2 = Norm(features, **norm_kwargs)
@@ -173,22 +211,43 @@ class ParallelTransformerBlock(nnx.Module):
         y = normalize(self.norm_2.kind, h, s2, b2, self.norm_2.eps)
         return h + self.mlp.local(y, *mlp_params)
 
+    def io_spec(self):
+        """PartitionSpec of the `[B, T, features]` input and output."""
+        return self.attention.io_spec()
+
     def __call__(self, x, *, positions=None, segment_ids=None):
-        """`x` `[B, T, features]` -> `[B, T, features]`; arguments as `ParallelSelfAttention`."""
+        """`x` `[B, T, features]` -> `[B, T, features]`; arguments as `ParallelSelfAttention`.
+
+        Raises TypeError for a non-floating `x`, ValueError for wrong shapes or
+        indivisible lengths (as `ParallelSelfAttention`).
+        """
+        positions = self.attention.check_input(x, positions, segment_ids)
+        return _sharding.call_compiled(self, "forward", x, positions, segment_ids)
+
+    def forward(self, x, positions, segment_ids):
+        """`__call__` on checked arguments (traced by `call_compiled`)."""
         attention = self.attention
-        positions = attention.check_input(x, positions, segment_ids)
         mesh = attention.mesh
         dtype = _sharding.compute_dtype(attention.dtype, x, attention.q_kernel[...])
+        spec = attention.io_spec()
+        if x.size == 0:  # empty batch or sequence
+            return _sharding.empty_output(x.astype(dtype), x.shape, mesh, spec)
         attention_values, attention_specs = attention.local_params(dtype)
         mlp_values, mlp_specs = self.mlp.local_params(dtype)
         norm_values = [self.norm_1.params(), self.norm_2.params()]
         norm_specs = [[P(), P()], [P(), P()]]
-        spec = attention.io_spec()
-        seg_spec = P(attention.data_axis, attention.cp_axis)
+        seg_spec = P(attention.data_axis, attention.sequence_axis)
         fn = jax.shard_map(
             self.local,
             mesh=mesh,
-            in_specs=(spec, P(attention.cp_axis), seg_spec, norm_specs, attention_specs, mlp_specs),
+            in_specs=(
+                spec,
+                P(attention.sequence_axis),
+                seg_spec,
+                norm_specs,
+                attention_specs,
+                mlp_specs,
+            ),
             out_specs=spec,
         )
 
@@ -200,7 +259,7 @@ class ParallelTransformerBlock(nnx.Module):
 
         return fn(
             _sharding.place(x.astype(dtype), mesh, spec),
-            _sharding.place(positions, mesh, P(attention.cp_axis)),
+            _sharding.place(positions, mesh, P(attention.sequence_axis)),
             None if segment_ids is None else _sharding.place(segment_ids, mesh, seg_spec),
             [put(v, s) for v, s in zip(norm_values, norm_specs, strict=True)],
             put(attention_values, attention_specs),

@@ -11,8 +11,22 @@ with the overlapped collective matmuls of `shardfuse.collectives`, which hide
 the ring transfers behind the chunk matmuls.
 
 Activations are `[B, T, F]`: batch over `data_axis`, sequence over
-`sequence_axis` (context parallelism) and, with `sequence_parallel=True`,
-also over `axis`: `P(data, (sequence, model), None)` between layers.
+`sequence_axis` (the context-parallel axis, the one ring attention runs
+over) and, with `sequence_parallel=True` (Megatron sequence parallelism),
+also over `model_axis`: `P(data, (sequence, model), None)` between layers.
+The same keywords mean the same in every layer of `shardfuse.layers`.
+
+Every layer validates its input eagerly, then runs through one `jax.jit`
+per layer configuration (`_sharding.call_compiled`), so eager calls are as
+fast as jitted ones after the first. Input rules shared by all layers:
+floating-point activations only (integer or bool `x` raises TypeError); an
+empty batch or sequence returns an empty output of the right shape.
+
+Defaults: `use_bias=True` and `sequence_parallel=False` make the linear
+layers and `ParallelMLP` drop-in replacements for `nnx.Linear` (replicated
+activations in and out); the attention layer and the transformer block use
+the Llama-style defaults `use_bias=False`, and the block, whose activations
+stay sharded from block to block, defaults to `sequence_parallel=True`.
 """
 
 import jax
@@ -34,43 +48,43 @@ class _ParallelLinear(nnx.Module):
 
     sharded_features: str  # "out" for column, "in" for row
 
-    def __init__(
+    def _setup(
         self,
         in_features: int,
         out_features: int,
         *,
         mesh,
-        axis: str = "model",
-        sequence_parallel: bool = False,
-        use_bias: bool = True,
-        dtype=None,
-        param_dtype=jnp.float32,
-        kernel_init=default_kernel_init,
-        bias_init=default_bias_init,
-        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
-        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
-        implementation: str | None = None,
-        precision=None,
+        model_axis: str,
+        sequence_parallel: bool,
+        use_bias: bool,
+        dtype,
+        param_dtype,
+        kernel_init,
+        bias_init,
+        data_axis: str | None,
+        sequence_axis: str | None,
+        implementation: str | None,
+        precision,
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
-        self.axis = _sharding.require_axis(mesh, axis, "axis")
+        self.model_axis = _sharding.require_axis(mesh, model_axis, "model_axis")
         self.data_axis = _sharding.optional_axis(
             mesh, data_axis, "data_axis", _sharding.DEFAULT_DATA_AXIS
         )
         self.sequence_axis = _sharding.optional_axis(
             mesh, sequence_axis, "sequence_axis", _sharding.DEFAULT_SEQUENCE_AXIS
         )
-        named = [a for a in (self.axis, self.data_axis, self.sequence_axis) if a is not None]
+        named = [a for a in (self.model_axis, self.data_axis, self.sequence_axis) if a is not None]
         if len(set(named)) != len(named):
             raise ValueError(
-                f"axis={self.axis!r}, data_axis={self.data_axis!r} and "
+                f"model_axis={self.model_axis!r}, data_axis={self.data_axis!r} and "
                 f"sequence_axis={self.sequence_axis!r} must be different mesh axes"
             )
-        size = _sharding.axis_size(mesh, self.axis)
+        size = _sharding.axis_size(mesh, self.model_axis)
         sharded = out_features if self.sharded_features == "out" else in_features
         name = "out_features" if self.sharded_features == "out" else "in_features"
-        _sharding.check_divisible(name, sharded, self.axis, size)
+        _sharding.check_divisible(name, sharded, self.model_axis, size)
         self.in_features = in_features
         self.out_features = out_features
         self.sequence_parallel = bool(sequence_parallel)
@@ -85,7 +99,7 @@ class _ParallelLinear(nnx.Module):
             (in_features, out_features),
             param_dtype,
             mesh,
-            self.kernel_spec_for(self.axis),
+            self.kernel_spec_for(self.model_axis),
         )
         self.bias = (
             _sharding.sharded_param(
@@ -94,14 +108,14 @@ class _ParallelLinear(nnx.Module):
                 (out_features,),
                 param_dtype,
                 mesh,
-                self.bias_spec_for(self.axis),
+                self.bias_spec_for(self.model_axis),
             )
             if use_bias
             else None
         )
 
     def _sequence_spec(self, parallel: bool):
-        axes = tuple(a for a in (self.sequence_axis, self.axis if parallel else None) if a)
+        axes = tuple(a for a in (self.sequence_axis, self.model_axis if parallel else None) if a)
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     def _cast(self, x):
@@ -109,7 +123,9 @@ class _ParallelLinear(nnx.Module):
         bias = None if self.bias is None else self.bias[...].astype(dtype)
         return x.astype(dtype), self.kernel[...].astype(dtype), bias
 
-    def _run(self, local, x, in_spec, out_spec):
+    def _check(self, x):
+        """Validates `x` `[B, T, in]` (before any tracing)."""
+        _sharding.check_activations(x)
         if x.ndim != 3:
             raise ValueError(f"x has shape {x.shape}; expected [B, T, {self.in_features}]")
         if x.shape[-1] != self.in_features:
@@ -119,56 +135,86 @@ class _ParallelLinear(nnx.Module):
             )
         B, T = x.shape[:2]
         seq_shards = _sharding.axis_size(self.mesh, self.sequence_axis) * (
-            _sharding.axis_size(self.mesh, self.axis) if self.sequence_parallel else 1
+            _sharding.axis_size(self.mesh, self.model_axis) if self.sequence_parallel else 1
         )
-        _sharding.check_divisible("sequence length T", T, in_spec[1], seq_shards)
+        _sharding.check_divisible(
+            "sequence length T", T, self._sequence_spec(self.sequence_parallel), seq_shards
+        )
         _sharding.check_divisible(
             "batch size B", B, self.data_axis, _sharding.axis_size(self.mesh, self.data_axis)
         )
+
+    def _run(self, local, x, in_spec, out_spec):
         x, kernel, bias = self._cast(x)
+        if x.size == 0:  # empty batch or sequence: nothing to compute or communicate
+            shape = (*x.shape[:-1], self.out_features)
+            return _sharding.empty_output(x, shape, self.mesh, out_spec)
         args = [_sharding.place(x, self.mesh, in_spec), kernel]
-        specs = [in_spec, self.kernel_spec_for(self.axis)]
+        specs = [in_spec, self.kernel_spec_for(self.model_axis)]
         if bias is not None:
             args.append(bias)
-            specs.append(self.bias_spec_for(self.axis))
+            specs.append(self.bias_spec_for(self.model_axis))
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(specs), out_specs=out_spec)
         return fn(*args)
 
+    def __call__(self, x):
+        """`x` `[B, T, in]` -> `[B, T, out]`, sharded as `output_spec()`.
+
+        Raises:
+          TypeError: `x` is not floating point.
+          ValueError: wrong shape, or B / T not divisible by their mesh axes.
+        """
+        self._check(x)
+        return _sharding.call_compiled(self, "forward", x)
+
+
+_RENAMED = dict(axis="model_axis")
+
 
 class ColumnParallelLinear(_ParallelLinear):
-    """`y = x @ W + b` with W split by output features over `axis`.
+    """`y = x @ W + b` with W split by output features over `model_axis`.
 
-    Parameters: `kernel` `[in, out]` with `P(None, axis)`, `bias` `[out]` with
-    `P(axis)`. Input `[B, T, in]`: `P(data, sequence, None)`, or with
-    `sequence_parallel=True` sequence-sharded over `axis` too,
-    `P(data, (sequence, axis), None)`, in which case the all-gather of the
+    Parameters: `kernel` `[in, out]` with `P(None, model)`, `bias` `[out]` with
+    `P(model)`. Input `[B, T, in]`: `P(data, sequence, None)`, or with
+    `sequence_parallel=True` sequence-sharded over `model_axis` too,
+    `P(data, (sequence, model), None)`, in which case the all-gather of the
     sequence is fused with the matmul (`all_gather_matmul`). Output
-    `[B, T, out]`: `P(data, sequence, axis)`, or `P(data, sequence, None)` with
-    `gather_output=True`.
+    `[B, T, out]`: `P(data, sequence, model)`, or `P(data, sequence, None)` with
+    `gather_output=True`. Integer or bool `x` raises TypeError; an empty batch
+    gives an empty output.
 
     Args:
-      in_features, out_features: sizes; `out_features` divisible by the axis size.
-      mesh: the `jax.sharding.Mesh`.
-      axis: the tensor-parallel mesh axis.
-      sequence_parallel: input arrives sequence-sharded over `axis`.
+      in_features, out_features: sizes; `out_features` divisible by the
+        size of `model_axis`.
       gather_output: all-gather the output features (replicated output).
+      mesh: the `jax.sharding.Mesh` (Explicit or Auto axes; `jax.set_mesh` is
+        not needed).
+      model_axis: the tensor-parallel mesh axis (deprecated spelling: `axis`).
+      sequence_parallel: Megatron sequence parallelism: the sequence is sharded
+        over `model_axis` too (besides `sequence_axis`). Default False, as a
+        drop-in for `nnx.Linear` on replicated activations.
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
         `nnx.Linear` (`dtype` = compute dtype, `param_dtype` = storage dtype,
-        `precision` of the matmuls; None: HIGHEST for float32, DEFAULT for 16-bit).
-      data_axis, sequence_axis: mesh axes of the batch and (context-parallel)
-        sequence; the defaults are ignored when the mesh lacks them.
+        `precision` of the matmuls; None: HIGHEST for float32, DEFAULT for
+        16-bit). `use_bias=True` as in `nnx.Linear`.
+      data_axis: mesh axis of the batch.
+      sequence_axis: the context-parallel mesh axis the sequence is sharded
+        over (the axis ring attention runs over). The defaults of `data_axis`
+        and `sequence_axis` are ignored when the mesh lacks them; None: not
+        sharded.
       implementation: matmul / collective implementation (None: best).
       rngs: `nnx.Rngs` for the initializers.
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import shardfuse as sf
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> mesh = jax.make_mesh((2,), ("model",))
       >>> layer = sf.layers.ColumnParallelLinear(16, 32, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> layer(jnp.ones((2, 8, 16))).shape
-      (2, 8, 32)
+      >>> y = layer(jnp.ones((2, 8, 16)))
+      >>> y.shape, y.sharding.spec
+      ((2, 8, 32), PartitionSpec(None, None, 'model'))
     """
 
     sharded_features = "out"
@@ -181,10 +227,44 @@ class ColumnParallelLinear(_ParallelLinear):
     def bias_spec_for(axis):
         return P(axis)
 
+    @_sharding.renamed_keywords(**_RENAMED)
     def __init__(
-        self, in_features: int, out_features: int, *, gather_output: bool = False, **kwargs
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mesh,
+        model_axis: str = "model",
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_kernel_init,
+        bias_init=default_bias_init,
+        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
+        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
+        implementation: str | None = None,
+        precision=None,
+        rngs: nnx.Rngs,
     ):
-        super().__init__(in_features, out_features, **kwargs)
+        self._setup(
+            in_features,
+            out_features,
+            mesh=mesh,
+            model_axis=model_axis,
+            sequence_parallel=sequence_parallel,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            data_axis=data_axis,
+            sequence_axis=sequence_axis,
+            implementation=implementation,
+            precision=precision,
+            rngs=rngs,
+        )
         self.gather_output = bool(gather_output)
 
     def local(self, x, kernel, bias=None):
@@ -193,7 +273,7 @@ class ColumnParallelLinear(_ParallelLinear):
             y = collectives.all_gather_matmul(
                 x,
                 kernel,
-                self.axis,
+                self.model_axis,
                 gather_axis=x.ndim - 2,
                 implementation=self.implementation,
                 precision=self.precision,
@@ -204,46 +284,71 @@ class ColumnParallelLinear(_ParallelLinear):
             y = y + bias
         return y
 
-    def __call__(self, x):
-        """`x` `[B, T, in]` -> `[B, T, out]` (sharding as in the class docstring)."""
+    def output_spec(self):
+        """PartitionSpec of the `[B, T, out]` output."""
+        features = None if self.gather_output else self.model_axis
+        return P(self.data_axis, self._sequence_spec(False), features)
+
+    def forward(self, x):
+        """`__call__` without the input checks (traced by `call_compiled`)."""
         in_spec = P(self.data_axis, self._sequence_spec(self.sequence_parallel), None)
-        out_spec = P(self.data_axis, self._sequence_spec(False), self.axis)
+        out_spec = P(self.data_axis, self._sequence_spec(False), self.model_axis)
         y = self._run(self.local, x, in_spec, out_spec)
         if self.gather_output:  # XLA's all-gather of the feature shards
-            y = _sharding.place(y, self.mesh, P(self.data_axis, self._sequence_spec(False), None))
+            y = _sharding.place(y, self.mesh, self.output_spec())
         return y
 
 
 class RowParallelLinear(_ParallelLinear):
-    """`y = x @ W + b` with W split by input features over `axis`; partial sums reduced.
+    """`y = x @ W + b` with W split by input features over `model_axis`; partial sums reduced.
 
-    Parameters: `kernel` `[in, out]` with `P(axis, None)`, `bias` `[out]`
+    Parameters: `kernel` `[in, out]` with `P(model, None)`, `bias` `[out]`
     replicated (added once, after the reduction). Input `[B, T, in]`:
-    feature-sharded `P(data, sequence, axis)` (`input_is_parallel=True`, the
-    output of a `ColumnParallelLinear`), else replicated and split locally.
-    Output `[B, T, out]`: with `sequence_parallel=True` reduce-scattered along
-    the sequence (`matmul_reduce_scatter`), `P(data, (sequence, axis), None)`;
-    otherwise all-reduced (`matmul_all_reduce`), `P(data, sequence, None)`.
+    feature-sharded `P(data, sequence, model)` with `input_is_parallel=True`
+    (the output of a `ColumnParallelLinear`), or with `input_is_parallel=False`
+    all features on every model shard, `P(data, sequence, None)`, each shard
+    slicing its own part locally (no communication). Output `[B, T, out]`:
+    with `sequence_parallel=True` reduce-scattered along the sequence
+    (`matmul_reduce_scatter`), `P(data, (sequence, model), None)`; otherwise
+    all-reduced (`matmul_all_reduce`), `P(data, sequence, None)`. Integer or
+    bool `x` raises TypeError; an empty batch gives an empty output.
 
     Args:
-      in_features, out_features: sizes; `in_features` divisible by the axis size.
-      input_is_parallel: the input is already split by features over `axis`
-        (Megatron's flag). Either way the layer places its input on
-        `P(data, sequence, axis)` before the shard_map: a feature-sharded input
-        stays where it is, a replicated one is sliced locally (no
-        communication), so both give the same result; the flag records the
-        intended layout.
-      Others as `ColumnParallelLinear`.
+      in_features, out_features: sizes; `in_features` divisible by the size
+        of `model_axis`.
+      input_is_parallel: Megatron's flag: True, `x` arrives split by features
+        over `model_axis`; False, `x` holds all `in_features` replicated over
+        `model_axis` and each shard slices its part. Both compute the same
+        `x @ W + b`; the flag picks the input layout (and so which
+        resharding, if any, an input on another layout costs).
+      mesh: the `jax.sharding.Mesh` (Explicit or Auto axes; `jax.set_mesh` is
+        not needed).
+      model_axis: the tensor-parallel mesh axis (deprecated spelling: `axis`).
+      sequence_parallel: Megatron sequence parallelism: the sequence is sharded
+        over `model_axis` too (besides `sequence_axis`). Default False, as a
+        drop-in for `nnx.Linear` on replicated activations.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
+        `nnx.Linear` (`dtype` = compute dtype, `param_dtype` = storage dtype,
+        `precision` of the matmuls; None: HIGHEST for float32, DEFAULT for
+        16-bit). `use_bias=True` as in `nnx.Linear`.
+      data_axis: mesh axis of the batch.
+      sequence_axis: the context-parallel mesh axis the sequence is sharded
+        over (the axis ring attention runs over). The defaults of `data_axis`
+        and `sequence_axis` are ignored when the mesh lacks them; None: not
+        sharded.
+      implementation: matmul / collective implementation (None: best).
+      rngs: `nnx.Rngs` for the initializers.
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import shardfuse as sf
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> mesh = jax.make_mesh((2,), ("model",))
       >>> layer = sf.layers.RowParallelLinear(32, 16, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> layer(jnp.ones((2, 8, 32))).shape
-      (2, 8, 16)
+      >>> y = layer(jnp.ones((2, 8, 32)))
+      >>> y.shape, y.sharding.spec
+      ((2, 8, 16), PartitionSpec(None, None, None))
     """
 
     sharded_features = "in"
@@ -256,10 +361,44 @@ class RowParallelLinear(_ParallelLinear):
     def bias_spec_for(axis):
         return P()
 
+    @_sharding.renamed_keywords(**_RENAMED)
     def __init__(
-        self, in_features: int, out_features: int, *, input_is_parallel: bool = True, **kwargs
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mesh,
+        model_axis: str = "model",
+        sequence_parallel: bool = False,
+        input_is_parallel: bool = True,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_kernel_init,
+        bias_init=default_bias_init,
+        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
+        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
+        implementation: str | None = None,
+        precision=None,
+        rngs: nnx.Rngs,
     ):
-        super().__init__(in_features, out_features, **kwargs)
+        self._setup(
+            in_features,
+            out_features,
+            mesh=mesh,
+            model_axis=model_axis,
+            sequence_parallel=sequence_parallel,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            data_axis=data_axis,
+            sequence_axis=sequence_axis,
+            implementation=implementation,
+            precision=precision,
+            rngs=rngs,
+        )
         self.input_is_parallel = bool(input_is_parallel)
 
     def local(self, x, kernel, bias=None):
@@ -268,22 +407,40 @@ class RowParallelLinear(_ParallelLinear):
             y = collectives.matmul_reduce_scatter(
                 x,
                 kernel,
-                self.axis,
+                self.model_axis,
                 scatter_axis=x.ndim - 2,
                 implementation=self.implementation,
                 precision=self.precision,
             )
         else:
             y = collectives.matmul_all_reduce(
-                x, kernel, self.axis, implementation=self.implementation, precision=self.precision
+                x,
+                kernel,
+                self.model_axis,
+                implementation=self.implementation,
+                precision=self.precision,
             )
         if bias is not None:
             y = y + bias
         return y
 
-    def __call__(self, x):
-        """`x` `[B, T, in]` -> `[B, T, out]` (sharding as in the class docstring)."""
-        # A replicated input is simply placed feature-sharded: each device keeps its slice.
-        in_spec = P(self.data_axis, self._sequence_spec(False), self.axis)
-        out_spec = P(self.data_axis, self._sequence_spec(self.sequence_parallel), None)
-        return self._run(self.local, x, in_spec, out_spec)
+    def _local_replicated_input(self, x, kernel, bias=None):
+        """`local` on a replicated `x` `[b, t, in]`: this shard keeps its slice of the features."""
+        part = kernel.shape[0]
+        index = jax.lax.axis_index(self.model_axis)
+        x = jax.lax.dynamic_slice_in_dim(x, index * part, part, axis=2)
+        return self.local(x, kernel, bias)
+
+    def input_spec(self):
+        """PartitionSpec the `[B, T, in]` input is placed on (see `input_is_parallel`)."""
+        features = self.model_axis if self.input_is_parallel else None
+        return P(self.data_axis, self._sequence_spec(False), features)
+
+    def output_spec(self):
+        """PartitionSpec of the `[B, T, out]` output."""
+        return P(self.data_axis, self._sequence_spec(self.sequence_parallel), None)
+
+    def forward(self, x):
+        """`__call__` without the input checks (traced by `call_compiled`)."""
+        local = self.local if self.input_is_parallel else self._local_replicated_input
+        return self._run(local, x, self.input_spec(), self.output_spec())

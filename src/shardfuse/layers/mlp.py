@@ -32,32 +32,38 @@ def activate(activation: str, h):
 
 
 class ParallelMLP(nnx.Module):
-    """`down(act(up(x)))` with `up` column-parallel and `down` row-parallel over `axis`.
+    """`down(act(up(x)))` with `up` column-parallel and `down` row-parallel over `model_axis`.
 
     Input and output `[B, T, features]`: `P(data, sequence, None)`, or with
-    `sequence_parallel=True` `P(data, (sequence, axis), None)` (the up
+    `sequence_parallel=True` `P(data, (sequence, model), None)` (the up
     projection all-gathers, the down projection reduce-scatters, both
-    overlapped with their matmuls).
+    overlapped with their matmuls). Integer or bool `x` raises TypeError; an
+    empty batch gives an empty output.
 
     Args:
       features: model width.
-      hidden_features: MLP width, divisible by the size of `axis`.
+      hidden_features: MLP width, divisible by the size of `model_axis`.
       activation: "gelu" or "swiglu" (fused, interleaved gate/up kernel).
-      mesh, axis, sequence_parallel, use_bias, dtype, param_dtype, precision,
-        kernel_init, bias_init, data_axis, sequence_axis, implementation, rngs:
-        as in `ColumnParallelLinear`.
+      mesh, model_axis, sequence_parallel, use_bias, dtype, param_dtype,
+        precision, kernel_init, bias_init, data_axis, sequence_axis,
+        implementation, rngs: as in `ColumnParallelLinear` (the defaults
+        `use_bias=True`, `sequence_parallel=False` match it: replicated
+        activations in and out, like two `nnx.Linear`s). `axis` is the
+        deprecated spelling of `model_axis`.
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import shardfuse as sf
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+      >>> mesh = jax.make_mesh((2,), ("model",))
       >>> mlp = sf.layers.ParallelMLP(16, 64, activation="swiglu", mesh=mesh, rngs=nnx.Rngs(0))
-      >>> mlp(jnp.ones((2, 8, 16))).shape
-      (2, 8, 16)
+      >>> y = mlp(jnp.ones((2, 8, 16)))
+      >>> y.shape, y.sharding.spec
+      ((2, 8, 16), PartitionSpec(None, None, None))
     """
 
+    @_sharding.renamed_keywords(axis="model_axis")
     def __init__(
         self,
         features: int,
@@ -65,7 +71,7 @@ class ParallelMLP(nnx.Module):
         *,
         activation: str = "gelu",
         mesh,
-        axis: str = "model",
+        model_axis: str = "model",
         sequence_parallel: bool = False,
         use_bias: bool = True,
         dtype=None,
@@ -80,11 +86,13 @@ class ParallelMLP(nnx.Module):
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-        _sharding.require_axis(mesh, axis, "axis")
-        _sharding.check_divisible("hidden_features", hidden_features, axis, mesh.shape[axis])
+        _sharding.require_axis(mesh, model_axis, "model_axis")
+        _sharding.check_divisible(
+            "hidden_features", hidden_features, model_axis, mesh.shape[model_axis]
+        )
         common = dict(
             mesh=mesh,
-            axis=axis,
+            model_axis=model_axis,
             sequence_parallel=sequence_parallel,
             use_bias=use_bias,
             dtype=dtype,
@@ -114,26 +122,36 @@ class ParallelMLP(nnx.Module):
         values, specs = [], []
         for layer in (self.up, self.down):
             values.append(layer.kernel[...].astype(dtype))
-            specs.append(layer.kernel_spec_for(layer.axis))
+            specs.append(layer.kernel_spec_for(layer.model_axis))
             values.append(None if layer.bias is None else layer.bias[...].astype(dtype))
-            specs.append(layer.bias_spec_for(layer.axis))
+            specs.append(layer.bias_spec_for(layer.model_axis))
         return values, specs
 
+    def io_spec(self):
+        """PartitionSpec of the `[B, T, features]` input and output."""
+        return P(self.up.data_axis, self.up._sequence_spec(self.up.sequence_parallel), None)
+
     def __call__(self, x):
-        """`x` `[B, T, features]` -> `[B, T, features]`."""
+        """`x` `[B, T, features]` -> `[B, T, features]`, sharded as `io_spec()`.
+
+        Raises:
+          TypeError: `x` is not floating point.
+          ValueError: wrong shape, or B / T not divisible by their mesh axes.
+        """
+        _sharding.check_activations(x)
         if x.ndim != 3 or x.shape[-1] != self.features:
             raise ValueError(f"x has shape {x.shape}; expected [B, T, {self.features}]")
+        self.up._check(x)
+        return _sharding.call_compiled(self, "forward", x)
+
+    def forward(self, x):
+        """`__call__` without the input checks (traced by `call_compiled`)."""
         up = self.up
         dtype = _sharding.compute_dtype(up.dtype, x, up.kernel[...])
-        seq = up._sequence_spec(up.sequence_parallel)
-        _sharding.check_divisible(
-            "sequence length T",
-            x.shape[1],
-            seq,
-            _sharding.axis_size(up.mesh, up.sequence_axis)
-            * (_sharding.axis_size(up.mesh, up.axis) if up.sequence_parallel else 1),
-        )
-        spec = P(up.data_axis, seq, None)
+        spec = self.io_spec()
+        x = x.astype(dtype)
+        if x.size == 0:
+            return _sharding.empty_output(x, x.shape, up.mesh, spec)
         values, specs = self.local_params(dtype)
         fn = jax.shard_map(self.local, mesh=up.mesh, in_specs=(spec, *specs), out_specs=spec)
-        return fn(_sharding.place(x.astype(dtype), up.mesh, spec), *values)
+        return fn(_sharding.place(x, up.mesh, spec), *values)
