@@ -225,3 +225,15 @@ def test_layout_helpers_under_jit_on_explicit_mesh(layout, context):
     np.testing.assert_array_equal(ring, expected)
     np.testing.assert_array_equal(back, x)
     assert _spec(ring) == (None, "sequence") and _spec(back) == (None, "sequence")
+
+
+def test_explicit_mesh_never_gathers_the_sequence():
+    """Compiled HLO on an Explicit mesh: K/V move by collective-permute only; nothing
+    (input, output or lse) is all-gathered over the ring (the old replicated output was)."""
+    mesh = _mesh("explicit")
+    q, k, v, *_ = _inputs()
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, P(None, "sequence"))) for x in (q, k, v))
+    attend = jax.jit(lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, return_lse=True))
+    hlo = attend.lower(q, k, v).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    assert "collective-permute" in hlo
