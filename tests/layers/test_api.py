@@ -162,7 +162,7 @@ def test_eager_calls_reuse_one_compiled_program():
     mesh = make_mesh("explicit")
     make, fin, _, _ = LAYERS["mlp"]
     layer, other = make(mesh), make(mesh)  # same configuration: one program
-    x, x2 = jnp.ones((4, 8, fin)), jnp.full((4, 8, fin), 2.0)
+    x, x2 = jnp.ones((4, 8, fin)), jnp.full((4, 8, fin), 2.0, jnp.float32)
     jax.block_until_ready(layer(x))
     events, listener = count_compiles()
     try:

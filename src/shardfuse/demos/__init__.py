@@ -24,7 +24,8 @@ def time_call(fn, *args, repeats: int = 3) -> float:
 
 # Sections, in order: (title shown while it runs, module with `rows() -> list[dict]`).
 # Each row: op, implementation, case, shape, error (max |err| vs reference, or None
-# where there is no reference, e.g. a training run), seconds.
+# where there is no reference, e.g. a training run), seconds (median after
+# compilation), and optionally compile_seconds (the first call, compilation included).
 SECTIONS = [
     ("flash attention: xla vs reference", "shardfuse.demos.attention"),
     (
@@ -58,7 +59,7 @@ def run(seq_len: int = 512):
         with console.status(f"{title} ..."):
             rows += importlib.import_module(module_name).rows(seq_len=seq_len)
     table = Table(title="shardfuse demo: each implementation vs the reference")
-    for column in ("op", "implementation", "case", "shape", "max |err|", "time"):
+    for column in ("op", "implementation", "case", "shape", "max |err|", "time", "compile"):
         table.add_column(column)
     for row in rows:
         table.add_row(
@@ -68,6 +69,7 @@ def run(seq_len: int = 512):
             row["shape"],
             "-" if row["error"] is None else f"{row['error']:.2e}",
             f"{row['seconds'] * 1e3:.1f} ms",
+            "-" if row.get("compile_seconds") is None else f"{row['compile_seconds']:.1f} s",
         )
     console.print(table)
     return rows
