@@ -127,6 +127,15 @@ def run_on_mesh(fn, mesh, out_specs):
                 fn(concrete, *args),
                 is_leaf=is_spec,
             )
+        context = jax.sharding.get_abstract_mesh()
+        if not context.empty and (context.axis_names, context.axis_sizes) != (
+            mesh.axis_names,
+            mesh.axis_sizes,
+        ):
+            raise ValueError(
+                f"the mesh context (jax.set_mesh) has axes {dict(context.shape)}, but the mesh "
+                f"passed in has {dict(mesh.shape)}: set that mesh, or none (none is needed)"
+            )
         # A NamedSharding on the concrete mesh lets auto_axes run with no mesh context.
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs, is_leaf=is_spec)
         return jax.sharding.auto_axes(

@@ -202,6 +202,16 @@ def test_axis_absent_from_mesh(keyword):
         jax.jit(lambda q: sf.ring_attention(q, k, v, mesh=mesh, **{keyword: "context"}))(q)
 
 
+def test_other_mesh_in_context():
+    mesh = _mesh("explicit")
+    q, k, v, *_ = _inputs(t=16)
+    with jax.sharding.set_mesh(_mesh("explicit", (2, 2), ("data", "sequence"))):
+        with pytest.raises(
+            ValueError, match=r"mesh context .* has axes \{'data': 2, 'sequence': 2\}"
+        ):
+            sf.ring_attention(q, k, v, mesh=mesh)
+
+
 def test_same_axis_twice():
     mesh = _mesh("auto", (2, 2, 2), ("data", "sequence", "model"))
     q, k, v, *_ = _inputs(b=2, t=16)
