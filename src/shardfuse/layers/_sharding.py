@@ -184,7 +184,7 @@ def place_on_mesh(node, mesh):
       >>> model = sf.layers.ColumnParallelLinear(4, 8, mesh=mesh, rngs=nnx.Rngs(0))
       >>> opt = sf.layers.place_on_mesh(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), mesh)
       >>> opt.step[...].sharding.spec
-      PartitionSpec()
+      P()
     """
     replicated = NamedSharding(mesh, P())
 

@@ -99,7 +99,7 @@ class ParallelSelfAttention(nnx.Module):
       >>> attn = sf.layers.ParallelSelfAttention(32, 4, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
       >>> y = attn(jnp.ones((2, 16, 32)))
       >>> y.shape, y.sharding.spec
-      ((2, 16, 32), PartitionSpec(None, 'sequence', None))
+      ((2, 16, 32), P(None, 'sequence', None))
     """
 
     @_sharding.renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")

@@ -134,7 +134,7 @@ class ParallelTransformerBlock(nnx.Module):
       ...                                            rngs=nnx.Rngs(0))
       >>> y = block(jnp.ones((2, 16, 32)))
       >>> y.shape, y.sharding.spec
-      ((2, 16, 32), PartitionSpec(None, ('sequence', 'model'), None))
+      ((2, 16, 32), P(None, ('sequence', 'model'), None))
     """
 
     @_sharding.renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")

@@ -214,7 +214,7 @@ class ColumnParallelLinear(_ParallelLinear):
       >>> layer = sf.layers.ColumnParallelLinear(16, 32, mesh=mesh, rngs=nnx.Rngs(0))
       >>> y = layer(jnp.ones((2, 8, 16)))
       >>> y.shape, y.sharding.spec
-      ((2, 8, 32), PartitionSpec(None, None, 'model'))
+      ((2, 8, 32), P(None, None, 'model'))
     """
 
     sharded_features = "out"
@@ -348,7 +348,7 @@ class RowParallelLinear(_ParallelLinear):
       >>> layer = sf.layers.RowParallelLinear(32, 16, mesh=mesh, rngs=nnx.Rngs(0))
       >>> y = layer(jnp.ones((2, 8, 32)))
       >>> y.shape, y.sharding.spec
-      ((2, 8, 16), PartitionSpec(None, None, None))
+      ((2, 8, 16), P(None, None, None))
     """
 
     sharded_features = "in"

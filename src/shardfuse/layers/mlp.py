@@ -60,7 +60,7 @@ class ParallelMLP(nnx.Module):
       >>> mlp = sf.layers.ParallelMLP(16, 64, activation="swiglu", mesh=mesh, rngs=nnx.Rngs(0))
       >>> y = mlp(jnp.ones((2, 8, 16)))
       >>> y.shape, y.sharding.spec
-      ((2, 8, 16), PartitionSpec(None, None, None))
+      ((2, 8, 16), P(None, None, None))
     """
 
     @_sharding.renamed_keywords(axis="model_axis")
