@@ -53,7 +53,7 @@ def ring_attention(
     v,
     axis_name,
     *,
-    layout: str = "contiguous",
+    layout: str = "zigzag",
     causal: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
@@ -83,7 +83,7 @@ def ring_attention(
       k: `[B, S, K, D]` this device's key shard, `H % K == 0`; only the K heads travel.
       v: `[B, S, K, D]` this device's value shard.
       axis_name: the mesh axis of the ring (bound by the enclosing `shard_map`).
-      layout: "contiguous" (default), "zigzag" or "striped": how the global
+      layout: "zigzag" (default), "contiguous" or "striped": how the global
         sequence was laid out (see `sf.to_ring_layout`).
       causal: mask keys after the query's global position.
       q_segment_ids: int `[B, T]` this shard's query segment ids (with `kv_segment_ids`).
