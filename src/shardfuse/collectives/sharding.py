@@ -17,8 +17,9 @@ default of `jax.make_mesh`) or `Auto`. Two facts shape the helpers:
 `run_on_mesh(fn, mesh, out_specs)` combines the two: `fn(auto_mesh, *args)`
 runs with every axis Auto (`auto_mesh` is the concrete mesh to hand to
 `jax.shard_map`), and the outputs come back sharded as `out_specs` on `mesh`:
-typed Explicit shardings on an Explicit mesh, a sharding constraint on an
-Auto one. `renamed_keywords` maps deprecated keyword names onto new ones.
+typed Explicit shardings when the inputs are typed on an Explicit mesh (or a
+mesh context is set), a sharding constraint otherwise. `renamed_keywords` maps
+deprecated keyword names onto new ones.
 """
 
 import functools
@@ -92,6 +93,15 @@ def divisible_spec(mesh, spec, shape) -> P:
     return P(*kept)
 
 
+def typed_on_explicit_mesh(tree) -> bool:
+    """Whether any array in `tree` is typed on a mesh with Explicit axes."""
+    for x in jax.tree.leaves(tree):
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and explicit_axes(mesh):
+            return True
+    return False
+
+
 def run_on_mesh(fn, mesh, out_specs):
     """`fn(auto_mesh, *args)` with `mesh`'s axes Auto; outputs sharded as `out_specs` on `mesh`.
 
@@ -101,6 +111,13 @@ def run_on_mesh(fn, mesh, out_specs):
     PartitionSpecs matching `fn`'s outputs; on an Explicit mesh each must
     divide its dimensions evenly (Explicit types cannot express an uneven
     split: see `divisible_spec`).
+
+    The outputs' sharding type follows the inputs: on an Explicit mesh they are
+    typed Explicit when an input is already typed on an Explicit mesh or a mesh
+    context is set; plain inputs (on no mesh) with no context get outputs
+    sharded as `out_specs` by a constraint on the Auto version of the mesh, so
+    that the caller's later ops (`jax.grad`'s scalar cotangent included) need no
+    `jax.set_mesh`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -120,14 +137,19 @@ def run_on_mesh(fn, mesh, out_specs):
 
     @functools.wraps(fn)
     def run(*args):
-        if not explicit:
+        context = jax.sharding.get_abstract_mesh()
+        if not explicit or (context.empty and not typed_on_explicit_mesh(args)):
+            # Auto mesh, or plain inputs (on no mesh) with no mesh context: the outputs are
+            # placed by a constraint, sharded as `out_specs` but not typed Explicit. Typing
+            # them would make the caller's own ops on them need `jax.set_mesh` (e.g. the
+            # scalar cotangent `jax.grad` creates), although the caller never chose the
+            # Explicit mesh for its arrays: the output type follows the inputs.
             return jax.tree.map(
-                lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+                lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(concrete, spec)),
                 out_specs,
                 fn(concrete, *args),
                 is_leaf=is_spec,
             )
-        context = jax.sharding.get_abstract_mesh()
         if not context.empty and (context.axis_names, context.axis_sizes) != (
             mesh.axis_names,
             mesh.axis_sizes,

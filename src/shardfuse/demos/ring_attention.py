@@ -13,9 +13,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import shardfuse as sf
 from shardfuse.collectives.ring_attention import ring_balance
+from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.demos import time_call
+from shardfuse.kernels.attention import attention_reference
 from shardfuse.testing import max_abs_error
 
 AXIS = "sequence"
@@ -31,7 +32,7 @@ def rows(seq_len: int = 512):
     q = jax.random.normal(keys[0], (B, T, H, D), jnp.float32)
     k = jax.random.normal(keys[1], (B, T, K, D), jnp.float32)
     v = jax.random.normal(keys[2], (B, T, K, D), jnp.float32)
-    expected = jax.jit(lambda q, k, v: sf.attention_reference(q, k, v, causal=True))(q, k, v)
+    expected = jax.jit(lambda q, k, v: attention_reference(q, k, v, causal=True))(q, k, v)
     sharding = NamedSharding(mesh, P(None, AXIS))
     q_s, k_s, v_s = (jax.device_put(x, sharding) for x in (q, k, v))
     shape = f"q {tuple(q.shape)} kv {tuple(k.shape)}, ring of {n}"
@@ -43,7 +44,7 @@ def rows(seq_len: int = 512):
         ("all_gather", "zigzag"),
     ):
         fn = jax.jit(
-            lambda q, k, v, s=strategy, lay=layout: sf.ring_attention(
+            lambda q, k, v, s=strategy, lay=layout: ring_attention(
                 q, k, v, mesh=mesh, sequence_axis=AXIS, layout=lay, strategy=s, causal=True
             )
         )
@@ -68,9 +69,9 @@ def rows(seq_len: int = 512):
         return jax.jit(run)
 
     ring_grads = grads(
-        lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, sequence_axis=AXIS, causal=True)
+        lambda q, k, v: ring_attention(q, k, v, mesh=mesh, sequence_axis=AXIS, causal=True)
     )
-    ref_grads = grads(lambda q, k, v: sf.attention_reference(q, k, v, causal=True))
+    ref_grads = grads(lambda q, k, v: attention_reference(q, k, v, causal=True))
     got, want = ring_grads(q_s, k_s, v_s, d_out), ref_grads(q, k, v, d_out)
     result.append(
         dict(

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
+from shardfuse.collectives.sharding import typed_on_explicit_mesh
 from shardfuse.testing import assert_close
 
 pytestmark = pytest.mark.timeout(300)
@@ -90,10 +91,11 @@ def _run(mode, attend, mesh, q, k, v, d_out, d_lse):
             return jnp.sum(out * d_out) + jnp.sum(lse * d_lse), (out, lse)
 
         grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
-        if jax.sharding.get_abstract_mesh().empty and AxisType.Explicit in mesh.axis_types:
+        if jax.sharding.get_abstract_mesh().empty and typed_on_explicit_mesh((q, k, v)):
             # JAX itself cannot seed an eager jax.grad whose loss is typed on an Explicit
             # mesh without a mesh context ("Length of device assignment 1"), whatever the
-            # loss: jit supplies the devices. Auto meshes run eagerly either way.
+            # loss: jit supplies the devices. Plain inputs give a loss typed on no mesh
+            # (test_plain_inputs_grad_without_context), so they run eagerly.
             grad = jax.jit(grad)
         grads, (out, lse) = grad(q, k, v, d_out, d_lse)
         return out, lse, grads
@@ -116,6 +118,36 @@ def test_matrix(mesh_kind, context, mode):
     with ctx:
         out, lse, grads = _run(mode, attend, mesh, q, k, v, d_out, d_lse)
     _check(out, lse, grads, expected, (None, "sequence"), (None, None, "sequence"))
+
+
+@pytest.mark.parametrize("how", ["grad", "grad_of_jit"])
+def test_plain_inputs_grad_without_context(how):
+    """The README's pattern: plain arrays, the mesh jax.make_mesh gives (Explicit), no
+    set_mesh, a scalar loss, and jax.grad outside (of the function, or of its jit). The
+    output's type follows the inputs: sharded over the sequence, but not typed Explicit,
+    so jax.grad can seed the scalar cotangent."""
+    mesh = _mesh("explicit")
+    q, k, v, d_out, d_lse = _inputs()
+    _, _, (e_dq, _, _) = _reference(q, k, v, d_out, d_lse)
+
+    def loss(q):
+        out, lse = sf.ring_attention(q, k, v, mesh=mesh, return_lse=True, **KWARGS)
+        assert not typed_on_explicit_mesh(out)
+        return jnp.sum(out * d_out) + jnp.sum(lse * d_lse)
+
+    dq = jax.grad(loss if how == "grad" else jax.jit(loss))(q)
+    assert_close(dq, e_dq, kind="grad", name="dq")
+    out = sf.ring_attention(q, k, v, mesh=mesh, **KWARGS)
+    assert _spec(out) == (None, "sequence")
+
+
+def test_output_typed_explicit_when_inputs_are():
+    mesh = _mesh("explicit")
+    q, k, v, _, _ = _inputs()
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, P(None, "sequence"))) for x in (q, k, v))
+    out = jax.jit(lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, **KWARGS))(q, k, v)
+    assert typed_on_explicit_mesh(out)
+    assert _spec(out) == (None, "sequence")
 
 
 @pytest.mark.parametrize(

@@ -314,7 +314,9 @@ def ring_attention(
       `out` `[B, T, H, D]` in q's dtype, or `(out, lse)` with lse float32 `[B, H, T]`,
       sharded on `mesh`: out as `P(data_axis, sequence_axis, model_axis, None)`,
       lse as `P(data_axis, model_axis, sequence_axis)`, whatever the inputs'
-      shardings (Explicit-typed on an Explicit mesh). When the ring size does
+      shardings (typed Explicit when the inputs are typed on an Explicit mesh or
+      a mesh context is set; plain inputs get a sharded but untyped output, so
+      that `jax.grad` of a loss on it needs no `jax.set_mesh`). When the ring size does
       not divide T, the sequence dimension is replicated instead (a `jax.Array`
       cannot hold an uneven split): pad T to a multiple of the ring to keep it
       sharded.
