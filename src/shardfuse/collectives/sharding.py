@@ -168,26 +168,44 @@ def run_on_mesh(fn, mesh, out_specs):
 
 
 def renamed_keywords(**old_to_new):
-    """Decorator: deprecated keyword `old` still works as `new`, with a DeprecationWarning.
+    """Decorator: deprecated keyword `old` still works as `new` for one release.
 
-    Passing both raises TypeError. Example: `@renamed_keywords(seq_axis="sequence_axis")`.
+    Passing `old` warns with a DeprecationWarning naming `new`; passing both
+    raises TypeError. On an `__init__` the messages name the class. Used by the
+    global wrappers and the layers alike.
+
+    Example:
+      >>> @renamed_keywords(seq_axis="sequence_axis")
+      ... def attend(*, sequence_axis="sequence"):
+      ...     return sequence_axis
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     attend(seq_axis="ring")
+      'ring'
+      >>> print(caught[0].message)
+      attend(seq_axis=...) is deprecated and will be removed in the next release: use sequence_axis=
     """
 
     def decorate(fn):
+        is_init = fn.__name__ == "__init__"
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            name = type(args[0]).__name__ if is_init else fn.__name__
             for old, new in old_to_new.items():
                 if old not in kwargs:
                     continue
                 if new in kwargs:
                     raise TypeError(
-                        f"{fn.__name__}() got both {old}= (deprecated) and {new}=: pass {new}= only"
+                        f"{name}() got both {old}= (deprecated) and {new}=: pass {new}= only"
                     )
                 warnings.warn(
-                    f"{fn.__name__}({old}=...) is deprecated and will be removed in the next "
+                    f"{name}({old}=...) is deprecated and will be removed in the next "
                     f"release: use {new}=",
                     DeprecationWarning,
-                    stacklevel=2,
+                    # An __init__ is reached through the class's (NNX metaclass) __call__.
+                    stacklevel=3 if is_init else 2,
                 )
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)

@@ -8,7 +8,6 @@ with `out_shardings`, so no device ever holds a full copy first.
 """
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -94,38 +93,6 @@ def check_activations(x, argument: str = "x"):
             f"{argument} has dtype {dtype}; expected floating-point activations "
             "(float32, bfloat16 or float16). Integer token ids go through an embedding first."
         )
-
-
-def renamed_keywords(**old_to_new):
-    """Decorator for `__init__`: deprecated keyword `old` still works as `new` for one release.
-
-    Passing `old` warns with a DeprecationWarning naming `new`; passing both
-    raises TypeError.
-    """
-
-    def decorate(init):
-        @functools.wraps(init)
-        def wrapper(self, *args, **kwargs):
-            for old, new in old_to_new.items():
-                if old not in kwargs:
-                    continue
-                if new in kwargs:
-                    raise TypeError(
-                        f"{type(self).__name__}() got both {old}= (deprecated) and {new}=: "
-                        f"pass {new}= only"
-                    )
-                warnings.warn(
-                    f"{type(self).__name__}({old}=...) is deprecated and will be removed in the "
-                    f"next release: use {new}=",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
-                kwargs[new] = kwargs.pop(old)
-            return init(self, *args, **kwargs)
-
-        return wrapper
-
-    return decorate
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

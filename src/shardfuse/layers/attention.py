@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse import collectives
 from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
+from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.matmul import matmul
@@ -102,7 +103,7 @@ class ParallelSelfAttention(nnx.Module):
       ((2, 16, 32), P(None, 'sequence', None))
     """
 
-    @_sharding.renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
+    @renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
     def __init__(
         self,
         features: int,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.layers import _sharding
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
@@ -137,7 +138,7 @@ class ParallelTransformerBlock(nnx.Module):
       ((2, 16, 32), P(None, ('sequence', 'model'), None))
     """
 
-    @_sharding.renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
+    @renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
     def __init__(
         self,
         features: int,

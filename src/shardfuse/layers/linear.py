@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardfuse import collectives
+from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.matmul import matmul
 from shardfuse.layers import _sharding
@@ -227,7 +228,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def bias_spec_for(axis):
         return P(axis)
 
-    @_sharding.renamed_keywords(**_RENAMED)
+    @renamed_keywords(**_RENAMED)
     def __init__(
         self,
         in_features: int,
@@ -361,7 +362,7 @@ class RowParallelLinear(_ParallelLinear):
     def bias_spec_for(axis):
         return P()
 
-    @_sharding.renamed_keywords(**_RENAMED)
+    @renamed_keywords(**_RENAMED)
     def __init__(
         self,
         in_features: int,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.layers import _sharding
 from shardfuse.layers.linear import (
     ColumnParallelLinear,
@@ -63,7 +64,7 @@ class ParallelMLP(nnx.Module):
       ((2, 8, 16), P(None, None, None))
     """
 
-    @_sharding.renamed_keywords(axis="model_axis")
+    @renamed_keywords(axis="model_axis")
     def __init__(
         self,
         features: int,
