@@ -17,7 +17,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-import shardfuse as sf
+from shardfuse.collectives.ring_attention import to_ring_layout
+from shardfuse.layers import ColumnParallelLinear, Norm, ParallelTransformerBlock, place_on_mesh
 
 
 class TinyLM(nnx.Module):
@@ -30,7 +31,7 @@ class TinyLM(nnx.Module):
         self.embed = nnx.Param(jax.device_put(init(rngs.params(), (vocab, features)), replicated))
         self.blocks = nnx.List(
             [
-                sf.layers.ParallelTransformerBlock(
+                ParallelTransformerBlock(
                     features,
                     heads,
                     hidden,
@@ -42,8 +43,8 @@ class TinyLM(nnx.Module):
                 for _ in range(layers)
             ]
         )
-        self.norm = sf.layers.Norm(features, mesh=mesh, rngs=rngs)
-        self.head = sf.layers.ColumnParallelLinear(
+        self.norm = Norm(features, mesh=mesh, rngs=rngs)
+        self.head = ColumnParallelLinear(
             features,
             vocab,
             mesh=mesh,
@@ -87,7 +88,7 @@ def train(steps=30, layers=2, seq_len=64, batch=4, vocab=64, features=64, log=pr
     )
     # place_on_mesh: the optimizer's step counters start on one device; a jitted step
     # returns them on the mesh, which would make the second step compile again.
-    optimizer = sf.layers.place_on_mesh(nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param), mesh)
+    optimizer = place_on_mesh(nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param), mesh)
     ring = mesh.shape["sequence"]
 
     @nnx.jit
@@ -108,8 +109,8 @@ def train(steps=30, layers=2, seq_len=64, batch=4, vocab=64, features=64, log=pr
         step_start = time.perf_counter()
         tokens, targets = make_batch(rng, batch, seq_len, vocab)
         # Ring (zigzag) order once at the input; the loss does not care about order.
-        tokens = sf.to_ring_layout(tokens, ring, "zigzag")
-        targets = sf.to_ring_layout(targets, ring, "zigzag")
+        tokens = to_ring_layout(tokens, ring, "zigzag")
+        targets = to_ring_layout(targets, ring, "zigzag")
         loss = float(train_step(model, optimizer, tokens, targets))
         times.append(time.perf_counter() - step_start)
         losses.append(loss)
