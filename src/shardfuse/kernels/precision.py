@@ -4,10 +4,16 @@ Float32 inputs multiply at `Precision.HIGHEST` (no TF32 or bf16 passes, so
 float32 results match the float32 oracle); 16-bit inputs at `DEFAULT` (the
 native MXU / tensor-core path). Accumulation is float32 in both cases; that
 is each kernel's `preferred_element_type`, not a precision.
+
+`SUPPORTED_DTYPES` is the one list of input dtypes the ops accept; a backend
+that runs fewer (TPUs have no float16 MXU path) derives its list from it.
 """
 
 import jax.numpy as jnp
 from jax import lax
+
+# The input dtypes every op validates against (attention, matmul, collective matmul).
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def dot_precision(dtype, precision: lax.Precision | None = None) -> lax.Precision:

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.kernels import vma
+from shardfuse.kernels.precision import SUPPORTED_DTYPES
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu")
 
 

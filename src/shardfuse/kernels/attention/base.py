@@ -15,7 +15,8 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+from shardfuse.kernels.precision import SUPPORTED_DTYPES
+
 Window = tuple[int | None, int | None]
 
 

@@ -24,9 +24,10 @@ from shardfuse.kernels.attention.pallas_tpu_blocks import (
     NUM_SUBLANES,
     PallasTPUBlockSizes,
 )
-from shardfuse.kernels.precision import dot_precision
+from shardfuse.kernels.precision import SUPPORTED_DTYPES, dot_precision
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# TPUs have no float16 MXU path.
+TPU_DTYPES = tuple(d for d in SUPPORTED_DTYPES if d != jnp.float16)
 
 
 class Layout:
@@ -173,7 +174,7 @@ def check_supported(q, block_sizes):
       PallasTPUBlockSizes(block_q=512, block_kv=512, block_q_bwd=256, block_kv_bwd=512)
     """
     D = q.shape[-1]
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    if jnp.dtype(q.dtype) not in TPU_DTYPES:
         raise NotImplementedError(
             f"pallas_tpu supports float32 and bfloat16 inputs, got {q.dtype} "
             "(TPUs have no float16 MXU path: use bfloat16)"

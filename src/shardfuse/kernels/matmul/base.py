@@ -14,9 +14,7 @@ import numbers
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse.kernels.precision import dot_precision
-
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+from shardfuse.kernels.precision import SUPPORTED_DTYPES, dot_precision
 
 
 @dataclasses.dataclass(frozen=True)
