@@ -158,3 +158,28 @@ def epilogue(acc, c, bias, out_dtype):
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
     return acc.astype(out_dtype)
+
+
+def backward(matmul_2d, residuals, g):
+    """The VJP of `a @ b (+ c) (+ bias)` with both products on a backend's 2-D kernel.
+
+        da = g b^T,   db = a^T g,   dc = g,   dbias = sum over rows of g (float32)
+
+    Args:
+      matmul_2d: `(x [M, C], y [C, N], out_dtype) -> x @ y [M, N]`, the backend's kernel.
+      residuals: the forward's `(a, b, c, bias)`.
+      g: `[..., M, N]` cotangent of the output.
+
+    Returns:
+      `(da, db, dc, dbias)`, each in its primal's dtype (None for an absent `c` or `bias`).
+    """
+    a, b, c, bias = residuals
+    g2 = g.reshape(-1, g.shape[-1]).astype(a.dtype)  # [M', N]
+    a2 = a.reshape(-1, a.shape[-1])  # [M', C]
+    da = matmul_2d(g2, b.T, a.dtype)
+    db = matmul_2d(a2.T, g2, b.dtype)
+    dc = None if c is None else g.astype(c.dtype)
+    dbias = None
+    if bias is not None:
+        dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - 1))).astype(bias.dtype)
+    return da.reshape(a.shape), db, dc, dbias

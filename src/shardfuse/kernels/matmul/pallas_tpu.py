@@ -150,17 +150,10 @@ def _matmul_fwd(a, b, c, bias, config):
 
 
 def _matmul_bwd(config, residuals, g):
-    a, b, c, bias = residuals
-    blocks = config.block_sizes
-    g2 = g.reshape(-1, g.shape[-1]).astype(a.dtype)  # [M', N]
-    a2 = a.reshape(-1, a.shape[-1])  # [M', C]
-    da = matmul_2d(g2, b.T, None, None, out_dtype=a.dtype, block_sizes=blocks)
-    db = matmul_2d(a2.T, g2, None, None, out_dtype=b.dtype, block_sizes=blocks)
-    dc = None if c is None else g.astype(c.dtype)
-    dbias = None
-    if bias is not None:
-        dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - 1))).astype(bias.dtype)
-    return da.reshape(a.shape), db, dc, dbias
+    def product(x, y, out_dtype):
+        return matmul_2d(x, y, None, None, out_dtype=out_dtype, block_sizes=config.block_sizes)
+
+    return base.backward(product, residuals, g)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)

@@ -121,17 +121,10 @@ def _matmul_fwd(launcher, a, b, c, bias, config):
 
 
 def _matmul_bwd(launcher, config, residuals, g):
-    a, b, c, bias = residuals
-    blocks = config.block_sizes
-    g2 = g.reshape(-1, g.shape[-1]).astype(a.dtype)  # [M', N]
-    a2 = a.reshape(-1, a.shape[-1])  # [M', C]
-    da = _matmul_2d(launcher, g2, b.T, None, None, a.dtype, blocks)
-    db = _matmul_2d(launcher, a2.T, g2, None, None, b.dtype, blocks)
-    dc = None if c is None else g.astype(c.dtype)
-    dbias = None
-    if bias is not None:
-        dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - 1))).astype(bias.dtype)
-    return da.reshape(a.shape), db, dc, dbias
+    def product(x, y, out_dtype):
+        return _matmul_2d(launcher, x, y, None, None, out_dtype, config.block_sizes)
+
+    return base.backward(product, residuals, g)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
