@@ -100,11 +100,14 @@ def test_deterministic_under_jit(backend, case):
 def test_refuses_what_its_flags_exclude(backend, case):
     """Where a flag says no, the implementation raises NotImplementedError (dispatch falls back)."""
     backend.require()
-    a, b, addend, bias, _ = make_inputs(case)
+    a = jnp.zeros(case.shape_a, case.dtype)
+    b = jnp.zeros((case.shape_a[-1], case.N), case.dtype)
+    addend = jnp.zeros((*case.shape_a[:-1], case.N)) if case.addend else None
+    bias = jnp.zeros((case.N,)) if case.bias else None
     with pytest.raises(NotImplementedError), backend.calling():
         backend.matmul(
-            a.astype(case.dtype),
-            b.astype(case.dtype),
+            a,
+            b,
             addend,
             bias,
             out_dtype=case.out_dtype,
