@@ -30,6 +30,8 @@ heads, D head dim; M, N, C matmul dims, N also the number of devices.
 
 import numpy as np
 
+from shardfuse.kernels.attention import masks
+
 FWD = "fwd"
 FWD_BWD = "fwd+bwd"
 MODES = (FWD, FWD_BWD)
@@ -60,14 +62,7 @@ def visible_pairs(T: int, S: int, *, causal: bool = False, window=None) -> int:
     q_pos = np.arange(T, dtype=np.int64) + (S - T)
     lo = np.zeros(T, dtype=np.int64)
     hi = np.full(T, S - 1, dtype=np.int64)
-    if causal:
-        hi = np.minimum(hi, q_pos)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = np.maximum(lo, q_pos - left)
-        if right is not None:
-            hi = np.minimum(hi, q_pos + right)
+    lo, hi = masks.key_interval(causal, window, q_pos, lo, hi)
     return int(np.clip(hi - lo + 1, 0, None).sum())
 
 
