@@ -12,8 +12,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_axes
 
 DEFAULT_DATA_AXIS = "data"
 DEFAULT_SEQUENCE_AXIS = "sequence"
@@ -45,21 +47,44 @@ def optional_axis(mesh, name, argument: str, default: str):
     return require_axis(mesh, name, argument)
 
 
-def check_divisible(argument: str, value: int, axis: str | None, size: int):
+def layer_axes(mesh, *, model_axis, data_axis, sequence_axis) -> tuple:
+    """A layer's `(model_axis, data_axis, sequence_axis)`, checked against `mesh`.
+
+    `model_axis` must be a mesh axis; `data_axis` and `sequence_axis` may be
+    None, and their defaults become None on a mesh that lacks them. Raises
+    ValueError naming the keyword when an axis is missing or two keywords
+    name the same axis.
+    """
+    model = require_axis(mesh, model_axis, "model_axis")
+    data = optional_axis(mesh, data_axis, "data_axis", DEFAULT_DATA_AXIS)
+    sequence = optional_axis(mesh, sequence_axis, "sequence_axis", DEFAULT_SEQUENCE_AXIS)
+    check_mesh_axes(mesh, model_axis=model, data_axis=data, sequence_axis=sequence)
+    return model, data, sequence
+
+
+def sequence_spec(sequence_axis, model_axis, parallel: bool):
+    """PartitionSpec entry of the T dimension: `sequence_axis`, and `model_axis` too if `parallel`.
+
+    None, one axis name, or the tuple `(sequence_axis, model_axis)`
+    (Megatron sequence parallelism inside the context-parallel split).
+    """
+    axes = tuple(a for a in (sequence_axis, model_axis if parallel else None) if a)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check_divisible(argument: str, value: int, mesh, axes):
+    """ValueError unless `value` divides evenly over mesh axes `axes` (a name, a tuple or None)."""
+    size = axes_size(mesh, (axes,) if isinstance(axes, str) else axes)
     if size > 1 and value % size != 0:
         raise ValueError(
-            f"{argument}={value} must be divisible by the size {size} of mesh axis {axis!r}"
+            f"{argument}={value} must be divisible by the size {size} of mesh axis {axes!r}"
         )
-
-
-def _explicit(mesh) -> bool:
-    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def place(x, mesh, spec: P):
     """Puts `x` on `NamedSharding(mesh, spec)` (a no-op when it is already there)."""
     sharding = NamedSharding(mesh, spec)
-    if _explicit(mesh):
+    if explicit_axes(mesh):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
 
@@ -74,6 +99,24 @@ def sharded_param(initializer, key, shape, dtype, mesh, spec: P) -> nnx.Param:
         lambda key: initializer(key, shape, dtype), out_shardings=NamedSharding(mesh, spec)
     )
     return nnx.Param(make(key), out_sharding=spec, mesh=mesh)
+
+
+def shard_map_call(local, mesh, args, in_specs, out_specs):
+    """`jax.shard_map(local)` over `mesh` on `args`, each placed on its entry of `in_specs`.
+
+    `args` and `in_specs` match entry by entry; an entry may be a list of
+    arrays with a list of specs, and None arguments stay None (absent biases).
+    """
+
+    def put(value, spec):
+        if value is None:
+            return None
+        if isinstance(spec, P):
+            return place(value, mesh, spec)
+        return [put(v, s) for v, s in zip(value, spec, strict=True)]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)
+    return fn(*(put(a, s) for a, s in zip(args, in_specs, strict=True)))
 
 
 def replicated_param(initializer, key, shape, dtype, mesh) -> nnx.Param:
@@ -122,11 +165,11 @@ def empty_output(x, shape, mesh, spec: P):
     naming the mesh, that is what tells a jit without `jax.set_mesh` which
     devices the output lives on.
     """
-    local = list(shape)
-    for dim, entry in enumerate(tuple(spec)):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        for name in names:
-            local[dim] //= mesh.shape[name]
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    local = [
+        size // axes_size(mesh, (entry,) if isinstance(entry, str) else entry)
+        for size, entry in zip(shape, entries, strict=True)
+    ]
     make = jax.shard_map(lambda: jnp.zeros(local, x.dtype), mesh=mesh, in_specs=(), out_specs=spec)
     return make()
 

@@ -18,20 +18,22 @@ model input and back at the output; every per-token layer is indifferent
 to the order.
 """
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shardfuse import collectives
 from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.matmul import base as matmul_base
-from shardfuse.kernels.matmul import matmul
 from shardfuse.layers import _sharding
-from shardfuse.layers.linear import default_bias_init, default_kernel_init
+from shardfuse.layers.linear import (
+    column_matmul,
+    default_bias_init,
+    default_kernel_init,
+    row_matmul,
+)
 
 
 def rope(x, positions, theta: float):
@@ -131,12 +133,8 @@ class ParallelSelfAttention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
-        self.model_axis = _sharding.require_axis(mesh, model_axis, "model_axis")
-        self.sequence_axis = _sharding.optional_axis(
-            mesh, sequence_axis, "sequence_axis", _sharding.DEFAULT_SEQUENCE_AXIS
-        )
-        self.data_axis = _sharding.optional_axis(
-            mesh, data_axis, "data_axis", _sharding.DEFAULT_DATA_AXIS
+        self.model_axis, self.data_axis, self.sequence_axis = _sharding.layer_axes(
+            mesh, model_axis=model_axis, data_axis=data_axis, sequence_axis=sequence_axis
         )
         tp = _sharding.axis_size(mesh, self.model_axis)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -144,7 +142,7 @@ class ParallelSelfAttention(nnx.Module):
             raise ValueError(
                 f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
             )
-        _sharding.check_divisible("num_heads", num_heads, self.model_axis, tp)
+        _sharding.check_divisible("num_heads", num_heads, mesh, self.model_axis)
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ValueError(
                 f"num_kv_heads={num_kv_heads} must divide or be divisible by the size {tp} of "
@@ -224,26 +222,15 @@ class ParallelSelfAttention(nnx.Module):
         x `[b, t, F]` (t = T / cp, or T / (cp * tp) with sequence parallelism),
         positions int `[T / cp]`, segment_ids int `[b, T / cp]` or None.
         """
-        tp = self.model_axis
-        heads = self.num_heads // _sharding.axis_size(self.mesh, tp)  # local query heads
+        heads = self.num_heads // _sharding.axis_size(self.mesh, self.model_axis)  # local heads
         D = self.head_dim
         if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
             group = self.num_heads // self.num_kv_heads
-            head = lax.axis_index(tp) * heads // group
+            head = lax.axis_index(self.model_axis) * heads // group
             kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
-        w = jnp.concatenate([q_w, kv_w], axis=1)  # one fused QKV matmul per shard
-        if self.sequence_parallel:
-            y = collectives.all_gather_matmul(
-                x,
-                w,
-                tp,
-                gather_axis=1,
-                implementation=self.implementation,
-                precision=self.precision,
-            )
-        else:
-            y = matmul(x, w, implementation=self.implementation, precision=self.precision)
+        # one fused QKV matmul per shard
+        y = column_matmul(self, x, jnp.concatenate([q_w, kv_w], axis=1))
         if q_b is not None:
             y = y + jnp.concatenate([q_b, kv_b])
         b, t = y.shape[:2]
@@ -264,30 +251,15 @@ class ParallelSelfAttention(nnx.Module):
             o = ring_attention(q, k, v, self.sequence_axis, layout=self.layout, **masks)
         else:
             o = attention_api.flash_attention(q, k, v, **masks)
-        o = o.reshape(b, t, heads * D)
-        if self.sequence_parallel:
-            out = collectives.matmul_reduce_scatter(
-                o,
-                o_w,
-                tp,
-                scatter_axis=1,
-                implementation=self.implementation,
-                precision=self.precision,
-            )
-        else:
-            out = collectives.matmul_all_reduce(
-                o, o_w, tp, implementation=self.implementation, precision=self.precision
-            )
+        out = row_matmul(self, o.reshape(b, t, heads * D), o_w)
         return out if o_b is None else out + o_b
 
     def io_spec(self):
         """PartitionSpec of the `[B, T, F]` input and output."""
-        seq = tuple(
-            a
-            for a in (self.sequence_axis, self.model_axis if self.sequence_parallel else None)
-            if a
+        sequence = _sharding.sequence_spec(
+            self.sequence_axis, self.model_axis, self.sequence_parallel
         )
-        return P(self.data_axis, seq if len(seq) > 1 else (seq[0] if seq else None), None)
+        return P(self.data_axis, sequence, None)
 
     def check_input(self, x, positions, segment_ids):
         """Validates a `__call__`'s arguments; returns positions (defaulted)."""
@@ -305,9 +277,7 @@ class ParallelSelfAttention(nnx.Module):
             raise ValueError(
                 f"sequence length T={T} must be divisible by {shards} ({' x '.join(parts)})"
             )
-        _sharding.check_divisible(
-            "batch size B", B, self.data_axis, _sharding.axis_size(self.mesh, self.data_axis)
-        )
+        _sharding.check_divisible("batch size B", B, self.mesh, self.data_axis)
         if positions is None:
             positions = self.default_positions(T) if T else jnp.zeros((0,), jnp.int32)
         if not jnp.issubdtype(positions.dtype, jnp.integer):
@@ -346,22 +316,14 @@ class ParallelSelfAttention(nnx.Module):
         if x.size == 0:  # empty batch or sequence
             return _sharding.empty_output(x.astype(dtype), x.shape, self.mesh, spec)
         values, specs = self.local_params(dtype)
-        seg_spec = P(self.data_axis, self.sequence_axis)
-        fn = jax.shard_map(
+        return _sharding.shard_map_call(
             self.local,
-            mesh=self.mesh,
-            in_specs=(spec, P(self.sequence_axis), seg_spec, *specs),
-            out_specs=spec,
+            self.mesh,
+            [x.astype(dtype), positions, segment_ids, *values],
+            [*self.token_specs(), *specs],
+            spec,
         )
-        args = [
-            _sharding.place(x.astype(dtype), self.mesh, spec),
-            _sharding.place(positions, self.mesh, P(self.sequence_axis)),
-        ]
-        args.append(
-            None if segment_ids is None else _sharding.place(segment_ids, self.mesh, seg_spec)
-        )
-        args += [
-            None if v is None else _sharding.place(v, self.mesh, p)
-            for v, p in zip(values, specs, strict=True)
-        ]
-        return fn(*args)
+
+    def token_specs(self):
+        """PartitionSpecs of `x` `[B, T, F]`, `positions` `[T]` and `segment_ids` `[B, T]`."""
+        return self.io_spec(), P(self.sequence_axis), P(self.data_axis, self.sequence_axis)

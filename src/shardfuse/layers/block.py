@@ -237,32 +237,10 @@ class ParallelTransformerBlock(nnx.Module):
         mlp_values, mlp_specs = self.mlp.local_params(dtype)
         norm_values = [self.norm_1.params(), self.norm_2.params()]
         norm_specs = [[P(), P()], [P(), P()]]
-        seg_spec = P(attention.data_axis, attention.sequence_axis)
-        fn = jax.shard_map(
+        return _sharding.shard_map_call(
             self.local,
-            mesh=mesh,
-            in_specs=(
-                spec,
-                P(attention.sequence_axis),
-                seg_spec,
-                norm_specs,
-                attention_specs,
-                mlp_specs,
-            ),
-            out_specs=spec,
-        )
-
-        def put(values, specs):
-            return [
-                None if v is None else _sharding.place(v, mesh, s)
-                for v, s in zip(values, specs, strict=True)
-            ]
-
-        return fn(
-            _sharding.place(x.astype(dtype), mesh, spec),
-            _sharding.place(positions, mesh, P(attention.sequence_axis)),
-            None if segment_ids is None else _sharding.place(segment_ids, mesh, seg_spec),
-            [put(v, s) for v, s in zip(norm_values, norm_specs, strict=True)],
-            put(attention_values, attention_specs),
-            put(mlp_values, mlp_specs),
+            mesh,
+            [x.astype(dtype), positions, segment_ids, norm_values, attention_values, mlp_values],
+            [*attention.token_specs(), norm_specs, attention_specs, mlp_specs],
+            spec,
         )

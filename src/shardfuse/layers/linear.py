@@ -44,12 +44,44 @@ default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
 
 
+def column_matmul(layer, x, kernel):
+    """Per-shard `x @ kernel` of a kernel split by output columns over `layer.model_axis`.
+
+    x `[b, t, C]` -> `[b, t, N / tp]`. Under `layer.sequence_parallel` x is a
+    sequence shard `[b, t / tp, C]` and its all-gather over the tensor-parallel
+    axis is fused with the matmul (`all_gather_matmul`). `layer` is any layer
+    with `model_axis`, `sequence_parallel`, `implementation` and `precision`.
+    """
+    options = dict(implementation=layer.implementation, precision=layer.precision)
+    if layer.sequence_parallel:
+        return collectives.all_gather_matmul(
+            x, kernel, layer.model_axis, gather_axis=x.ndim - 2, **options
+        )
+    return matmul(x, kernel, **options)
+
+
+def row_matmul(layer, x, kernel):
+    """Per-shard `x @ kernel` of a kernel split by input rows over `layer.model_axis`, summed.
+
+    x `[b, t, C / tp]` -> `[b, t, N]`, the partial products all-reduced
+    (`matmul_all_reduce`), or under `layer.sequence_parallel` reduce-scattered
+    along the sequence to `[b, t / tp, N]` (`matmul_reduce_scatter`). `layer`
+    as in `column_matmul`.
+    """
+    options = dict(implementation=layer.implementation, precision=layer.precision)
+    if layer.sequence_parallel:
+        return collectives.matmul_reduce_scatter(
+            x, kernel, layer.model_axis, scatter_axis=x.ndim - 2, **options
+        )
+    return collectives.matmul_all_reduce(x, kernel, layer.model_axis, **options)
+
+
 class _ParallelLinear(nnx.Module):
-    """Shared constructor: sizes, axes, dtypes, and the kernel and bias parameters."""
+    """Shared constructor and call of the linear layers (the subclasses' docstrings say more)."""
 
     sharded_features: str  # "out" for column, "in" for row
 
-    def _setup(
+    def __init__(
         self,
         in_features: int,
         out_features: int,
@@ -69,23 +101,12 @@ class _ParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
-        self.model_axis = _sharding.require_axis(mesh, model_axis, "model_axis")
-        self.data_axis = _sharding.optional_axis(
-            mesh, data_axis, "data_axis", _sharding.DEFAULT_DATA_AXIS
+        self.model_axis, self.data_axis, self.sequence_axis = _sharding.layer_axes(
+            mesh, model_axis=model_axis, data_axis=data_axis, sequence_axis=sequence_axis
         )
-        self.sequence_axis = _sharding.optional_axis(
-            mesh, sequence_axis, "sequence_axis", _sharding.DEFAULT_SEQUENCE_AXIS
-        )
-        named = [a for a in (self.model_axis, self.data_axis, self.sequence_axis) if a is not None]
-        if len(set(named)) != len(named):
-            raise ValueError(
-                f"model_axis={self.model_axis!r}, data_axis={self.data_axis!r} and "
-                f"sequence_axis={self.sequence_axis!r} must be different mesh axes"
-            )
-        size = _sharding.axis_size(mesh, self.model_axis)
         sharded = out_features if self.sharded_features == "out" else in_features
         name = "out_features" if self.sharded_features == "out" else "in_features"
-        _sharding.check_divisible(name, sharded, self.model_axis, size)
+        _sharding.check_divisible(name, sharded, mesh, self.model_axis)
         self.in_features = in_features
         self.out_features = out_features
         self.sequence_parallel = bool(sequence_parallel)
@@ -116,13 +137,13 @@ class _ParallelLinear(nnx.Module):
         )
 
     def _sequence_spec(self, parallel: bool):
-        axes = tuple(a for a in (self.sequence_axis, self.model_axis if parallel else None) if a)
-        return None if not axes else axes[0] if len(axes) == 1 else axes
+        return _sharding.sequence_spec(self.sequence_axis, self.model_axis, parallel)
 
-    def _cast(self, x):
-        dtype = _sharding.compute_dtype(self.dtype, x, self.kernel[...])
+    def local_params(self, dtype):
+        """`[kernel, bias]` cast to `dtype` (bias None without one), and their specs."""
         bias = None if self.bias is None else self.bias[...].astype(dtype)
-        return x.astype(dtype), self.kernel[...].astype(dtype), bias
+        specs = [self.kernel_spec_for(self.model_axis), self.bias_spec_for(self.model_axis)]
+        return [self.kernel[...].astype(dtype), bias], specs
 
     def _check(self, x):
         """Validates `x` `[B, T, in]` (before any tracing)."""
@@ -135,28 +156,18 @@ class _ParallelLinear(nnx.Module):
                 f"expected in_features={self.in_features}"
             )
         B, T = x.shape[:2]
-        seq_shards = _sharding.axis_size(self.mesh, self.sequence_axis) * (
-            _sharding.axis_size(self.mesh, self.model_axis) if self.sequence_parallel else 1
-        )
-        _sharding.check_divisible(
-            "sequence length T", T, self._sequence_spec(self.sequence_parallel), seq_shards
-        )
-        _sharding.check_divisible(
-            "batch size B", B, self.data_axis, _sharding.axis_size(self.mesh, self.data_axis)
-        )
+        sequence = self._sequence_spec(self.sequence_parallel)
+        _sharding.check_divisible("sequence length T", T, self.mesh, sequence)
+        _sharding.check_divisible("batch size B", B, self.mesh, self.data_axis)
 
     def _run(self, local, x, in_spec, out_spec):
-        x, kernel, bias = self._cast(x)
+        dtype = _sharding.compute_dtype(self.dtype, x, self.kernel[...])
+        x = x.astype(dtype)
         if x.size == 0:  # empty batch or sequence: nothing to compute or communicate
             shape = (*x.shape[:-1], self.out_features)
             return _sharding.empty_output(x, shape, self.mesh, out_spec)
-        args = [_sharding.place(x, self.mesh, in_spec), kernel]
-        specs = [in_spec, self.kernel_spec_for(self.model_axis)]
-        if bias is not None:
-            args.append(bias)
-            specs.append(self.bias_spec_for(self.model_axis))
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(specs), out_specs=out_spec)
-        return fn(*args)
+        values, specs = self.local_params(dtype)
+        return _sharding.shard_map_call(local, self.mesh, [x, *values], [in_spec, *specs], out_spec)
 
     def __call__(self, x):
         """`x` `[B, T, in]` -> `[B, T, out]`, sharded as `output_spec()`.
@@ -249,7 +260,7 @@ class ColumnParallelLinear(_ParallelLinear):
         precision=None,
         rngs: nnx.Rngs,
     ):
-        self._setup(
+        super().__init__(
             in_features,
             out_features,
             mesh=mesh,
@@ -270,20 +281,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def local(self, x, kernel, bias=None):
         """Per-shard computation (inside `jax.shard_map` over the layer's mesh)."""
-        if self.sequence_parallel:
-            y = collectives.all_gather_matmul(
-                x,
-                kernel,
-                self.model_axis,
-                gather_axis=x.ndim - 2,
-                implementation=self.implementation,
-                precision=self.precision,
-            )
-        else:
-            y = matmul(x, kernel, implementation=self.implementation, precision=self.precision)
-        if bias is not None:
-            y = y + bias
-        return y
+        y = column_matmul(self, x, kernel)
+        return y if bias is None else y + bias
 
     def output_spec(self):
         """PartitionSpec of the `[B, T, out]` output."""
@@ -383,7 +382,7 @@ class RowParallelLinear(_ParallelLinear):
         precision=None,
         rngs: nnx.Rngs,
     ):
-        self._setup(
+        super().__init__(
             in_features,
             out_features,
             mesh=mesh,
@@ -404,26 +403,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def local(self, x, kernel, bias=None):
         """Per-shard computation: x `[b, t, in / tp]` (feature shard) -> reduced output."""
-        if self.sequence_parallel:
-            y = collectives.matmul_reduce_scatter(
-                x,
-                kernel,
-                self.model_axis,
-                scatter_axis=x.ndim - 2,
-                implementation=self.implementation,
-                precision=self.precision,
-            )
-        else:
-            y = collectives.matmul_all_reduce(
-                x,
-                kernel,
-                self.model_axis,
-                implementation=self.implementation,
-                precision=self.precision,
-            )
-        if bias is not None:
-            y = y + bias
-        return y
+        y = row_matmul(self, x, kernel)
+        return y if bias is None else y + bias
 
     def _local_replicated_input(self, x, kernel, bias=None):
         """`local` on a replicated `x` `[b, t, in]`: this shard keeps its slice of the features."""

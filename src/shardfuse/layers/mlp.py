@@ -88,9 +88,7 @@ class ParallelMLP(nnx.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
         _sharding.require_axis(mesh, model_axis, "model_axis")
-        _sharding.check_divisible(
-            "hidden_features", hidden_features, model_axis, mesh.shape[model_axis]
-        )
+        _sharding.check_divisible("hidden_features", hidden_features, mesh, model_axis)
         common = dict(
             mesh=mesh,
             model_axis=model_axis,
@@ -120,13 +118,9 @@ class ParallelMLP(nnx.Module):
 
     def local_params(self, dtype):
         """`(up_kernel, up_bias, down_kernel, down_bias)` cast to `dtype`, and their specs."""
-        values, specs = [], []
-        for layer in (self.up, self.down):
-            values.append(layer.kernel[...].astype(dtype))
-            specs.append(layer.kernel_spec_for(layer.model_axis))
-            values.append(None if layer.bias is None else layer.bias[...].astype(dtype))
-            specs.append(layer.bias_spec_for(layer.model_axis))
-        return values, specs
+        up_values, up_specs = self.up.local_params(dtype)
+        down_values, down_specs = self.down.local_params(dtype)
+        return up_values + down_values, up_specs + down_specs
 
     def io_spec(self):
         """PartitionSpec of the `[B, T, features]` input and output."""
@@ -154,5 +148,4 @@ class ParallelMLP(nnx.Module):
         if x.size == 0:
             return _sharding.empty_output(x, x.shape, up.mesh, spec)
         values, specs = self.local_params(dtype)
-        fn = jax.shard_map(self.local, mesh=up.mesh, in_specs=(spec, *specs), out_specs=spec)
-        return fn(_sharding.place(x, up.mesh, spec), *values)
+        return _sharding.shard_map_call(self.local, up.mesh, [x, *values], [spec, *specs], spec)
