@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from shardfuse.kernels.attention import base
+from shardfuse.kernels.attention import base, protocol
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
 from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
 from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_SUBLANES
@@ -114,22 +114,9 @@ def _dkv(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_d
 
 
 def backward(
-    config: base.AttentionConfig,
-    q,
-    k,
-    v,
-    q_pos,
-    kv_pos,
-    q_seg,
-    kv_seg,
-    out,
-    lse,
-    d_out,
-    d_lse,
-    *,
-    interpret=None,
-    grad_dtype=jnp.float32,
-):
+    config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
+    *, interpret=None, grad_dtype=jnp.float32,
+):  # fmt: skip
     """Gradients `(dq, dk, dv)` in `grad_dtype` from the saved `out` and float32 `lse`.
 
     `out` and `lse` may be those of a larger attention that this call is one
@@ -173,10 +160,9 @@ def _backward(
 ):
     sizes = check_supported(q, config.block_sizes)
     lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q_bwd, sizes.block_kv_bwd)
-    # delta = rowsum(dO * O) - dlse, since d lse / d s = p.
-    delta = jnp.einsum("BTHD,BTHD->BHT", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    delta = pad(delta - d_lse.astype(jnp.float32), 2, lay.Tp)[:, :, None, :]  # [B, H, 1, Tp]
-    lse = pad(jnp.where(jnp.isfinite(lse), lse, 0.0), 2, lay.Tp)[:, :, None, :]
+    lse, delta = protocol.backward_row_stats(out, lse, d_out, d_lse)
+    delta = pad(delta, 2, lay.Tp)[:, :, None, :]  # [B, H, 1, Tp]
+    lse = pad(lse, 2, lay.Tp)[:, :, None, :]
     q_t, do_t = lay.heads_first(q, lay.Tp), lay.heads_first(d_out.astype(q.dtype), lay.Tp)
     k_t, v_t = lay.heads_first(k, lay.Sp), lay.heads_first(v, lay.Sp)
     dq = _dq(config, lay, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_dtype)

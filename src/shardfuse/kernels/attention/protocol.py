@@ -44,25 +44,37 @@ class AttentionBackend(Protocol):
         ...
 
     def backward(
-        self,
-        config: base.AttentionConfig,
-        q,
-        k,
-        v,
-        q_pos,
-        kv_pos,
-        q_seg,
-        kv_seg,
-        out,
-        lse,
-        d_out,
-        d_lse,
-        *,
-        grad_dtype=jnp.float32,
-    ):
+        self, config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse,
+        d_out, d_lse, *, grad_dtype=jnp.float32,
+    ):  # fmt: skip
         """`(dq [B, T, H, D], dk, dv [B, S, K, D])` in `grad_dtype`, from the (possibly global)
         `out`, float32 `lse` and the cotangents `d_out`, `d_lse` (float32 `[B, H, T]`)."""
         ...
+
+
+def backward_row_stats(out, lse, d_out, d_lse, *, precision=None):
+    """The float32 row statistics every backward starts from: `(lse, delta)`, each `[B, H, T]`.
+
+        delta = rowsum(d_out * out) - d_lse        (since d lse / d s = p)
+
+    and `lse` with its -inf (rows without a visible key) replaced by 0, so that
+    `exp(s - lse)` stays finite where the mask zeroes `p` anyway.
+
+    Args:
+      out, d_out: `[B, T, H, D]` output and its cotangent (any float dtype).
+      lse, d_lse: float32 `[B, H, T]` log-sum-exp and its cotangent.
+      precision: of the `d_out * out` row sums (None: the default for float32).
+
+    Example:
+      >>> out = d_out = jnp.ones((1, 2, 1, 4))
+      >>> lse, delta = backward_row_stats(out, jnp.array([[[-jnp.inf, 1.0]]]), d_out,
+      ...                                 jnp.zeros((1, 1, 2)))
+      >>> lse.tolist(), delta.tolist()
+      ([[[0.0, 1.0]]], [[[4.0, 4.0]]])
+    """
+    f32 = jnp.float32
+    delta = jnp.einsum("BTHD,BTHD->BHT", d_out.astype(f32), out.astype(f32), precision=precision)
+    return jnp.where(jnp.isfinite(lse), lse, 0.0), delta - d_lse.astype(f32)
 
 
 def differentiable(forward: Callable, backward: Callable) -> Callable:

@@ -17,7 +17,7 @@ backwards, itself checked against autodiff.
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse.kernels.attention import base, masks
+from shardfuse.kernels.attention import base, masks, protocol
 from shardfuse.kernels.precision import dot_precision
 
 
@@ -66,21 +66,9 @@ forward = reference_attention
 
 
 def backward(
-    config: base.AttentionConfig,
-    q,
-    k,
-    v,
-    q_pos,
-    kv_pos,
-    q_seg,
-    kv_seg,
-    out,
-    lse,
-    d_out,
-    d_lse,
-    *,
-    grad_dtype=jnp.float32,
-):
+    config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
+    *, grad_dtype=jnp.float32,
+):  # fmt: skip
     """Gradients `(dq, dk, dv)` in `grad_dtype` from a saved `out` and float32 `lse`, naively.
 
     With `p = exp(s - lse)` over the visible keys and
@@ -113,10 +101,9 @@ def backward(
     if config.logit_softcap is not None:
         t = jnp.tanh(s / config.logit_softcap)
         s, cap_grad = config.logit_softcap * t, 1.0 - t * t
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(B, K, G, T)
+    lse, delta = protocol.backward_row_stats(out, lse, d_out, d_lse, precision=hi)
+    lse, delta = lse.reshape(B, K, G, T), delta.reshape(B, K, G, T)
     p = jnp.exp(jnp.where(mask[:, None, None], s - lse[..., None], -jnp.inf))  # [B, K, G, T, S]
-    delta = jnp.einsum("BTHD,BTHD->BHT", d_out, out, precision=hi) - d_lse
-    delta = delta.reshape(B, K, G, T)
     d_out = d_out.reshape(B, T, K, G, D)
     dv = jnp.einsum("BKGTS,BTKGD->BSKD", p, d_out, precision=hi)
     dp = jnp.einsum("BTKGD,BSKD->BKGTS", d_out, v, precision=hi)

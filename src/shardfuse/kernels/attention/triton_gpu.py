@@ -24,7 +24,6 @@ dispatch falls back; on CPU the kernels run under the Triton interpreter
 with `launcher=triton.launch.InterpretLauncher()`.
 """
 
-
 import jax
 import jax.numpy as jnp
 
@@ -160,22 +159,9 @@ def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, launcher=None):
 
 
 def backward(
-    config,
-    q,
-    k,
-    v,
-    q_pos,
-    kv_pos,
-    q_seg,
-    kv_seg,
-    out,
-    lse,
-    d_out,
-    d_lse,
-    *,
-    grad_dtype=jnp.float32,
-    launcher=None,
-):
+    config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse,
+    *, grad_dtype=jnp.float32, launcher=None,
+):  # fmt: skip
     """The delta, dK/dV and dQ kernels: `(dq, dk, dv)` in `grad_dtype` (float32 by default).
 
     `out` and `lse` may be those of a larger attention that this call is one

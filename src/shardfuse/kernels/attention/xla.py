@@ -225,12 +225,10 @@ def backward(
     tiles = _Tiles(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, S, H, K, G, D = tiles.shape
     precision = dot_precision(q.dtype)
-    # delta = rowsum(dO * O) - dlse, since d lse / d s = p.
-    delta = jnp.einsum("BTHD,BTHD->BHT", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    delta = delta - d_lse
+    lse, delta = protocol.backward_row_stats(out, lse, d_out, d_lse)
     q_tiles, do_tiles = tiles.queries(q), tiles.queries(d_out.astype(q.dtype))
     k_tiles, v_tiles = tiles.keys(k), tiles.keys(v)
-    lse_tiles = tiles.row_stats(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    lse_tiles = tiles.row_stats(lse)
     delta_tiles = tiles.row_stats(delta)
 
     def kv_block(dq_acc, xs):
