@@ -77,9 +77,39 @@ _register(
 )
 
 
-def _dispatch(function: str, implementation, args):
+def _dispatch(function: str, implementation, x, w, *args):
+    """Runs `function(x, w, *args)` by `implementation`; empty operands take the reference."""
+    if math.prod(x.shape) == 0 or w.shape[1] == 0:
+        implementation = "reference"  # nothing to overlap; the plain collectives handle empties
     op = registry.get(function)
-    return op.run(implementation, lambda name: op.load(name)(*args))
+    return op.run(implementation, lambda name: op.load(name)(x, w, *args))
+
+
+def _ring_matmul(
+    function, x, w, axis_name, *, axis_arg, axis, bidirectional, implementation, precision
+):
+    """Validation, `RingPlan` and dispatch of the two ring functions, in one order.
+
+    `axis_arg` names the row axis argument ("gather_axis" or "scatter_axis"):
+    a scatter also needs that axis of x divisible by the ring size N, and its
+    ring chunks are `x.shape[axis] // N` rows, a gather's the whole shard.
+    """
+    base.check_operands(x, w, function=function)
+    n = base.mesh_axis_size(axis_name, function=function)
+    row_axis = base.normalize_axis(axis, x.ndim, name=axis_arg, function=function)
+    bidirectional = base.check_flag(bidirectional, name="bidirectional", function=function)
+    registry.candidates(function, implementation)  # an unknown name fails before tracing
+    scatter = axis_arg == "scatter_axis"
+    if scatter and x.shape[row_axis] % n:
+        raise ValueError(
+            f"{function}: x.shape[{axis}]={x.shape[row_axis]} (x shape {tuple(x.shape)}) "
+            f"is not divisible by the size {n} of mesh axis {axis_name!r}"
+        )
+    x, w = _as_array(x), _as_array(w)
+    precision = matmul_base.check_precision(precision)
+    chunk = x.shape[row_axis] // n if scatter else x.shape[row_axis]
+    plan = base.make_plan(axis_name, n, row_axis, chunk, bidirectional, precision)
+    return _dispatch(function, implementation, x, w, plan)
 
 
 def _as_array(x):
@@ -143,18 +173,10 @@ def all_gather_matmul(
       >>> f(x, w).shape
       (4, 8, 32)
     """
-    function = "all_gather_matmul"
-    base.check_operands(x, w, function=function)
-    n = base.mesh_axis_size(axis_name, function=function)
-    axis = base.normalize_axis(gather_axis, x.ndim, name="gather_axis", function=function)
-    bidirectional = base.check_flag(bidirectional, name="bidirectional", function=function)
-    registry.candidates(function, implementation)  # an unknown name fails before tracing
-    x, w = _as_array(x), _as_array(w)
-    precision = matmul_base.check_precision(precision)
-    plan = base.make_plan(axis_name, n, axis, x.shape[axis], bidirectional, precision)
-    if math.prod(x.shape) == 0 or w.shape[1] == 0:
-        implementation = "reference"  # nothing to overlap; the plain collectives handle empties
-    return _dispatch(function, implementation, (x, w, plan))
+    return _ring_matmul(
+        "all_gather_matmul", x, w, axis_name, axis_arg="gather_axis", axis=gather_axis,
+        bidirectional=bidirectional, implementation=implementation, precision=precision,
+    )  # fmt: skip
 
 
 def matmul_reduce_scatter(
@@ -213,23 +235,10 @@ def matmul_reduce_scatter(
       >>> f(x, w)[0]
       Array([16., 16., 16., 16.], dtype=float32)
     """
-    function = "matmul_reduce_scatter"
-    base.check_operands(x, w, function=function)
-    n = base.mesh_axis_size(axis_name, function=function)
-    axis = base.normalize_axis(scatter_axis, x.ndim, name="scatter_axis", function=function)
-    bidirectional = base.check_flag(bidirectional, name="bidirectional", function=function)
-    registry.candidates(function, implementation)  # an unknown name fails before tracing
-    if x.shape[axis] % n:
-        raise ValueError(
-            f"{function}: x.shape[{scatter_axis}]={x.shape[axis]} (x shape {tuple(x.shape)}) "
-            f"is not divisible by the size {n} of mesh axis {axis_name!r}"
-        )
-    x, w = _as_array(x), _as_array(w)
-    precision = matmul_base.check_precision(precision)
-    plan = base.make_plan(axis_name, n, axis, x.shape[axis] // n, bidirectional, precision)
-    if math.prod(x.shape) == 0 or w.shape[1] == 0:
-        implementation = "reference"
-    return _dispatch(function, implementation, (x, w, plan))
+    return _ring_matmul(
+        "matmul_reduce_scatter", x, w, axis_name, axis_arg="scatter_axis", axis=scatter_axis,
+        bidirectional=bidirectional, implementation=implementation, precision=precision,
+    )  # fmt: skip
 
 
 def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=None):
@@ -286,6 +295,4 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=No
         plan = base.make_plan(
             axis_name, n, axis, x.shape[axis] // n, bidirectional=True, precision=precision
         )
-    if math.prod(x.shape) == 0 or w.shape[1] == 0:
-        implementation = "reference"
-    return _dispatch(function, implementation, (x, w, plan, axis_name, precision))
+    return _dispatch(function, implementation, x, w, plan, axis_name, precision)

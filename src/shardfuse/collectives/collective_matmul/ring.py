@@ -30,15 +30,21 @@ from shardfuse.collectives.collective_matmul.base import RingPlan
 from shardfuse.kernels.matmul import api as matmul_api
 
 
-def _matmul(a, b, addend=None, *, implementation, precision, out_dtype=None):
-    return matmul_api.matmul(
-        a,
-        b,
-        addend=addend,
-        out_dtype=out_dtype,
-        implementation=implementation,
-        precision=precision,
-    )
+def _dot(plan: RingPlan, implementation: str):
+    """`dot(a, b, addend=None, out_dtype=float32)`: sf.matmul by `implementation` at the plan's
+    precision, every ring step's product."""
+
+    def dot(a, b, addend=None, out_dtype=jnp.float32):
+        return matmul_api.matmul(
+            a,
+            b,
+            addend=addend,
+            out_dtype=out_dtype,
+            implementation=implementation,
+            precision=plan.precision,
+        )
+
+    return dot
 
 
 def shift(x, plan: RingPlan, direction: int):
@@ -46,6 +52,16 @@ def shift(x, plan: RingPlan, direction: int):
     n = plan.size
     perm = [(j, (j + direction) % n) for j in range(n)]
     return lax.ppermute(x, plan.axis_name, perm)
+
+
+def _pass_on(chunks, plan: RingPlan):
+    """Each lane's chunk sent one hop along its lane's direction (received from the other side)."""
+    return [shift(c, plan, lane.direction) for c, lane in zip(chunks, plan.lanes, strict=True)]
+
+
+def _start(plan: RingPlan, chunk, lane):
+    """The first row of `lane`'s part of ring chunk `chunk` (mod N) along the full axis."""
+    return chunk % plan.size * plan.chunk + lane.lo
 
 
 def _rows(x, axis: int, start, size: int):
@@ -69,6 +85,7 @@ def gather_matmul(x, w, plan: RingPlan, *, implementation: str, out_dtype):
     """
     i = lax.axis_index(plan.axis_name)
     n, m = plan.size, plan.chunk
+    dot = _dot(plan, implementation)
     out_shape = list(x.shape)
     out_shape[plan.axis] = n * m
     out_shape[-1] = w.shape[1]
@@ -76,21 +93,11 @@ def gather_matmul(x, w, plan: RingPlan, *, implementation: str, out_dtype):
     held = _lane_rows(x, plan)
     for s in range(n):
         with jax.named_scope(f"ring_step_{s}"):
-            sent = (
-                [shift(h, plan, lane.direction) for h, lane in zip(held, plan.lanes, strict=True)]
-                if s < n - 1
-                else held
-            )
+            sent = _pass_on(held, plan) if s < n - 1 else held
             for h, lane in zip(held, plan.lanes, strict=True):
-                source = (i - s * lane.direction) % n
-                y = _matmul(
-                    h,
-                    w,
-                    implementation=implementation,
-                    precision=plan.precision,
-                    out_dtype=out_dtype,
-                )
-                out = lax.dynamic_update_slice_in_dim(out, y, source * m + lane.lo, plan.axis)
+                source = _start(plan, i - s * lane.direction, lane)
+                y = dot(h, w, out_dtype=out_dtype)
+                out = lax.dynamic_update_slice_in_dim(out, y, source, plan.axis)
             held = sent
     return out
 
@@ -103,26 +110,14 @@ def scatter_matmul(x, w, plan: RingPlan, *, implementation: str):
     after N steps device i holds the full sum of its own chunk.
     """
     i = lax.axis_index(plan.axis_name)
-    n, m = plan.size, plan.chunk
+    dot = _dot(plan, implementation)
     accs = [None] * len(plan.lanes)
-    for s in range(n):
+    for s in range(plan.size):
         with jax.named_scope(f"ring_step_{s}"):
-            received = (
-                [shift(a, plan, lane.direction) for a, lane in zip(accs, plan.lanes, strict=True)]
-                if s > 0
-                else accs
-            )
+            received = _pass_on(accs, plan) if s > 0 else accs
             for k, lane in enumerate(plan.lanes):
-                target = (i - lane.direction * (s + 1)) % n
-                rows = _rows(x, plan.axis, target * m + lane.lo, lane.size)
-                accs[k] = _matmul(
-                    rows,
-                    w,
-                    received[k],
-                    implementation=implementation,
-                    precision=plan.precision,
-                    out_dtype=jnp.float32,
-                )
+                target = _start(plan, i - lane.direction * (s + 1), lane)
+                accs[k] = dot(_rows(x, plan.axis, target, lane.size), w, received[k])
     return jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
 
 
@@ -134,44 +129,23 @@ def gather_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
     float32. Each step issues the two ppermutes, then its two dots.
     """
     i = lax.axis_index(plan.axis_name)
-    n, m = plan.size, plan.chunk
+    n = plan.size
+    dot = _dot(plan, implementation)
     w_t = w.T  # [F, C]
     held = _lane_rows(x, plan)
     accs = [None] * len(plan.lanes)
     dw = None
     for s in range(n):
         with jax.named_scope(f"ring_step_{s}"):
-            sent = (
-                [shift(h, plan, lane.direction) for h, lane in zip(held, plan.lanes, strict=True)]
-                if s < n - 1
-                else held
-            )
-            received = (
-                [shift(a, plan, lane.direction) for a, lane in zip(accs, plan.lanes, strict=True)]
-                if s > 0
-                else accs
-            )
+            sent = _pass_on(held, plan) if s < n - 1 else held
+            received = _pass_on(accs, plan) if s > 0 else accs
             for k, (h, lane) in enumerate(zip(held, plan.lanes, strict=True)):
-                source = (i - s * lane.direction) % n
-                dy_source = _rows(dy, plan.axis, source * m + lane.lo, lane.size)
-                dw = _matmul(
-                    _flat(h).T,  # [C, R]
-                    _flat(dy_source),  # [R, F]
-                    dw,
-                    implementation=implementation,
-                    precision=plan.precision,
-                    out_dtype=jnp.float32,
-                )
-                target = (i - lane.direction * (s + 1)) % n
-                dy_target = _rows(dy, plan.axis, target * m + lane.lo, lane.size)
-                accs[k] = _matmul(
-                    dy_target,
-                    w_t,
-                    received[k],
-                    implementation=implementation,
-                    precision=plan.precision,
-                    out_dtype=jnp.float32,
-                )
+                source = _start(plan, i - s * lane.direction, lane)
+                dy_source = _rows(dy, plan.axis, source, lane.size)
+                dw = dot(_flat(h).T, _flat(dy_source), dw)  # [C, R] @ [R, F]
+                target = _start(plan, i - lane.direction * (s + 1), lane)
+                dy_target = _rows(dy, plan.axis, target, lane.size)
+                accs[k] = dot(dy_target, w_t, received[k])
             held = sent
     dx = jnp.concatenate(accs, axis=plan.axis) if len(accs) > 1 else accs[0]
     return dx, dw
@@ -184,36 +158,19 @@ def scatter_matmul_bwd(x, w, dy, plan: RingPlan, *, implementation: str):
     both from the dy chunk received in the previous step.
     """
     i = lax.axis_index(plan.axis_name)
-    n, m = plan.size, plan.chunk
+    n = plan.size
+    dot = _dot(plan, implementation)
     w_t = w.T  # [F, C]
     dx = jnp.zeros(x.shape, jnp.float32)
     held = _lane_rows(dy, plan)
     dw = None
     for s in range(n):
         with jax.named_scope(f"ring_step_{s}"):
-            sent = (
-                [shift(h, plan, lane.direction) for h, lane in zip(held, plan.lanes, strict=True)]
-                if s < n - 1
-                else held
-            )
+            sent = _pass_on(held, plan) if s < n - 1 else held
             for h, lane in zip(held, plan.lanes, strict=True):
-                start = (i - s * lane.direction) % n * m + lane.lo
-                dx_rows = _matmul(
-                    h,
-                    w_t,
-                    implementation=implementation,
-                    precision=plan.precision,
-                    out_dtype=jnp.float32,
-                )
-                dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, start, plan.axis)
+                start = _start(plan, i - s * lane.direction, lane)
+                dx = lax.dynamic_update_slice_in_dim(dx, dot(h, w_t), start, plan.axis)
                 x_rows = _rows(x, plan.axis, start, lane.size)
-                dw = _matmul(
-                    _flat(x_rows).T,
-                    _flat(h),
-                    dw,
-                    implementation=implementation,
-                    precision=plan.precision,
-                    out_dtype=jnp.float32,
-                )
+                dw = dot(_flat(x_rows).T, _flat(h), dw)
             held = sent
     return dx, dw
