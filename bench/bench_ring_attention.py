@@ -62,7 +62,7 @@ def _attention_fn(implementation, mesh, window, softcap):
         return lambda q, k, v: sf.flash_attention(q, k, v, implementation="xla", **options)
     _, strategy, layout = implementation.split(".")
     return lambda q, k, v: sf.ring_attention(
-        q, k, v, mesh=mesh, seq_axis=AXIS, layout=layout, strategy=strategy, **options
+        q, k, v, mesh=mesh, sequence_axis=AXIS, layout=layout, strategy=strategy, **options
     )
 
 
