@@ -10,6 +10,7 @@ written `F` where N would be ambiguous.
 """
 
 import dataclasses
+import functools
 import numbers
 
 import jax
@@ -149,3 +150,29 @@ def common_varying(x, w, axis_name: str):
     """x and w cast to one vma (theirs and `axis_name`), so a custom_vjp's types line up."""
     axes = vma.common_axes(x, w) | {axis_name}
     return vma.to_varying(x, axes), vma.to_varying(w, axes)
+
+
+def ring_vjp(forward, backward, *, name: str):
+    """`op(x, w, *static)` = `forward(x, w, *static)` with the custom VJP `backward`.
+
+    The VJP saves `(x, w)`; `backward(x, w, dy, *static) -> (dx, dw)` runs
+    under `jax.named_scope(f"{name}_bwd")` and its results are cast to the
+    dtypes of x and w. `static` (the `RingPlan`, mesh axes) is hashable and
+    not differentiated.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def op(x, w, static):
+        return forward(x, w, *static)
+
+    def op_fwd(x, w, static):
+        return forward(x, w, *static), (x, w)
+
+    def op_bwd(static, residuals, dy):
+        x, w = residuals
+        with jax.named_scope(f"{name}_bwd"):
+            dx, dw = backward(x, w, dy, *static)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    op.defvjp(op_fwd, op_bwd)
+    return lambda x, w, *static: op(x, w, static)

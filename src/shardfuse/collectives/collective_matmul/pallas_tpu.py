@@ -23,7 +23,6 @@ DMA execution mode), and `interpret_mode(False)` forces the real kernels for
 
 import contextlib
 import contextvars
-import functools
 import math
 
 import jax
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 
 from shardfuse.collectives.collective_matmul import pallas_tpu_kernels as kernels
 from shardfuse.collectives.collective_matmul import ring
-from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying
+from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying, ring_vjp
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.pallas_interpret import current_interpret_params
 
@@ -151,50 +150,43 @@ def _gather_accumulate(gathered, local, plan: RingPlan, mesh_axes):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _all_gather_matmul(x, w, plan, mesh_axes):
-    return _gather_forward(x, w, plan, mesh_axes)
+def _all_gather_matmul_grads(x, w, dy, plan, mesh_axes):
+    dx = _scatter_forward(dy, w.T, plan, mesh_axes)  # psum_scatter(dy @ w^T)
+    return dx, _gather_accumulate(x, dy, plan, mesh_axes).T  # sum_j x_j^T dy_j
 
 
-def _all_gather_matmul_fwd(x, w, plan, mesh_axes):
-    return _gather_forward(x, w, plan, mesh_axes), (x, w)
+def _matmul_reduce_scatter_grads(x, w, dy, plan, mesh_axes):
+    dx = _gather_forward(dy, w.T, plan, mesh_axes)  # all_gather(dy) @ w^T
+    return dx, _gather_accumulate(dy, x, plan, mesh_axes)  # sum_j x[chunk j]^T dy_j
 
 
-def _all_gather_matmul_bwd(plan, mesh_axes, residuals, dy):
-    x, w = residuals
-    with jax.named_scope("all_gather_matmul_bwd"):
+def _or_xla_ring(kernel_grads, ring_grads):
+    """`kernel_grads`, or the xla ring's `ring_grads` where the transposed problems do not
+    fit the kernels (NotImplementedError)."""
+
+    def grads(x, w, dy, plan, mesh_axes):
         try:
-            dx = _scatter_forward(dy, w.T, plan, mesh_axes)  # psum_scatter(dy @ w^T)
-            dw = _gather_accumulate(x, dy, plan, mesh_axes).T  # sum_j x_j^T dy_j
-        except NotImplementedError:  # the transposed problems do not fit the kernels
-            dx, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation="xla")
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+            return kernel_grads(x, w, dy, plan, mesh_axes)
+        except NotImplementedError:
+            return ring_grads(x, w, dy, plan, implementation="xla")
+
+    return grads
 
 
-_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul_reduce_scatter(x, w, plan, mesh_axes):
+def _scatter_forward_cast(x, w, plan, mesh_axes):
     return _scatter_forward(x, w, plan, mesh_axes).astype(x.dtype)
 
 
-def _matmul_reduce_scatter_fwd(x, w, plan, mesh_axes):
-    return _matmul_reduce_scatter(x, w, plan, mesh_axes), (x, w)
-
-
-def _matmul_reduce_scatter_bwd(plan, mesh_axes, residuals, dy):
-    x, w = residuals
-    with jax.named_scope("matmul_reduce_scatter_bwd"):
-        try:
-            dx = _gather_forward(dy, w.T, plan, mesh_axes)  # all_gather(dy) @ w^T
-            dw = _gather_accumulate(dy, x, plan, mesh_axes)  # sum_j x[chunk j]^T dy_j
-        except NotImplementedError:  # the transposed problems do not fit the kernels
-            dx, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation="xla")
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+_all_gather_matmul = ring_vjp(
+    _gather_forward,
+    _or_xla_ring(_all_gather_matmul_grads, ring.gather_matmul_bwd),
+    name="all_gather_matmul",
+)
+_matmul_reduce_scatter = ring_vjp(
+    _scatter_forward_cast,
+    _or_xla_ring(_matmul_reduce_scatter_grads, ring.scatter_matmul_bwd),
+    name="matmul_reduce_scatter",
+)
 
 
 def _check_precision(plan: RingPlan, dtype):

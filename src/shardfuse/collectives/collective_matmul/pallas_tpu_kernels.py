@@ -269,50 +269,50 @@ def _gather_scratch(plan: RingPlan, row_factor: int, width: int, dtype):
     return scratch
 
 
-def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, interpret, handshake):
-    """The pallas_call of the all-gather-matmul kernel on 2-D operands."""
-    table = ring_table(plan, mesh_axes, row_factor, scatter=False)
+def _ring_call(
+    kernel, a, b, plan, mesh_axes, row_factor, *, scatter, out_shape, scratch, collective_id,
+    name, interpret, handshake,
+):  # fmt: skip
+    """`pallas_call` of one ring kernel on 2-D operands `a`, `b`: the ring table in SMEM,
+    the operands and the result whole in VMEM, DMA scratch per lane."""
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
     return pl.pallas_call(
         functools.partial(
-            all_gather_matmul_kernel,
+            kernel,
             plan=plan,
             num_axes=len(mesh_axes),
             row_factor=row_factor,
             handshake=handshake,
         ),
-        out_shape=vma.shape_dtype_struct((plan.size * x2.shape[0], w.shape[1]), out_dtype, x2),
+        out_shape=out_shape,
         in_specs=[smem, vmem, vmem],
         out_specs=vmem,
-        scratch_shapes=_gather_scratch(plan, row_factor, x2.shape[1], x2.dtype),
-        compiler_params=pltpu.CompilerParams(collective_id=0),
+        scratch_shapes=scratch,
+        compiler_params=pltpu.CompilerParams(collective_id=collective_id),
         interpret=interpret,
-        name="shardfuse_all_gather_matmul",
-    )(table, x2, w)
+        name=name,
+    )(ring_table(plan, mesh_axes, row_factor, scatter=scatter), a, b)
+
+
+def all_gather_matmul_call(x2, w, plan, mesh_axes, row_factor, *, out_dtype, interpret, handshake):
+    """The pallas_call of the all-gather-matmul kernel on 2-D operands."""
+    return _ring_call(
+        all_gather_matmul_kernel, x2, w, plan, mesh_axes, row_factor, scatter=False,
+        out_shape=vma.shape_dtype_struct((plan.size * x2.shape[0], w.shape[1]), out_dtype, x2),
+        scratch=_gather_scratch(plan, row_factor, x2.shape[1], x2.dtype), collective_id=0,
+        name="shardfuse_all_gather_matmul", interpret=interpret, handshake=handshake,
+    )  # fmt: skip
 
 
 def gather_accumulate_call(g2, l2, plan, mesh_axes, row_factor, *, interpret, handshake):
     """The pallas_call of the gather-accumulate kernel: float32 `[H, G]` = sum_j l_j^T g_j."""
-    table = ring_table(plan, mesh_axes, row_factor, scatter=False)
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    return pl.pallas_call(
-        functools.partial(
-            gather_accumulate_kernel,
-            plan=plan,
-            num_axes=len(mesh_axes),
-            row_factor=row_factor,
-            handshake=handshake,
-        ),
+    return _ring_call(
+        gather_accumulate_kernel, g2, l2, plan, mesh_axes, row_factor, scatter=False,
         out_shape=vma.shape_dtype_struct((l2.shape[1], g2.shape[1]), jnp.float32, g2),
-        in_specs=[smem, vmem, vmem],
-        out_specs=vmem,
-        scratch_shapes=_gather_scratch(plan, row_factor, g2.shape[1], g2.dtype),
-        compiler_params=pltpu.CompilerParams(collective_id=2),
-        interpret=interpret,
-        name="shardfuse_gather_accumulate",
-    )(table, g2, l2)
+        scratch=_gather_scratch(plan, row_factor, g2.shape[1], g2.dtype), collective_id=2,
+        name="shardfuse_gather_accumulate", interpret=interpret, handshake=handshake,
+    )  # fmt: skip
 
 
 def matmul_reduce_scatter_call(
@@ -329,22 +329,9 @@ def matmul_reduce_scatter_call(
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.REGULAR,
         ]
-    table = ring_table(plan, mesh_axes, row_factor, scatter=True)
-    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
-    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    return pl.pallas_call(
-        functools.partial(
-            matmul_reduce_scatter_kernel,
-            plan=plan,
-            num_axes=len(mesh_axes),
-            row_factor=row_factor,
-            handshake=handshake,
-        ),
+    return _ring_call(
+        matmul_reduce_scatter_kernel, x2, w, plan, mesh_axes, row_factor, scatter=True,
         out_shape=vma.shape_dtype_struct((plan.chunk * row_factor, w.shape[1]), out_dtype, x2),
-        in_specs=[smem, vmem, vmem],
-        out_specs=vmem,
-        scratch_shapes=scratch,
-        compiler_params=pltpu.CompilerParams(collective_id=1),
-        interpret=interpret,
-        name="shardfuse_matmul_reduce_scatter",
-    )(table, x2, w)
+        scratch=scratch, collective_id=1, name="shardfuse_matmul_reduce_scatter",
+        interpret=interpret, handshake=handshake,
+    )  # fmt: skip

@@ -24,48 +24,30 @@ import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.collectives.collective_matmul import ring
-from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying
+from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying, ring_vjp
 from shardfuse.kernels.matmul import api as matmul_api
 
 MATMUL = "xla"  # the sf.matmul implementation of every ring step
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _all_gather_matmul(x, w, plan: RingPlan):
+def _gather_forward(x, w, plan: RingPlan):
     return ring.gather_matmul(x, w, plan, implementation=MATMUL, out_dtype=x.dtype)
 
 
-def _all_gather_matmul_fwd(x, w, plan):
-    return _all_gather_matmul(x, w, plan), (x, w)
-
-
-def _all_gather_matmul_bwd(plan, residuals, dy):
-    x, w = residuals
-    with jax.named_scope("all_gather_matmul_bwd"):
-        dx, dw = ring.gather_matmul_bwd(x, w, dy, plan, implementation=MATMUL)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_reduce_scatter(x, w, plan: RingPlan):
+def _scatter_forward(x, w, plan: RingPlan):
     return ring.scatter_matmul(x, w, plan, implementation=MATMUL).astype(x.dtype)
 
 
-def _matmul_reduce_scatter_fwd(x, w, plan):
-    return _matmul_reduce_scatter(x, w, plan), (x, w)
-
-
-def _matmul_reduce_scatter_bwd(plan, residuals, dy):
-    x, w = residuals
-    with jax.named_scope("matmul_reduce_scatter_bwd"):
-        dx, dw = ring.scatter_matmul_bwd(x, w, dy, plan, implementation=MATMUL)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+_all_gather_matmul = ring_vjp(
+    _gather_forward,
+    functools.partial(ring.gather_matmul_bwd, implementation=MATMUL),
+    name="all_gather_matmul",
+)
+_matmul_reduce_scatter = ring_vjp(
+    _scatter_forward,
+    functools.partial(ring.scatter_matmul_bwd, implementation=MATMUL),
+    name="matmul_reduce_scatter",
+)
 
 
 def _all_gather_invariant(x, axis_name, axis):
