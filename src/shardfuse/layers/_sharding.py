@@ -101,6 +101,15 @@ def sharded_param(initializer, key, shape, dtype, mesh, spec: P) -> nnx.Param:
     return nnx.Param(make(key), out_sharding=spec, mesh=mesh)
 
 
+def param_maker(rngs: nnx.Rngs, dtype, mesh):
+    """`make(initializer, shape, spec)`: a `sharded_param` in `dtype` on `mesh`, keyed by `rngs`."""
+
+    def make(initializer, shape, spec: P) -> nnx.Param:
+        return sharded_param(initializer, rngs.params(), shape, dtype, mesh, spec)
+
+    return make
+
+
 def shard_map_call(local, mesh, args, in_specs, out_specs):
     """`jax.shard_map(local)` over `mesh` on `args`, each placed on its entry of `in_specs`.
 
@@ -117,10 +126,6 @@ def shard_map_call(local, mesh, args, in_specs, out_specs):
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)
     return fn(*(put(a, s) for a, s in zip(args, in_specs, strict=True)))
-
-
-def replicated_param(initializer, key, shape, dtype, mesh) -> nnx.Param:
-    return sharded_param(initializer, key, shape, dtype, mesh, P())
 
 
 def compute_dtype(dtype, *arrays):

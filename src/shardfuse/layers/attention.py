@@ -174,19 +174,14 @@ class ParallelSelfAttention(nnx.Module):
         self.kv_sharded = num_kv_heads % tp == 0
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
         specs = self._param_specs()
-
-        def make(name, init, shape):
-            return _sharding.sharded_param(
-                init, rngs.params(), shape, param_dtype, mesh, specs[name]
-            )
-
-        self.q_kernel = make("q_kernel", kernel_init, (F, H * D))
-        self.kv_kernel = make("kv_kernel", kernel_init, (F, K * 2 * D))
-        self.o_kernel = make("o_kernel", kernel_init, (H * D, F))
+        make = _sharding.param_maker(rngs, param_dtype, mesh)
+        self.q_kernel = make(kernel_init, (F, H * D), specs["q_kernel"])
+        self.kv_kernel = make(kernel_init, (F, K * 2 * D), specs["kv_kernel"])
+        self.o_kernel = make(kernel_init, (H * D, F), specs["o_kernel"])
         self.use_bias = use_bias
-        self.q_bias = make("q_bias", bias_init, (H * D,)) if use_bias else None
-        self.kv_bias = make("kv_bias", bias_init, (K * 2 * D,)) if use_bias else None
-        self.o_bias = make("o_bias", bias_init, (F,)) if use_bias else None
+        self.q_bias = make(bias_init, (H * D,), specs["q_bias"]) if use_bias else None
+        self.kv_bias = make(bias_init, (K * 2 * D,), specs["kv_bias"]) if use_bias else None
+        self.o_bias = make(bias_init, (F,), specs["o_bias"]) if use_bias else None
 
     def _param_specs(self):
         """PartitionSpec of each parameter (kv replicated when `K % tp != 0`)."""

@@ -73,13 +73,10 @@ class Norm(nnx.Module):
         if kind not in NORMS:
             raise ValueError(f"kind={kind!r} must be one of {NORMS}")
         self.kind, self.eps = kind, float(eps)
-        ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
-        self.scale = _sharding.replicated_param(ones, rngs.params(), (features,), param_dtype, mesh)
-        self.bias = (
-            _sharding.replicated_param(zeros, rngs.params(), (features,), param_dtype, mesh)
-            if kind == "layernorm"
-            else None
-        )
+        make = _sharding.param_maker(rngs, param_dtype, mesh)
+        self.scale = make(nnx.initializers.ones_init(), (features,), P())
+        layernorm = kind == "layernorm"
+        self.bias = make(nnx.initializers.zeros_init(), (features,), P()) if layernorm else None
 
     def params(self):
         return [self.scale[...], None if self.bias is None else self.bias[...]]

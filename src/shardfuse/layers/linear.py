@@ -115,26 +115,12 @@ class _ParallelLinear(nnx.Module):
         self.param_dtype = param_dtype
         self.implementation = implementation
         self.precision = matmul_base.check_precision(precision)
-        self.kernel = _sharding.sharded_param(
-            kernel_init,
-            rngs.params(),
-            (in_features, out_features),
-            param_dtype,
-            mesh,
-            self.kernel_spec_for(self.model_axis),
+        make = _sharding.param_maker(rngs, param_dtype, mesh)
+        self.kernel = make(
+            kernel_init, (in_features, out_features), self.kernel_spec_for(self.model_axis)
         )
-        self.bias = (
-            _sharding.sharded_param(
-                bias_init,
-                rngs.params(),
-                (out_features,),
-                param_dtype,
-                mesh,
-                self.bias_spec_for(self.model_axis),
-            )
-            if use_bias
-            else None
-        )
+        bias_spec = self.bias_spec_for(self.model_axis)
+        self.bias = make(bias_init, (out_features,), bias_spec) if use_bias else None
 
     def _sequence_spec(self, parallel: bool):
         return _sharding.sequence_spec(self.sequence_axis, self.model_axis, parallel)
