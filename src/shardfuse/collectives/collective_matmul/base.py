@@ -153,12 +153,14 @@ def common_varying(x, w, axis_name: str):
 
 
 def ring_vjp(forward, backward, *, name: str):
-    """`op(x, w, *static)` = `forward(x, w, *static)` with the custom VJP `backward`.
+    """`op(x, w, plan, *static)` = `forward(x, w, plan, *static)` with the custom VJP `backward`.
 
-    The VJP saves `(x, w)`; `backward(x, w, dy, *static) -> (dx, dw)` runs
-    under `jax.named_scope(f"{name}_bwd")` and its results are cast to the
-    dtypes of x and w. `static` (the `RingPlan`, mesh axes) is hashable and
-    not differentiated.
+    `op` first gives x and w the same varying mesh axes (`common_varying`) and
+    runs under `jax.named_scope(name)`. The VJP saves `(x, w)`;
+    `backward(x, w, dy, plan, *static) -> (dx, dw)` runs under
+    `jax.named_scope(f"{name}_bwd")` and its results are cast to the dtypes of
+    x and w. The `RingPlan` and `static` (mesh axes) are hashable and not
+    differentiated.
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -175,4 +177,10 @@ def ring_vjp(forward, backward, *, name: str):
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
     op.defvjp(op_fwd, op_bwd)
-    return lambda x, w, *static: op(x, w, static)
+
+    def ring_op(x, w, plan: RingPlan, *static):
+        x, w = common_varying(x, w, plan.axis_name)
+        with jax.named_scope(name):
+            return op(x, w, (plan, *static))
+
+    return ring_op

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from shardfuse.collectives.collective_matmul import pallas_tpu_kernels as kernels
 from shardfuse.collectives.collective_matmul import ring
-from shardfuse.collectives.collective_matmul.base import RingPlan, common_varying, ring_vjp
+from shardfuse.collectives.collective_matmul.base import RingPlan, ring_vjp
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.kernels.pallas_interpret import current_interpret_params
 
@@ -198,19 +198,13 @@ def _check_precision(plan: RingPlan, dtype):
 def all_gather_matmul(x, w, plan: RingPlan):
     """`all_gather(x, axis=plan.axis, tiled=True) @ w` through the fused kernel."""
     _check_precision(plan, x.dtype)
-    mesh_axes = _mesh_axes(plan)
-    x, w = common_varying(x, w, plan.axis_name)
-    with jax.named_scope("all_gather_matmul"):
-        return _all_gather_matmul(x, w, plan, mesh_axes)
+    return _all_gather_matmul(x, w, plan, _mesh_axes(plan))
 
 
 def matmul_reduce_scatter(x, w, plan: RingPlan):
     """`psum_scatter(x @ w, scatter_dimension=plan.axis, tiled=True)` through the fused kernel."""
     _check_precision(plan, x.dtype)
-    mesh_axes = _mesh_axes(plan)
-    x, w = common_varying(x, w, plan.axis_name)
-    with jax.named_scope("matmul_reduce_scatter"):
-        return _matmul_reduce_scatter(x, w, plan, mesh_axes)
+    return _matmul_reduce_scatter(x, w, plan, _mesh_axes(plan))
 
 
 def matmul_all_reduce(x, w, plan, axis_name, precision=None):

@@ -80,6 +80,20 @@ def _neighbour(table_ref, direction: int, num_axes: int):
     return tuple(table_ref[first + a] for a in range(num_axes))
 
 
+def _send_to_neighbour(src, dst, send_sem, recv_sem, *, slot, table_ref, direction, num_axes):
+    """Starts the DMA of `src` into the ring neighbour's `dst[slot]` (semaphores `[slot]`)."""
+    copy = pltpu.make_async_remote_copy(
+        src,
+        dst.at[slot],
+        send_sem.at[slot],
+        recv_sem.at[slot],
+        device_id=_neighbour(table_ref, direction, num_axes),
+        device_id_type=pl.DeviceIdType.MESH,
+    )
+    copy.start()
+    return copy
+
+
 def _row_start(table_ref, step: int, lane: int, num_lanes: int, num_axes: int):
     return table_ref[2 * num_axes + step * num_lanes + lane]
 
@@ -138,15 +152,10 @@ def _gather_ring(
                 if s <= n - 2:
                     if handshake and s >= 2:
                         pl.semaphore_wait(credit, 1)  # downstream freed slot s % 2
-                    copy = pltpu.make_async_remote_copy(
-                        src,
-                        buf.at[s % 2],
-                        send_sem.at[s % 2],
-                        recv_sem.at[s % 2],
-                        device_id=_neighbour(table_ref, lane.direction, num_axes),
-                        device_id_type=pl.DeviceIdType.MESH,
-                    )
-                    copy.start()
+                    copy = _send_to_neighbour(
+                        src, buf, send_sem, recv_sem, slot=s % 2, table_ref=table_ref,
+                        direction=lane.direction, num_axes=num_axes,
+                    )  # fmt: skip
                 started.append(copy)
             for k, lane in enumerate(plan.lanes):
                 lo, _ = _lane_rows(lane, row_factor)
@@ -242,15 +251,10 @@ def matmul_reduce_scatter_kernel(
                     send_buf[s % 2] = partial
                     if handshake and s >= 2:
                         pl.semaphore_wait(credit, 1)  # downstream added its slot s % 2
-                    copy = pltpu.make_async_remote_copy(
-                        send_buf.at[s % 2],
-                        recv_buf.at[s % 2],
-                        send_sem.at[s % 2],
-                        recv_sem.at[s % 2],
-                        device_id=_neighbour(table_ref, lane.direction, num_axes),
-                        device_id_type=pl.DeviceIdType.MESH,
-                    )
-                    copy.start()
+                    copy = _send_to_neighbour(
+                        send_buf.at[s % 2], recv_buf, send_sem, recv_sem, slot=s % 2,
+                        table_ref=table_ref, direction=lane.direction, num_axes=num_axes,
+                    )  # fmt: skip
                 if pending[k] is not None:
                     pending[k].wait_send()
                 started.append(copy)

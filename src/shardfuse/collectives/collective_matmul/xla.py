@@ -99,16 +99,12 @@ _matmul_all_reduce.defvjp(_matmul_all_reduce_fwd, _matmul_all_reduce_bwd)
 
 def all_gather_matmul(x, w, plan: RingPlan):
     """`all_gather(x, plan.axis_name, axis=plan.axis, tiled=True) @ w` on validated inputs."""
-    x, w = common_varying(x, w, plan.axis_name)
-    with jax.named_scope("all_gather_matmul"):
-        return _all_gather_matmul(x, w, plan)
+    return _all_gather_matmul(x, w, plan)
 
 
 def matmul_reduce_scatter(x, w, plan: RingPlan):
     """`psum_scatter(x @ w, plan.axis_name, scatter_dimension=plan.axis, tiled=True)`."""
-    x, w = common_varying(x, w, plan.axis_name)
-    with jax.named_scope("matmul_reduce_scatter"):
-        return _matmul_reduce_scatter(x, w, plan)
+    return _matmul_reduce_scatter(x, w, plan)
 
 
 def matmul_all_reduce(x, w, plan: RingPlan | None, axis_name: str, precision=None):
