@@ -31,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -77,24 +76,14 @@ def forward(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg,
 def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
     sizes = check_supported(q, config.block_sizes)
     lay = Layout(config, q, k, q_pos, kv_pos, q_seg, kv_seg, sizes.block_q, sizes.block_kv)
-    B, H, G, D, bq, bk = lay.B, lay.H, lay.G, lay.D, lay.block_q, lay.block_kv
+    B, H, D, bq = lay.B, lay.H, lay.D, lay.block_q
     q_t, k_t, v_t = (
         lay.heads_first(q, lay.Tp),
         lay.heads_first(k, lay.Sp),
         lay.heads_first(v, lay.Sp),
     )
-
-    def kv_block(b, h, i, j, states_ref, fetch_ref):
-        return fetch_ref[b, i, j]
-
-    def q_block(b, h, i, j, *_):
-        return i
-
-    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
-    kv_spec = pl.BlockSpec(
-        (None, None, bk, D), lambda b, h, *a: (b, lax.div(h, G), kv_block(b, h, *a), 0)
-    )
-    in_specs = [q_spec, kv_spec, kv_spec, *lay.mask_specs(q_block, kv_block)]
+    q_spec, kv_spec, mask_specs = lay.query_major_specs()
+    in_specs = [q_spec, kv_spec, kv_spec, *mask_specs]
     out_shape = [
         jax.ShapeDtypeStruct(q_t.shape, q.dtype),
         jax.ShapeDtypeStruct((B, H, lay.Tp, NUM_LANES), jnp.float32),

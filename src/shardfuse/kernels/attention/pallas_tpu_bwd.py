@@ -38,21 +38,10 @@ from shardfuse.kernels.pallas_interpret import current_interpret_params
 
 def _dq(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_dtype):
     """dQ `[B, H, Tp, D]` by the dq kernel; lse and delta are `[B, H, 1, Tp]`."""
-    B, H, G, D, bq, bk = lay.B, lay.H, lay.G, lay.D, lay.block_q, lay.block_kv
-
-    def kv_block(b, h, i, j, states_ref, fetch_ref):
-        return fetch_ref[b, i, j]
-
-    def q_block(b, h, i, j, *_):
-        return i
-
-    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
-    kv_spec = pl.BlockSpec(
-        (None, None, bk, D), lambda b, h, *a: (b, lax.div(h, G), kv_block(b, h, *a), 0)
-    )
+    B, H, D, bq = lay.B, lay.H, lay.D, lay.block_q
+    q_spec, kv_spec, mask_specs = lay.query_major_specs()
     row_spec = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-    in_specs += lay.mask_specs(q_block, kv_block)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *mask_specs]
     out_shape = [jax.ShapeDtypeStruct(q_t.shape, grad_dtype)]
     args = (lay.states, blocks.fetch_indices(lay.states), q_t, k_t, v_t, do_t, lse, delta)
     args += tuple(lay.mask_arrays)

@@ -14,6 +14,7 @@ heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
 """
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -71,6 +72,27 @@ class Layout:
     def heads_first(self, x, length):
         """`[B, L, N, D]` -> `[B, N, Lp, D]`, zero padded."""
         return pad(x.transpose(0, 2, 1, 3), 2, length)
+
+    def query_major_specs(self):
+        """`(q_spec, kv_spec, mask_specs)` of the kernels on grid `(B, H, nq, nk)` (forward, dQ).
+
+        Query head h reads kv head `h // G`; the kv block index comes from the
+        fetch table (scalar prefetch), so a skipped block re-uses the block
+        already in VMEM instead of copying a new one.
+        """
+        G, D, bq, bk = self.G, self.D, self.block_q, self.block_kv
+
+        def kv_block(b, h, i, j, states_ref, fetch_ref):
+            return fetch_ref[b, i, j]
+
+        def q_block(b, h, i, j, *_):
+            return i
+
+        q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, *_: (b, h, i, 0))
+        kv_spec = pl.BlockSpec(
+            (None, None, bk, D), lambda b, h, *a: (b, lax.div(h, G), kv_block(b, h, *a), 0)
+        )
+        return q_spec, kv_spec, self.mask_specs(q_block, kv_block)
 
     def mask_specs(self, q_block, kv_block):
         """BlockSpecs of the 8 mask arrays; `q_block(*idx)`, `kv_block(*idx)` give block indices."""
