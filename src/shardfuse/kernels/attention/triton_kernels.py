@@ -31,7 +31,10 @@ from shardfuse.kernels.attention.triton_tiles import LN2, LOG2E
 from shardfuse.kernels.attention.triton_tiles import any_row as _any_row
 from shardfuse.kernels.attention.triton_tiles import block_range as _block_range
 from shardfuse.kernels.attention.triton_tiles import dot as _dot
+from shardfuse.kernels.attention.triton_tiles import key_block as _key_block
 from shardfuse.kernels.attention.triton_tiles import logits as _logits
+from shardfuse.kernels.attention.triton_tiles import positions as _positions
+from shardfuse.kernels.attention.triton_tiles import query_block as _query_block
 from shardfuse.kernels.attention.triton_tiles import stage_bounds as _stage_bounds
 from shardfuse.kernels.attention.triton_tiles import tile_mask as _tile_mask
 
@@ -65,23 +68,15 @@ def attention_forward_kernel(
     IEEE: tl.constexpr,
 ):
     """One query block of one head: `out [B, T, H, D]` and float32 `lse [B, H, T]`."""
-    block_q = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    kv_head = h // (H // K)
-    offs_m = block_q * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_in = offs_m < T
-    q_tile = q_in[:, None] & (offs_d < D)[None, :]
+    block_q, b, h, kv_head, offs_m, offs_d, q_in, q_tile = _query_block(
+        T, H, K, D, BLOCK_M, BLOCK_D
+    )
     # Scalar int64 bases, int32 tile offsets: int64 tiles would hold twice the registers.
     q_head = b.to(tl.int64) * (T * H * D) + h * D
     q = tl.load(
         q_ref + q_head + offs_m[:, None] * (H * D) + offs_d[None, :], mask=q_tile, other=0.0
     )
-    q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
-    q_seg = q_pos
-    if HAS_SEGMENTS:
-        q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
+    q_pos, q_seg = _positions(q_pos_ref, q_seg_ref, offs_m, q_in, b * T, HAS_SEGMENTS)
     kv_offset = b.to(tl.int64) * (S * K * D) + kv_head * D
     lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(T, BLOCK_M) + block_q)
 
@@ -93,10 +88,7 @@ def attention_forward_kernel(
     for stage in tl.static_range(3):  # masked, full (no mask), masked
         start, end = _stage_bounds(stage, lo, full_lo, full_hi, hi)
         for block in range(start, end):
-            offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_in = offs_n < S
-            kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
-            kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
+            offs_n, kv_in, kv_tile, kv_offsets = _key_block(block, S, K, D, offs_d, BLOCK_N)
             k = tl.load(k_head_ref + kv_offsets, mask=kv_tile, other=0.0)
             s, _ = _logits(_dot(q, tl.trans(k), IEEE), SCALE, SOFTCAP)  # [BLOCK_M, BLOCK_N]
             v_tile = kv_tile
@@ -204,10 +196,7 @@ def attention_backward_dkdv_kernel(
     kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
     k = tl.load(k_ref + kv_head_offset + kv_offsets, mask=kv_tile, other=0.0)
     v = tl.load(v_ref + kv_head_offset + kv_offsets, mask=kv_tile, other=0.0)
-    kv_pos = tl.load(kv_pos_ref + offs_n, mask=kv_in, other=0)
-    kv_seg = kv_pos
-    if HAS_SEGMENTS:
-        kv_seg = tl.load(kv_seg_ref + b * S + offs_n, mask=kv_in, other=0)
+    kv_pos, kv_seg = _positions(kv_pos_ref, kv_seg_ref, offs_n, kv_in, b * S, HAS_SEGMENTS)
     lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(S, BLOCK_N) + block_kv)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -291,14 +280,9 @@ def attention_backward_dq_kernel(
     IEEE: tl.constexpr,
 ):
     """One query block of one head: `dQ = sum_j dS_j K_j * scale`, no atomics."""
-    block_q = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    kv_head = h // (H // K)
-    offs_m = block_q * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_in = offs_m < T
-    q_tile = q_in[:, None] & (offs_d < D)[None, :]
+    block_q, b, h, kv_head, offs_m, offs_d, q_in, q_tile = _query_block(
+        T, H, K, D, BLOCK_M, BLOCK_D
+    )
     b64 = b.to(tl.int64)
     q_head = b64 * (T * H * D) + h * D
     q_offsets = offs_m[:, None] * (H * D) + offs_d[None, :]
@@ -308,10 +292,7 @@ def attention_backward_dq_kernel(
     lse = tl.load(lse_ref + rows, mask=q_in, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     delta = tl.load(delta_ref + rows, mask=q_in, other=0.0)
-    q_pos = tl.load(q_pos_ref + offs_m, mask=q_in, other=0)
-    q_seg = q_pos
-    if HAS_SEGMENTS:
-        q_seg = tl.load(q_seg_ref + b * T + offs_m, mask=q_in, other=0)
+    q_pos, q_seg = _positions(q_pos_ref, q_seg_ref, offs_m, q_in, b * T, HAS_SEGMENTS)
     k_head_ref = k_ref + b64 * (S * K * D) + kv_head * D
     v_head_ref = v_ref + b64 * (S * K * D) + kv_head * D
     lo, full_lo, full_hi, hi = _block_range(ranges_ref, b * tl.cdiv(T, BLOCK_M) + block_q)
@@ -320,10 +301,7 @@ def attention_backward_dq_kernel(
     for stage in tl.static_range(3):  # masked, full (no mask), masked
         start, end = _stage_bounds(stage, lo, full_lo, full_hi, hi)
         for block in range(start, end):
-            offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_in = offs_n < S
-            kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
-            kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
+            offs_n, kv_in, kv_tile, kv_offsets = _key_block(block, S, K, D, offs_d, BLOCK_N)
             k = tl.load(k_head_ref + kv_offsets, mask=kv_tile, other=0.0)
             s, tanh = _logits(_dot(q, tl.trans(k), IEEE), SCALE, SOFTCAP)  # [M, N]
             s = s - lse[:, None]

@@ -31,6 +31,43 @@ def logits(s, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def query_block(T, H, K, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query block of a `(nq, B * H)` program: `(block_q, b, h, kv_head, offs_m, offs_d,
+    q_in, q_tile)`, the last two the in-bounds rows and `[BLOCK_M, BLOCK_D]` elements."""
+    block_q = tl.program_id(0)
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    kv_head = h // (H // K)
+    offs_m = block_q * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in = offs_m < T
+    q_tile = q_in[:, None] & (offs_d < D)[None, :]
+    return block_q, b, h, kv_head, offs_m, offs_d, q_in, q_tile
+
+
+@triton.jit
+def key_block(block, S, K, D, offs_d, BLOCK_N: tl.constexpr):
+    """Key block `block` of one kv head: `(offs_n, kv_in, kv_tile, kv_offsets)`, the element
+    offsets `[BLOCK_N, BLOCK_D]` relative to the head's first element."""
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_in = offs_n < S
+    kv_tile = kv_in[:, None] & (offs_d < D)[None, :]
+    kv_offsets = offs_n[:, None] * (K * D) + offs_d[None, :]
+    return offs_n, kv_in, kv_tile, kv_offsets
+
+
+@triton.jit
+def positions(pos_ref, seg_ref, offsets, valid, row, HAS_SEGMENTS: tl.constexpr):
+    """`(pos, seg)` at `offsets`; `seg_ref + row` is this batch row's segment ids (without
+    segments, `seg` is `pos`, never read)."""
+    pos = tl.load(pos_ref + offsets, mask=valid, other=0)
+    seg = pos
+    if HAS_SEGMENTS:
+        seg = tl.load(seg_ref + row + offsets, mask=valid, other=0)
+    return pos, seg
+
+
+@triton.jit
 def tile_mask(
     pos,
     seg,
