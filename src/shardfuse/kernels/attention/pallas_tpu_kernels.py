@@ -129,6 +129,23 @@ def _any_along_lanes(mask):
     return jnp.max(mask.astype(jnp.float32), axis=1, keepdims=True) > 0
 
 
+def _run_step(state, step):
+    """Runs `step(masked)` on a PARTIAL block, `step(False)` unmasked on a FULL one, and
+    nothing on a skipped one."""
+    pl.when(state == PARTIAL)(lambda: step(True))
+    pl.when(state == FULL)(lambda: step(False))
+
+
+def _score_grads(p, dp, delta, mask, tanh):
+    """`dS = p * (dP - delta) * cap'(s)` (FlashAttention-2), 0 where `mask` (if any) is False."""
+    ds = p * (dp - delta)
+    if mask is not None:
+        ds = jnp.where(mask, ds, 0.0)
+    if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)
+    return ds
+
+
 def forward_kernel(
     states_ref,  # SMEM int32 [B, nq, nk]
     fetch_ref,  # SMEM int32 [B, nq, nk]
@@ -167,9 +184,7 @@ def forward_kernel(
         pv = _dot(p.astype(v.dtype), v, NN_DIMS, st.precision)  # [bq, D]
         acc_ref[...] = acc_ref[...] * fit_lanes(alpha, head_dim) + pv
 
-    state = states_ref[b, i, j]
-    pl.when(state == PARTIAL)(lambda: step(True))
-    pl.when(state == FULL)(lambda: step(False))
+    _run_step(states_ref[b, i, j], step)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -205,6 +220,7 @@ def dq_kernel(
     def step(masked: bool):
         k, v = k_ref[...], v_ref[...]
         s, tanh = _scores(st, q_ref[...], k)  # [bq, bk]
+        mask = None
         if masked:
             mask = masks.queries_by_keys(st, i, j)
             s = jnp.where(mask, s, -jnp.inf)
@@ -212,16 +228,10 @@ def dq_kernel(
             k, v = _zero_rows(k, key_visible), _zero_rows(v, key_visible)
         p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))
         dp = _dot(do_ref[...], v, NT_DIMS, st.precision)  # [bq, bk]
-        ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
-        if masked:
-            ds = jnp.where(mask, ds, 0.0)
-        if tanh is not None:
-            ds = ds * (1.0 - tanh * tanh)
+        ds = _score_grads(p, dp, jnp.expand_dims(delta_ref[0], -1), mask, tanh)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, NN_DIMS, st.precision)
 
-    state = states_ref[b, i, j]
-    pl.when(state == PARTIAL)(lambda: step(True))
-    pl.when(state == FULL)(lambda: step(False))
+    _run_step(states_ref[b, i, j], step)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -255,6 +265,7 @@ def dkv_kernel(
     def step(masked: bool):
         q, do = q_ref[...], do_ref[...]
         s, tanh = _scores(st, k_ref[...], q)  # [bk, bq]
+        mask = None
         if masked:
             mask = masks.keys_by_queries(st, i, j)
             s = jnp.where(mask, s, -jnp.inf)
@@ -263,16 +274,10 @@ def dkv_kernel(
         p = jnp.exp(s - lse_ref[:1, :])  # [bk, bq]
         dv_acc_ref[...] += _dot(p.astype(do.dtype), do, NN_DIMS, st.precision)
         dp = _dot(v_ref[...], do, NT_DIMS, st.precision)  # [bk, bq]
-        ds = p * (dp - delta_ref[:1, :])
-        if masked:
-            ds = jnp.where(mask, ds, 0.0)
-        if tanh is not None:
-            ds = ds * (1.0 - tanh * tanh)
+        ds = _score_grads(p, dp, delta_ref[:1, :], mask, tanh)
         dk_acc_ref[...] += _dot(ds.astype(q.dtype), q, NN_DIMS, st.precision)
 
-    state = states_ref[b, j, i]
-    pl.when(state == PARTIAL)(lambda: step(True))
-    pl.when(state == FULL)(lambda: step(False))
+    _run_step(states_ref[b, j, i], step)
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _finish():
