@@ -161,12 +161,18 @@ def to_ring_layout(x, ring_size: int, layout: str, axis: int = 1):
       >>> sf.to_ring_layout(jnp.arange(8)[None], 2, "zigzag").tolist()
       [[0, 1, 6, 7, 2, 3, 4, 5]]
     """
+    return _relayout(x, ring_size, layout, axis, _to_ring)
+
+
+def _relayout(x, ring_size, layout, axis, permute):
+    """Checks, then `permute(x, ring_size, layout, axis)` keeping x's sharding (contiguous and
+    empty sequences are returned as they are)."""
     axis = _check_axis(x, axis)
     length = x.shape[axis]
     _check_ring(length, ring_size, layout, what=f"x.shape[{axis}]")
     if layout == "contiguous" or length == 0:
         return x
-    return _keeping_sharding(lambda x: _to_ring(x, ring_size, layout, axis), x)
+    return _keeping_sharding(lambda x: permute(x, ring_size, layout, axis), x)
 
 
 def _to_ring(x, n, layout, axis):
@@ -204,12 +210,7 @@ def from_ring_layout(x, ring_size: int, layout: str, axis: int = 1):
       >>> bool((sf.from_ring_layout(y, 3, "striped") == x).all())
       True
     """
-    axis = _check_axis(x, axis)
-    length = x.shape[axis]
-    _check_ring(length, ring_size, layout, what=f"x.shape[{axis}]")
-    if layout == "contiguous" or length == 0:
-        return x
-    return _keeping_sharding(lambda x: _from_ring(x, ring_size, layout, axis), x)
+    return _relayout(x, ring_size, layout, axis, _from_ring)
 
 
 def _from_ring(x, n, layout, axis):
