@@ -158,7 +158,7 @@ class Triton(Backend):
         from shardfuse.kernels.triton.launch import InterpretLauncher
 
         config = base.validate(
-            a, b, c=addend, bias=bias, out_dtype=out_dtype, block_sizes=block_sizes
+            a, b, addend=addend, bias=bias, out_dtype=out_dtype, block_sizes=block_sizes
         )
         return triton_gpu.matmul(config, a, b, addend, bias, launcher=InterpretLauncher())
 

@@ -64,7 +64,11 @@ def test_default_dispatch_runs_on_cpu():
         (dict(b=jnp.ones((2, 4, 5))), ValueError, r"b has rank 3 .*\[C, N\]"),
         (dict(b=jnp.ones((5, 5))), ValueError, "a .* has C=4, b .* has C=5"),
         (dict(b=jnp.ones((4, 5), jnp.bfloat16)), TypeError, "a and b must share one dtype"),
-        (dict(addend=jnp.ones((3, 4))), ValueError, r"has shape \(3, 4\); expected .*\(3, 5\)"),
+        (
+            dict(addend=jnp.ones((3, 4))),
+            ValueError,
+            r"addend has shape \(3, 4\); expected .*\(3, 5",
+        ),
         (dict(bias=jnp.ones((3,))), ValueError, r"bias has shape \(3,\); expected \[N\]"),
         (dict(out_dtype=jnp.int8), TypeError, "out_dtype=int8 is not supported"),
         (dict(implementation="cuda"), ValueError, "implementation='cuda' is not one of"),

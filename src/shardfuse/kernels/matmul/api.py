@@ -151,7 +151,7 @@ def matmul(
     config = base.validate(
         a,
         b,
-        c=addend,
+        addend=addend,
         bias=bias,
         out_dtype=out_dtype,
         block_sizes=block_sizes,

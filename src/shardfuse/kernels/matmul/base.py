@@ -96,12 +96,13 @@ def output_shape(a, b) -> tuple[int, ...]:
 
 
 def validate(
-    a, b, *, c=None, bias=None, out_dtype=None, block_sizes=None, precision=None
+    a, b, *, addend=None, bias=None, out_dtype=None, block_sizes=None, precision=None
 ) -> MatmulConfig:
     """Checks the inputs of `matmul` and returns its `MatmulConfig`.
 
     Raises:
-      ValueError: ranks or shapes do not fit `a [..., M, C] @ b [C, N] + c [..., M, N] + bias [N]`.
+      ValueError: ranks or shapes do not fit
+        `a [..., M, C] @ b [C, N] + addend [..., M, N] + bias [N]`.
       TypeError: a non-array input, an unsupported dtype (integers, float64),
         `a` and `b` of different dtypes, or a bad `out_dtype` / `block_sizes`.
     """
@@ -119,11 +120,12 @@ def validate(
             f"b {tuple(b.shape)} has C={b.shape[0]}"
         )
     expected = output_shape(a, b)
-    if c is not None:
-        _check_array("c", c)
-        if tuple(c.shape) != expected:
+    if addend is not None:
+        _check_array("addend", addend)
+        if tuple(addend.shape) != expected:
             raise ValueError(
-                f"c has shape {tuple(c.shape)}; expected the output shape [..., M, N] = {expected}"
+                f"addend has shape {tuple(addend.shape)}; expected the output shape "
+                f"[..., M, N] = {expected}"
             )
     if bias is not None:
         _check_array("bias", bias)
@@ -151,35 +153,36 @@ def validate(
     )
 
 
-def epilogue(acc, c, bias, out_dtype):
-    """`acc (+ c) (+ bias)` in float32, then cast: the fused add of every backend."""
-    if c is not None:
-        acc = acc + c.astype(jnp.float32)
+def epilogue(acc, addend, bias, out_dtype):
+    """`acc (+ addend) (+ bias)` in float32, then cast: the fused add of every backend."""
+    if addend is not None:
+        acc = acc + addend.astype(jnp.float32)
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
     return acc.astype(out_dtype)
 
 
 def backward(matmul_2d, residuals, g):
-    """The VJP of `a @ b (+ c) (+ bias)` with both products on a backend's 2-D kernel.
+    """The VJP of `a @ b (+ addend) (+ bias)` with both products on a backend's 2-D kernel.
 
-        da = g b^T,   db = a^T g,   dc = g,   dbias = sum over rows of g (float32)
+        da = g b^T,   db = a^T g,   daddend = g,   dbias = sum over rows of g (float32)
 
     Args:
       matmul_2d: `(x [M, C], y [C, N], out_dtype) -> x @ y [M, N]`, the backend's kernel.
-      residuals: the forward's `(a, b, c, bias)`.
+      residuals: the forward's `(a, b, addend, bias)`.
       g: `[..., M, N]` cotangent of the output.
 
     Returns:
-      `(da, db, dc, dbias)`, each in its primal's dtype (None for an absent `c` or `bias`).
+      `(da, db, daddend, dbias)`, each in its primal's dtype (None for an absent
+      `addend` or `bias`).
     """
-    a, b, c, bias = residuals
+    a, b, addend, bias = residuals
     g2 = g.reshape(-1, g.shape[-1]).astype(a.dtype)  # [M', N]
     a2 = a.reshape(-1, a.shape[-1])  # [M', C]
     da = matmul_2d(g2, b.T, a.dtype)
     db = matmul_2d(a2.T, g2, b.dtype)
-    dc = None if c is None else g.astype(c.dtype)
+    daddend = None if addend is None else g.astype(addend.dtype)
     dbias = None
     if bias is not None:
         dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(g.ndim - 1))).astype(bias.dtype)
-    return da.reshape(a.shape), db, dc, dbias
+    return da.reshape(a.shape), db, daddend, dbias

@@ -5,13 +5,13 @@ https://docs.jax.dev/en/latest/pallas/tpu/matmul.html): a grid over
 `(M / block_m, N / block_n, C / block_k)` with the contracted axis innermost
 ("arbitrary"), a float32 VMEM accumulator per output tile, and the epilogue
 fused into the last contraction step: the accumulator starts from the
-addend tile `c` (so the partial sum of a reduce-scatter ring step is read
+addend tile (so the partial sum of a reduce-scatter ring step is read
 once, straight into the accumulator), `bias` is added at the end and the tile
 is cast to `out_dtype` once. Inputs whose sizes are not block multiples are
 zero padded (zeros along C add nothing) and the output is sliced back.
 
 The backward runs the same kernel: `da = g @ b^T`, `db = a^T @ g` (the
-cotangent is cast to the input dtype first), `dc = g`, `dbias = sum g`.
+cotangent is cast to the input dtype first), `daddend = g`, `dbias = sum g`.
 
 Off TPU the kernel runs in TPU interpret mode (`pltpu.InterpretParams`),
 which is how the tests check it on CPU; `pallas_interpret.interpret_mode(False)`
@@ -72,19 +72,19 @@ def tiling(M: int, N: int, C: int, block_sizes: base.MatmulBlockSizes) -> Tiling
     return Tiling(bm, bn, bk, _round_up(M, bm), _round_up(N, bn), _round_up(C, bk))
 
 
-def _matmul_kernel(*refs, has_c: bool, has_bias: bool):
+def _matmul_kernel(*refs, has_addend: bool, has_bias: bool):
     a_ref, b_ref = refs[:2]
-    c_ref = refs[2] if has_c else None
-    bias_ref = refs[2 + has_c] if has_bias else None
+    addend_ref = refs[2] if has_addend else None
+    bias_ref = refs[2 + has_addend] if has_bias else None
     out_ref, acc_ref = refs[-2:]
     k = pl.program_id(2)
 
     @pl.when(k == 0)
     def _init():
-        if c_ref is None:
+        if addend_ref is None:
             acc_ref[...] = jnp.zeros_like(acc_ref)
         else:
-            acc_ref[...] = c_ref[...].astype(jnp.float32)
+            acc_ref[...] = addend_ref[...].astype(jnp.float32)
 
     # HIGHEST for float32 tiles: full-precision MXU passes, as the reference.
     precision = dot_precision(a_ref.dtype)
@@ -104,8 +104,8 @@ def _pad2(x, rows: int, cols: int):
     return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
 
 
-def matmul_2d(a, b, c, bias, *, out_dtype, block_sizes: base.MatmulBlockSizes):
-    """The kernel on 2-D operands: a `[M, C]`, b `[C, N]`, optional c `[M, N]` and bias `[N]`."""
+def matmul_2d(a, b, addend, bias, *, out_dtype, block_sizes: base.MatmulBlockSizes):
+    """The kernel on 2-D operands: a `[M, C]`, b `[C, N]`, optional addend `[M, N]`, bias `[N]`."""
     M, C = a.shape
     N = b.shape[1]
     t = tiling(M, N, C, block_sizes)
@@ -114,14 +114,14 @@ def matmul_2d(a, b, c, bias, *, out_dtype, block_sizes: base.MatmulBlockSizes):
         pl.BlockSpec((t.block_m, t.block_k), lambda i, j, k: (i, k)),
         pl.BlockSpec((t.block_k, t.block_n), lambda i, j, k: (k, j)),
     ]
-    if c is not None:
-        operands.append(_pad2(c, t.M, t.N))
+    if addend is not None:
+        operands.append(_pad2(addend, t.M, t.N))
         in_specs.append(pl.BlockSpec((t.block_m, t.block_n), lambda i, j, k: (i, j)))
     if bias is not None:
         operands.append(_pad2(bias.reshape(1, N), 1, t.N))
         in_specs.append(pl.BlockSpec((1, t.block_n), lambda i, j, k: (0, j)))
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, has_c=c is not None, has_bias=bias is not None),
+        functools.partial(_matmul_kernel, has_addend=addend is not None, has_bias=bias is not None),
         out_shape=jax.ShapeDtypeStruct((t.M, t.N), out_dtype),
         grid=(t.M // t.block_m, t.N // t.block_n, t.C // t.block_k),
         in_specs=in_specs,
@@ -137,16 +137,18 @@ def matmul_2d(a, b, c, bias, *, out_dtype, block_sizes: base.MatmulBlockSizes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _matmul(a, b, c, bias, config: base.MatmulConfig):
+def _matmul(a, b, addend, bias, config: base.MatmulConfig):
     out_shape = base.output_shape(a, b)
     a2 = a.reshape(-1, a.shape[-1])  # [M', C]
-    c2 = None if c is None else c.reshape(-1, c.shape[-1])
-    out = matmul_2d(a2, b, c2, bias, out_dtype=config.out_dtype, block_sizes=config.block_sizes)
+    addend2 = None if addend is None else addend.reshape(-1, addend.shape[-1])
+    out = matmul_2d(
+        a2, b, addend2, bias, out_dtype=config.out_dtype, block_sizes=config.block_sizes
+    )
     return out.reshape(out_shape)
 
 
-def _matmul_fwd(a, b, c, bias, config):
-    return _matmul(a, b, c, bias, config), (a, b, c, bias)
+def _matmul_fwd(a, b, addend, bias, config):
+    return _matmul(a, b, addend, bias, config), (a, b, addend, bias)
 
 
 def _matmul_bwd(config, residuals, g):
@@ -159,8 +161,8 @@ def _matmul_bwd(config, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(config: base.MatmulConfig, a, b, c, bias):
-    """`a [..., M, C] @ b [C, N] (+ c) (+ bias)` on validated inputs, with a custom VJP."""
+def matmul(config: base.MatmulConfig, a, b, addend, bias):
+    """`a [..., M, C] @ b [C, N] (+ addend) (+ bias)` on validated inputs, with a custom VJP."""
     # Refuse now, before tracing, so that dispatch can fall back.
     base.require_default_precision(config, a.dtype, "pallas_tpu")
     if current_interpret_params() is False and jnp.float16 in (
@@ -169,4 +171,4 @@ def matmul(config: base.MatmulConfig, a, b, c, bias):
     ):
         raise NotImplementedError("pallas_tpu matmul on TPU supports float32 and bfloat16")
     tiling(a.size // max(a.shape[-1], 1), b.shape[1], b.shape[0], config.block_sizes)
-    return _matmul(a, b, c, bias, config)
+    return _matmul(a, b, addend, bias, config)

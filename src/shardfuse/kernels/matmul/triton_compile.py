@@ -24,7 +24,7 @@ class MatmulCompileStats(ResourceUsage):
     config: triton_gpu.MatmulKernelConfig
 
 
-def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_c=True, has_bias=True):
+def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_addend=True, has_bias=True):
     """Compiles the kernel with its default config for `sm_{arch}` and returns `MatmulCompileStats`.
 
     Example:
@@ -35,12 +35,12 @@ def compile_stats(*, arch: int, dtype: str, M=4096, N=4096, C=4096, has_c=True, 
     config = triton_gpu.default_config(arch, jnp.dtype(dtype))
     fn = getattr(launch.kernel_module(triton_gpu.KERNELS_MODULE), triton_gpu.KERNEL)
     constexprs = triton_gpu.kernel_constexprs(
-        config, M, N, C, dtype=dtype, has_c=has_c, has_bias=has_bias
+        config, M, N, C, dtype=dtype, has_addend=has_addend, has_bias=has_bias
     )
     pointer_dtypes = {
         "a_ref": dtype,
         "b_ref": dtype,
-        "c_ref": "float32",
+        "addend_ref": "float32",
         "bias_ref": "float32",
         "out_ref": dtype,
     }

@@ -1,15 +1,15 @@
 """The triton implementation of sf.matmul: the Triton kernel behind a JAX custom VJP.
 
 `a [..., M, C]` is flattened to `[M', C]` and the kernel of `triton_kernels.py`
-computes `a @ b (+ c) (+ bias)` with float32 accumulation and the add fused
+computes `a @ b (+ addend) (+ bias)` with float32 accumulation and the add fused
 into its epilogue. The backward runs the same kernel twice: `da = g @ b^T`,
 `db = a^T @ g` (operands transposed by XLA, the cotangent cast to the input
-dtype), `dc = g`, `dbias = sum g`.
+dtype), `daddend = g`, `dbias = sum g`.
 
 Launch configurations (`CONFIGS`) per GPU generation and input class start
 from the Triton matmul tutorial's A100/H100 choices: 128 x 128 tiles with 8
 warps for 16-bit inputs (BLOCK_K 32 with 4 stages on sm_80, 64 with 3 stages
-on sm_90; 4 warps spilled 240 bytes on sm_80 once the `c` tile joins the
+on sm_90; 4 warps spilled 240 bytes on sm_80 once the `addend` tile joins the
 accumulator), 64 x 64 x 32 for float32 (IEEE dots, no TF32). Every entry compiles
 for its architecture with 0 register spills and shared memory within the
 per-block limit (`tests/kernels/matmul/test_triton.py` checks it without a GPU
@@ -70,7 +70,7 @@ def _with_blocks(config: MatmulKernelConfig, blocks: base.MatmulBlockSizes) -> M
     return dataclasses.replace(config, **sizes)
 
 
-def kernel_constexprs(config: MatmulKernelConfig, M, N, C, *, dtype, has_c, has_bias) -> dict:
+def kernel_constexprs(config: MatmulKernelConfig, M, N, C, *, dtype, has_addend, has_bias) -> dict:
     """The kernel's `tl.constexpr` arguments: sizes, tiles and options (IEEE dots for float32)."""
     return dict(
         M=M,
@@ -80,14 +80,14 @@ def kernel_constexprs(config: MatmulKernelConfig, M, N, C, *, dtype, has_c, has_
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=GROUP_M,
-        HAS_C=has_c,
+        HAS_ADDEND=has_addend,
         HAS_BIAS=has_bias,
         IEEE=jnp.dtype(dtype) == jnp.float32,
     )
 
 
-def _matmul_2d(launcher, a, b, c, bias, out_dtype, blocks):
-    """The kernel on `a [M, C]`, `b [C, N]`, optional `c [M, N]` and `bias [N]`."""
+def _matmul_2d(launcher, a, b, addend, bias, out_dtype, blocks):
+    """The kernel on `a [M, C]`, `b [C, N]`, optional `addend [M, N]` and `bias [N]`."""
     M, C = a.shape
     N = b.shape[1]
     config = _with_blocks(default_config(launcher.compute_capability, a.dtype), blocks)
@@ -95,11 +95,11 @@ def _matmul_2d(launcher, a, b, c, bias, out_dtype, blocks):
     dummy = jnp.zeros((1,), jnp.float32)
     grid = (math.ceil(M / config.block_m) * math.ceil(N / config.block_n),)
     constexprs = kernel_constexprs(
-        config, M, N, C, dtype=a.dtype, has_c=c is not None, has_bias=bias is not None
+        config, M, N, C, dtype=a.dtype, has_addend=addend is not None, has_bias=bias is not None
     )
     (out,) = launcher(
         KERNEL,
-        [a, b, dummy if c is None else c, dummy if bias is None else bias],
+        [a, b, dummy if addend is None else addend, dummy if bias is None else bias],
         [jax.ShapeDtypeStruct((M, N), out_dtype)],
         grid,
         config,
@@ -109,15 +109,15 @@ def _matmul_2d(launcher, a, b, c, bias, out_dtype, blocks):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
-def _matmul(launcher, a, b, c, bias, config: base.MatmulConfig):
+def _matmul(launcher, a, b, addend, bias, config: base.MatmulConfig):
     a2 = a.reshape(-1, a.shape[-1])  # [M', C]
-    c2 = None if c is None else c.reshape(-1, c.shape[-1])
-    out = _matmul_2d(launcher, a2, b, c2, bias, config.out_dtype, config.block_sizes)
+    addend2 = None if addend is None else addend.reshape(-1, addend.shape[-1])
+    out = _matmul_2d(launcher, a2, b, addend2, bias, config.out_dtype, config.block_sizes)
     return out.reshape(base.output_shape(a, b))
 
 
-def _matmul_fwd(launcher, a, b, c, bias, config):
-    return _matmul(launcher, a, b, c, bias, config), (a, b, c, bias)
+def _matmul_fwd(launcher, a, b, addend, bias, config):
+    return _matmul(launcher, a, b, addend, bias, config), (a, b, addend, bias)
 
 
 def _matmul_bwd(launcher, config, residuals, g):
@@ -130,12 +130,12 @@ def _matmul_bwd(launcher, config, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(config: base.MatmulConfig, a, b, c, bias, *, launcher=None):
-    """`a [..., M, C] @ b [C, N] (+ c) (+ bias)` on validated inputs through the Triton kernel.
+def matmul(config: base.MatmulConfig, a, b, addend, bias, *, launcher=None):
+    """`a [..., M, C] @ b [C, N] (+ addend) (+ bias)` on validated inputs through the Triton kernel.
 
     Args:
       config: from `base.validate`.
-      a, b, c, bias: validated operands.
+      a, b, addend, bias: validated operands.
       launcher: None for jax-triton on this machine's GPU, or
         `triton.launch.InterpretLauncher()` (the Triton interpreter on CPU).
 
@@ -151,4 +151,4 @@ def matmul(config: base.MatmulConfig, a, b, c, bias, *, launcher=None):
     _with_blocks(MatmulKernelConfig(16, 16, 16, 4, 1), config.block_sizes)  # refuse before tracing
     base.require_default_precision(config, a.dtype, "triton")
     launcher = launch.resolve(launcher, KERNELS_MODULE)
-    return _matmul(launcher, a, b, c, bias, config)
+    return _matmul(launcher, a, b, addend, bias, config)

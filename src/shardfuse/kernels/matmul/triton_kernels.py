@@ -4,11 +4,11 @@ A tiled GEMM in the style of the Triton matmul tutorial: one program per
 `[BLOCK_M, BLOCK_N]` output tile, programs ordered in groups of `GROUP_M` tile
 rows so that neighbouring programs share B tiles in L2, a float32 register
 accumulator over `BLOCK_K` steps (`tl.dot`, software-pipelined by
-`num_stages`), and the epilogue fused: `+ c` tile (a reduce-scatter ring
+`num_stages`), and the epilogue fused: `+ addend` tile (a reduce-scatter ring
 step's partial sum), `+ bias`, one cast, masked store. float32 inputs use IEEE
 dots (no TF32), as the HIGHEST-precision reference. Sizes are `tl.constexpr`;
 edges are masked, so any M, N, C work. Row-major contiguous operands:
-a `[M, C]`, b `[C, N]`, c and out `[M, N]`, bias `[N]`.
+a `[M, C]`, b `[C, N]`, addend and out `[M, N]`, bias `[N]`.
 """
 
 import triton
@@ -19,7 +19,7 @@ import triton.language as tl
 def matmul_plus_reduce_kernel(
     a_ref,
     b_ref,
-    c_ref,
+    addend_ref,
     bias_ref,
     out_ref,
     M: tl.constexpr,
@@ -29,7 +29,7 @@ def matmul_plus_reduce_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    HAS_C: tl.constexpr,
+    HAS_ADDEND: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -64,9 +64,9 @@ def matmul_plus_reduce_kernel(
             acc = tl.dot(a, b, acc)
 
     inside = (rows[:, None] < M) & (cols[None, :] < N)
-    if HAS_C:
-        c = tl.load(c_ref + rows[:, None] * N + cols[None, :], mask=inside, other=0.0)
-        acc += c.to(tl.float32)
+    if HAS_ADDEND:
+        addend = tl.load(addend_ref + rows[:, None] * N + cols[None, :], mask=inside, other=0.0)
+        acc += addend.to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ref + cols, mask=cols < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
