@@ -91,9 +91,27 @@ def call_in_mode(model, x, mode):
     return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x)
 
 
-@pytest.mark.parametrize("context", [False, True], ids=["no-set_mesh", "set_mesh"])
-@pytest.mark.parametrize("kind", ["explicit", "auto"])
-@pytest.mark.parametrize("name", list(LAYERS))
+def _mode_cells():
+    """Every layer x {Explicit, Auto} x {no set_mesh, set_mesh}. The default run keeps the
+    linear layers and the MLP in every cell, attention and the block on the mesh
+    jax.make_mesh gives without set_mesh (the README's pattern) and attention on an Auto
+    mesh under set_mesh; the other cells run with -m slow."""
+    cells = []
+    for name in LAYERS:
+        for kind in ("explicit", "auto"):
+            for context in (False, True):
+                default = (
+                    name in ("column", "row", "mlp")
+                    or (kind == "explicit" and not context)
+                    or (name == "attention" and kind == "auto" and context)
+                )
+                cell = f"{name}-{kind}-{'set_mesh' if context else 'no-set_mesh'}"
+                marks = () if default else (pytest.mark.slow,)
+                cells.append(pytest.param(name, kind, context, id=cell, marks=marks))
+    return cells
+
+
+@pytest.mark.parametrize("name, kind, context", _mode_cells())
 def test_every_mode_same_values_and_documented_sharding(name, kind, context):
     make, fin, fout, expected = LAYERS[name]
     mesh = layer_mesh(name, kind)

@@ -103,9 +103,24 @@ def _run(mode, attend, mesh, q, k, v, d_out, d_lse):
     return out, lse, vjp((d_out, d_lse))
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit", "grad", "vjp"])
-@pytest.mark.parametrize("context", [False, True], ids=["no_context", "set_mesh"])
-@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+def _matrix_cells():
+    """{Explicit, Auto} x {no context, set_mesh} x {eager, jit, grad, vjp}. The default run
+    keeps the README's pattern (jax.make_mesh's Explicit mesh, no set_mesh) in every mode,
+    and Auto + set_mesh under jit; the other cells run with -m slow."""
+    cells = []
+    for mesh_kind in ("explicit", "auto"):
+        for context in (False, True):
+            for mode in ("eager", "jit", "grad", "vjp"):
+                default = (mesh_kind == "explicit" and not context) or (
+                    mesh_kind == "auto" and context and mode == "jit"
+                )
+                name = f"{mesh_kind}-{'set_mesh' if context else 'no_context'}-{mode}"
+                marks = () if default else (pytest.mark.slow,)
+                cells.append(pytest.param(mesh_kind, context, mode, id=name, marks=marks))
+    return cells
+
+
+@pytest.mark.parametrize("mesh_kind, context, mode", _matrix_cells())
 def test_matrix(mesh_kind, context, mode):
     mesh = _mesh(mesh_kind)
     q, k, v, d_out, d_lse = _inputs()
@@ -151,7 +166,12 @@ def test_output_typed_explicit_when_inputs_are():
 
 
 @pytest.mark.parametrize(
-    "mesh_kind, strategy", [("explicit", "ring"), ("explicit", "all_gather"), ("auto", "ring")]
+    "mesh_kind, strategy",
+    [
+        ("explicit", "ring"),
+        pytest.param("explicit", "all_gather", marks=pytest.mark.slow),
+        pytest.param("auto", "ring", marks=pytest.mark.slow),
+    ],
 )
 def test_three_axis_mesh(mesh_kind, strategy):
     mesh = _mesh(mesh_kind, (2, 2, 2), ("data", "sequence", "model"))
@@ -184,8 +204,15 @@ def test_inputs_sharded_any_way(mesh_kind):
     _check(out, lse, None, expected, (None, "sequence"), (None, None, "sequence"))
 
 
-@pytest.mark.parametrize("t", [28, 30])
-@pytest.mark.parametrize("mesh_kind", ["explicit", "auto"])
+@pytest.mark.parametrize(
+    "mesh_kind, t",
+    [
+        ("explicit", 28),
+        ("auto", 30),
+        pytest.param("explicit", 30, marks=pytest.mark.slow),
+        pytest.param("auto", 28, marks=pytest.mark.slow),
+    ],
+)
 def test_lengths_the_ring_does_not_divide(mesh_kind, t):
     """Padded inside (zigzag: to a multiple of 2 x ring = 8). The output is sharded over the
     sequence when the ring divides its length (28); 30 comes back replicated over the ring
