@@ -19,7 +19,11 @@ ONE_GROUP = "llama3-8b-T256-qkv"
 
 
 def _env():
-    env = dict(os.environ)
+    # A fresh `shardfuse bench` run: not an xdist worker of this test session (pytest-benchmark
+    # turns itself off when it sees PYTEST_XDIST_WORKER), not inside this test's pytest.
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     return env
 

@@ -247,7 +247,8 @@ def main(args) -> int:
             return status or 1
         data = results.load(json_path)
         results.save(data, json_path)  # with the baseline ratios filled in
-        console.print(f"results written to {json_path.resolve()}", markup=False)
+        # One unwrapped line: a path broken over two lines cannot be copied.
+        console.print(f"results written to {json_path.resolve()}", markup=False, soft_wrap=True)
     run = results.records(data)
     info = data.get("machine_info", {})
     run_info = data.get("shardfuse", {})
