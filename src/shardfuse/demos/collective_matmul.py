@@ -56,7 +56,7 @@ def _matmul_rows(seq_len):
         dict(
             op="matmul",
             implementation="xla",
-            case="a @ b + c (float32 partial sum)",
+            case="a @ b + addend (float32 partial sum)",
             shape=f"a {tuple(a.shape)} b {tuple(b.shape)}",
             error=max_abs_error(fn(a, b, c), expected),
             seconds=time_call(fn, a, b, c),
@@ -77,7 +77,7 @@ def _pallas_rows():
         dict(
             op="matmul",
             implementation="pallas_tpu",
-            case="a @ b + c, TPU interpret mode",
+            case="a @ b + addend, TPU interpret mode",
             shape=f"a {tuple(a.shape)} b {tuple(b.shape)}",
             error=max_abs_error(fn(a, b, c), expected),
             seconds=time_call(fn, a, b, c),
