@@ -28,12 +28,8 @@ from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding
-from shardfuse.layers.linear import (
-    column_matmul,
-    default_bias_init,
-    default_kernel_init,
-    row_matmul,
-)
+from shardfuse.layers.linear import default_bias_init, default_kernel_init
+from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
 
 def rope(x, positions, theta: float):

@@ -34,46 +34,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardfuse import collectives
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.matmul import base as matmul_base
-from shardfuse.kernels.matmul import matmul
 from shardfuse.layers import _sharding
+from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
 default_kernel_init = nnx.initializers.lecun_normal()
 default_bias_init = nnx.initializers.zeros_init()
-
-
-def column_matmul(layer, x, kernel):
-    """Per-shard `x @ kernel` of a kernel split by output columns over `layer.model_axis`.
-
-    x `[b, t, C]` -> `[b, t, N / tp]`. Under `layer.sequence_parallel` x is a
-    sequence shard `[b, t / tp, C]` and its all-gather over the tensor-parallel
-    axis is fused with the matmul (`all_gather_matmul`). `layer` is any layer
-    with `model_axis`, `sequence_parallel`, `implementation` and `precision`.
-    """
-    options = dict(implementation=layer.implementation, precision=layer.precision)
-    if layer.sequence_parallel:
-        return collectives.all_gather_matmul(
-            x, kernel, layer.model_axis, gather_axis=x.ndim - 2, **options
-        )
-    return matmul(x, kernel, **options)
-
-
-def row_matmul(layer, x, kernel):
-    """Per-shard `x @ kernel` of a kernel split by input rows over `layer.model_axis`, summed.
-
-    x `[b, t, C / tp]` -> `[b, t, N]`, the partial products all-reduced
-    (`matmul_all_reduce`), or under `layer.sequence_parallel` reduce-scattered
-    along the sequence to `[b, t / tp, N]` (`matmul_reduce_scatter`). `layer`
-    as in `column_matmul`.
-    """
-    options = dict(implementation=layer.implementation, precision=layer.precision)
-    if layer.sequence_parallel:
-        return collectives.matmul_reduce_scatter(
-            x, kernel, layer.model_axis, scatter_axis=x.ndim - 2, **options
-        )
-    return collectives.matmul_all_reduce(x, kernel, layer.model_axis, **options)
 
 
 class _ParallelLinear(nnx.Module):
