@@ -25,30 +25,13 @@ import shardfuse as sf
 from shardfuse.testing import assert_close, assert_close_low_precision
 from tests.kernels.attention.attention_backends import BACKENDS, results, run
 from tests.kernels.attention.attention_cases import CASE, blind_rows_and_unseen_keys, make_inputs
+from tests.kernels.backend_params import backend_params
 
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
-def _params(names_of, *, tiered=True, only_unsupported=False):
-    """pytest params `(backend, case)` for the case names `names_of(backend)` gives.
-
-    `tiered`: cases outside the backend's default budget are marked slow.
-    Cases the backend's flags exclude are skipped with the reason, or with
-    `only_unsupported` are the only ones given.
-    """
-    params = []
-    for backend in BACKENDS:
-        for name in names_of(backend):
-            case, marks = CASE[name], list(backend.marks)
-            reason = backend.unsupported(case)
-            if only_unsupported != bool(reason):
-                if only_unsupported:
-                    continue
-                marks.append(pytest.mark.skip(reason=reason))
-            if tiered and name not in backend.default:
-                marks.append(pytest.mark.slow)
-            params.append(pytest.param(backend, case, id=f"{backend.name}-{name}", marks=marks))
-    return params
+def _params(names_of, **options):
+    return backend_params(BACKENDS, CASE, names_of, **options)
 
 
 def _budget(backend):
