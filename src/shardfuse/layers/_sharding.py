@@ -5,6 +5,15 @@ A layer holds a mesh and the names of its axes. Inputs are placed on the
 meshes with Explicit axes, `with_sharding_constraint` on Auto ones), and
 parameters are created already sharded: the initializer runs under `jax.jit`
 with `out_shardings`, so no device ever holds a full copy first.
+
+Manual regions. `sf.parallel` (pipeline, accumulation) runs whole models
+inside ONE `jax.shard_map` over every axis of the mesh. There, a layer opens
+no shard_map of its own: it calls its per-shard function directly on the
+local arrays it is given (inputs and parameters are already this device's
+shards, in the layer's documented specs), and input checks see local sizes.
+A region manual over only some of the layer's axes is refused: JAX cannot
+differentiate a shard_map nested in a partially manual one (the transpose
+fails to verify), so the toolkit never builds one.
 """
 
 import functools
@@ -19,6 +28,32 @@ from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_
 
 DEFAULT_DATA_AXIS = "data"
 DEFAULT_SEQUENCE_AXIS = "sequence"
+
+
+def manual_axes() -> frozenset:
+    """Mesh axes that are manual in the current context (inside `jax.shard_map`)."""
+    context = jax.sharding.get_abstract_mesh()
+    return frozenset(getattr(context, "manual_axes", ()) or ())
+
+
+def in_manual_region(mesh) -> bool:
+    """True when every axis of `mesh` is manual here (the caller runs per shard).
+
+    Raises:
+      NotImplementedError: only some of the axes of `mesh` are manual.
+    """
+    manual = manual_axes() & set(mesh.axis_names)
+    if not manual:
+        return False
+    missing = [name for name in mesh.axis_names if name not in manual]
+    if missing:
+        raise NotImplementedError(
+            f"a shardfuse layer was called inside a jax.shard_map that is manual over "
+            f"{sorted(manual)} but not over {missing}; call it inside a shard_map over "
+            f"every axis of its mesh {tuple(mesh.axis_names)} (as sf.parallel does), or outside "
+            "any shard_map: JAX cannot differentiate a shard_map nested in a partially manual one"
+        )
+    return True
 
 
 def axis_size(mesh, name) -> int:
@@ -73,7 +108,12 @@ def sequence_spec(sequence_axis, model_axis, parallel: bool):
 
 
 def check_divisible(argument: str, value: int, mesh, axes):
-    """ValueError unless `value` divides evenly over mesh axes `axes` (a name, a tuple or None)."""
+    """ValueError unless `value` divides evenly over mesh axes `axes` (a name, a tuple or None).
+
+    In a manual region (`in_manual_region`) values are local sizes: no check.
+    """
+    if in_manual_region(mesh):
+        return
     size = axes_size(mesh, (axes,) if isinstance(axes, str) else axes)
     if size > 1 and value % size != 0:
         raise ValueError(
@@ -82,7 +122,12 @@ def check_divisible(argument: str, value: int, mesh, axes):
 
 
 def place(x, mesh, spec: P):
-    """Puts `x` on `NamedSharding(mesh, spec)` (a no-op when it is already there)."""
+    """Puts `x` on `NamedSharding(mesh, spec)` (a no-op when it is already there).
+
+    In a manual region `x` is already this device's shard and is returned as is.
+    """
+    if in_manual_region(mesh):
+        return x
     sharding = NamedSharding(mesh, spec)
     if explicit_axes(mesh):
         return jax.sharding.reshard(x, sharding)
@@ -115,7 +160,11 @@ def shard_map_call(local, mesh, args, in_specs, out_specs):
 
     `args` and `in_specs` match entry by entry; an entry may be a list of
     arrays with a list of specs, and None arguments stay None (absent biases).
+    In a manual region (`in_manual_region`) `args` are already the local
+    shards and `local(*args)` runs directly.
     """
+    if in_manual_region(mesh):
+        return local(*args)
 
     def put(value, spec):
         if value is None:
@@ -168,8 +217,14 @@ def empty_output(x, shape, mesh, spec: P):
 
     Made inside a `jax.shard_map` over the concrete mesh: with no other op
     naming the mesh, that is what tells a jit without `jax.set_mesh` which
-    devices the output lives on.
+    devices the output lives on. In a manual region `shape` is local except
+    for its last dimension, which is divided over the axes `spec` gives it.
     """
+    if in_manual_region(mesh):
+        entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+        last = entries[-1]
+        size = axes_size(mesh, (last,) if isinstance(last, str) else last)
+        return jnp.zeros((*shape[:-1], shape[-1] // size), x.dtype)
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     local = [
         size // axes_size(mesh, (entry,) if isinstance(entry, str) else entry)

@@ -260,6 +260,8 @@ class ParallelSelfAttention(nnx.Module):
         B, T = x.shape[:2]
         cp = _sharding.axis_size(self.mesh, self.sequence_axis)
         tp = _sharding.axis_size(self.mesh, self.model_axis) if self.sequence_parallel else 1
+        if _sharding.in_manual_region(self.mesh):
+            return self._check_local_input(x, positions, segment_ids, cp, tp)
         shards = cp * tp * (2 if self.layout == "zigzag" and cp > 1 else 1)
         if T % shards:
             parts = [f"{self.sequence_axis} size {cp}"] if cp > 1 else []
@@ -282,6 +284,35 @@ class ParallelSelfAttention(nnx.Module):
         ):
             raise ValueError(
                 f"segment_ids must be int [B, T] = ({B}, {T}); "
+                f"got {segment_ids.dtype}{tuple(segment_ids.shape)}"
+            )
+        return positions.astype(jnp.int32)
+
+    def _check_local_input(self, x, positions, segment_ids, cp: int, tp: int):
+        """`check_input` in a manual region: `x` is this device's shard `[b, t, F]`.
+
+        positions and segment_ids are this sequence shard's, int `[t * tp]` and
+        `[b, t * tp]` (t * tp = T / cp); default positions are those of the
+        global sequence of length `t * tp * cp` in the ring layout.
+        """
+        b, t = x.shape[:2]
+        local_len = t * tp  # tokens of this sequence shard (before sequence parallelism)
+        if positions is None:
+            positions = self.default_positions(local_len * cp)
+            if cp > 1:
+                start = lax.axis_index(self.sequence_axis) * local_len
+                positions = lax.dynamic_slice_in_dim(positions, start, local_len)
+        if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.shape != (local_len,):
+            raise ValueError(
+                f"positions must be int [T / {cp}] = ({local_len},) in a manual region; "
+                f"got {positions.dtype}{tuple(positions.shape)}"
+            )
+        if segment_ids is not None and (
+            tuple(segment_ids.shape) != (b, local_len)
+            or not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"segment_ids must be int [b, T / {cp}] = ({b}, {local_len}) in a manual region; "
                 f"got {segment_ids.dtype}{tuple(segment_ids.shape)}"
             )
         return positions.astype(jnp.int32)
