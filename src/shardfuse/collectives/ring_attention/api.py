@@ -30,21 +30,64 @@ def ring_size(axis_name) -> int:
         ) from None
 
 
-def run(make_spec, implementation, q, k, v, q_seg, kv_seg):
-    """Runs `ring.ring` with the attention implementation(s) asked for (`kernels/registry.py`).
+FUSED = "pallas_tpu_fused"
+_RING_MODULE = "shardfuse.collectives.ring_attention."
 
-    `make_spec(name) -> RingSpec`; `implementation` is None (the platform's
-    preference), a name, or a sequence of names tried in order: a backend
-    raising NotImplementedError hands over to the next, unless it was named
-    alone. The fallback happens while the forward is traced; a backend that
-    refuses only in its backward fails there.
+
+def _register():
+    """Declares the `ring_attention` op: the ppermute ring over each attention backend's
+    blocks, and the fused Pallas TPU ring (`pallas_tpu_fused.py`)."""
+    attention = registry.get("attention")
+    per_step = [
+        registry.Backend(
+            name,
+            _RING_MODULE + "ring",
+            "ring",
+            f"ppermute ring (lax loop) running the {name} attention blocks each step",
+            backend.status,
+        )
+        for name, backend in attention.backends.items()
+    ]
+    fused = registry.Backend(
+        FUSED,
+        _RING_MODULE + "pallas_tpu_fused",
+        "ring",
+        "one Pallas TPU kernel per direction: K/V and dK/dV by remote DMA, double-buffered",
+        registry.pallas_tpu_status,
+    )
+    return registry.register(
+        "ring_attention",
+        description="context-parallel flash attention: K/V rotate around a mesh axis",
+        backends=[*per_step, fused],
+        preference=dict(attention.preference),
+        default=attention.default,
+    )
+
+
+RING_ATTENTION = _register()
+
+
+def run(make_spec, implementation, q, k, v, q_seg, kv_seg):
+    """Runs the ring with the implementation(s) asked for (`kernels/registry.py`).
+
+    `make_spec(name) -> RingSpec`; `implementation` is None (the attention
+    op's platform preference), a name, or a sequence of names tried in order: a
+    backend raising NotImplementedError hands over to the next, unless it was
+    named alone. An attention backend's name runs `ring.ring` over its blocks;
+    "pallas_tpu_fused" runs the fused kernels (`pallas_tpu_fused.ring`, with
+    the pallas_tpu blocks' spec). The fallback happens while the forward is
+    traced; a backend that refuses only in its backward fails there.
     """
 
     def call(name):
+        if name == FUSED:
+            return RING_ATTENTION.load(FUSED)(make_spec("pallas_tpu"), q, k, v, q_seg, kv_seg)
         blocks.load(name)
         return ring.ring(make_spec(name), q, k, v, q_seg, kv_seg)
 
-    return registry.run("attention", implementation, call)
+    if implementation is None:  # the attention op's preference (tests patch that dict)
+        implementation = registry.candidates("attention", None)
+    return RING_ATTENTION.run(implementation, call)
 
 
 def ring_attention(
@@ -94,8 +137,11 @@ def ring_attention(
       return_lse: also return the float32 lse `[B, H, T]` of the global softmax.
       implementation: the single-device attention of each step (the attention
         backends of `sf.flash_attention`): None (the platform's preference),
-        "xla", "reference", "pallas_tpu", "triton", or a sequence of them tried
-        in order.
+        "xla", "reference", "pallas_tpu", "triton"; or "pallas_tpu_fused", the
+        whole ring in one Pallas TPU kernel per direction (K/V and dK/dV moved
+        by remote DMA from inside the kernel; TPU, or TPU interpret mode on
+        CPU; per-device shards that fit in VMEM); or a sequence of them tried
+        in order (e.g. `("pallas_tpu_fused", "pallas_tpu")`).
       block_sizes: tile sizes passed to that implementation; default: its own
         (for zigzag on xla, tiles aligned to the two chunks of a shard).
 
@@ -143,7 +189,7 @@ def ring_attention(
     # After validation, so that float64 NumPy inputs are refused, not downcast.
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     layouts.check_layout(layout)
-    registry.candidates("attention", implementation)  # an unknown name fails before tracing
+    RING_ATTENTION.candidates(implementation)  # an unknown name fails before tracing
     n = ring_size(axis_name)
     B, T, H, D = q.shape
     S = k.shape[1]
