@@ -1,0 +1,159 @@
+"""`Stack`: N identical NNX blocks, parameters stacked on a leading layer axis.
+
+Each parameter of the block, of shape `S` and sharding `P(*spec)`, becomes
+one array `[L, *S]` sharded `P(layer_axis, *spec)`: `layer_axis` None (every
+device holds every layer) or the pipeline mesh axis (layer `l` on pipeline
+stage `l // (L / p)`, what `sf.parallel.pipeline.Pipeline` runs). The
+parameters are created already sharded: one jitted, vmapped initializer with
+`out_shardings`, so no device holds a full copy first. Layer `l` is
+initialized from key `l` of `jax.random.split(rngs.params(), L)`.
+
+Applied plainly, the stack is one `lax.scan` over the layer axis (the scan
+body traced once, compile time flat in L), each layer wrapped in the named
+activation-checkpointing policy of `shardfuse.layers.remat`.
+"""
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.layers import _sharding
+from shardfuse.layers import remat as remat_lib
+
+
+def _is_variable(x):
+    return isinstance(x, nnx.Variable)
+
+
+def stacked_spec(spec, layer_axis) -> P:
+    """`P(layer_axis, *spec)`: the sharding of a block parameter stacked on the layer axis."""
+    return P(layer_axis, *(spec or ()))
+
+
+class Stack(nnx.Module):
+    """`num_layers` copies of `make_block(rngs)` applied in order, parameters stacked.
+
+    `stack(x, **kwargs)` equals `for block in blocks: x = block(x, **kwargs)`
+    with `blocks[l]` holding slice `l` of every stacked parameter.
+
+    Args:
+      make_block: `make_block(rngs) -> nnx.Module`, a block whose call maps
+        activations to activations of the same shape (e.g. a
+        `ParallelTransformerBlock`). Its parameters' `out_sharding` metadata
+        (what `nnx.get_partition_spec` reads) gives their sharding.
+      num_layers: L >= 1.
+      mesh: the mesh of the blocks' parameters.
+      layer_axis: mesh axis of the stacked layer dimension: None (replicated)
+        or the pipeline axis ("pipeline"), whose size must divide L.
+      remat: activation checkpointing of each layer: "none", "full",
+        "selective", "dots" or "offload" (`shardfuse.layers.remat`).
+      rngs: `nnx.Rngs`; its `params` stream seeds the L layers.
+
+    Raises:
+      ValueError: num_layers < 1, an unknown remat policy, a layer_axis
+        that is not a mesh axis, or L not divisible by its size.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.layers.stack import Stack
+      >>> mesh = jax.make_mesh((2, 2), ("pipeline", "model"))
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(16, 2, 32, mesh=mesh,
+      ...               rngs=rngs), 4, mesh=mesh, layer_axis="pipeline", rngs=nnx.Rngs(0))
+      >>> stack.blocks.mlp.up.kernel.shape, stack.blocks.mlp.up.kernel[...].sharding.spec
+      ((4, 16, 64), P('pipeline', None, 'model'))
+      >>> stack(jnp.ones((2, 8, 16))).shape
+      (2, 8, 16)
+    """
+
+    def __init__(
+        self,
+        make_block,
+        num_layers: int,
+        *,
+        mesh,
+        layer_axis: str | None = None,
+        remat: str = "none",
+        rngs: nnx.Rngs,
+    ):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
+        remat_lib.check_policy(remat)
+        if layer_axis is not None:
+            if layer_axis not in mesh.axis_names:
+                raise ValueError(
+                    f"layer_axis={layer_axis!r} is not an axis of the mesh; its axes are "
+                    f"{tuple(mesh.axis_names)} (or pass None: layers replicated)"
+                )
+            size = mesh.shape[layer_axis]
+            if num_layers % size:
+                raise ValueError(
+                    f"num_layers={num_layers} must be divisible by the size {size} of "
+                    f"layer_axis={layer_axis!r}"
+                )
+        self.num_layers, self.layer_axis, self.remat, self.mesh = (
+            num_layers,
+            layer_axis,
+            remat,
+            mesh,
+        )
+        abstract = nnx.eval_shape(lambda: make_block(nnx.Rngs(0)))
+        graphdef, abstract_state = nnx.split(abstract)
+        specs = jax.tree.map(
+            lambda v: stacked_spec(v.get_metadata().get("out_sharding"), layer_axis),
+            abstract_state,
+            is_leaf=_is_variable,
+        )
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+        def make_one(key):
+            return nnx.state(make_block(nnx.Rngs(key)))
+
+        keys = jax.random.split(rngs.params(), num_layers)
+        values = jax.jit(jax.vmap(make_one), out_shardings=shardings)(keys)
+
+        def restack(variable, value, spec):
+            metadata = {**variable.get_metadata(), "out_sharding": spec}
+            return type(variable)(value[...] if _is_variable(value) else value, **metadata)
+
+        state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_is_variable)
+        # The block's structure holding stacked values: `blocks.<path>` is the [L, ...] parameter.
+        self.blocks = nnx.merge(graphdef, state)
+
+    def layer_specs(self):
+        """PartitionSpecs of the stacked state (`nnx.get_partition_spec` of `blocks`)."""
+        return nnx.get_partition_spec(nnx.state(self.blocks))
+
+    def apply_layers(self, state, x, **kwargs):
+        """Applies the layers whose stacked (pure) `state` is given, in order, by `lax.scan`.
+
+        `state` is `nnx.split(self.blocks)[1]` or any slice of it along the
+        layer axis (a pipeline stage's local layers).
+        """
+        graphdef = nnx.graphdef(self.blocks)
+
+        def body(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, **kwargs), None
+
+        body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
+        return jax.lax.scan(body, x, state)[0]
+
+    def __call__(self, x, **kwargs):
+        """`x` -> the L blocks applied in order (keywords passed to every block).
+
+        A stack sharded over `layer_axis` is gathered onto every device first
+        (the plain path; `sf.parallel.pipeline.Pipeline` runs it sharded).
+        """
+        state = nnx.state(self.blocks)
+        if self.layer_axis is not None and not _sharding.in_manual_region(self.mesh):
+            specs = self.layer_specs()
+            state = jax.tree.map(
+                lambda v, spec: _sharding.place(v[...], self.mesh, P(None, *spec[1:])),
+                state,
+                specs,
+                is_leaf=_is_variable,
+            )
+        return self.apply_layers(state, x, **kwargs)
