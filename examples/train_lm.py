@@ -1,0 +1,91 @@
+"""Train a Llama-style LM with shardfuse on any mesh over pipeline, data, fsdp, sequence, model.
+
+Single host (8 CPU devices):
+  JAX_NUM_CPU_DEVICES=8 python examples/train_lm.py --mesh data=2,sequence=2,model=2 --steps 20
+
+Several processes (one per host on a cluster; here two local ones on loopback):
+  python examples/launch_local.py --num-processes 2 --devices-per-process 4 -- \\
+      python examples/train_lm.py --mesh data=2,model=4 --steps 5
+
+Each process calls `jax.distributed.initialize` (from --coordinator/--num-processes/
+--process-id or the JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID
+environment variables), loads only its rows of every batch, and process 0 prints
+and writes the JSON log; orbax coordinates the checkpoint writes.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--mesh", default="data=2,sequence=2,model=2", help="AXIS=SIZE,... (default %(default)s)"
+    )
+    p.add_argument("--plan", action="store_true", help="take the mesh and options from sf.plan")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
+    p.add_argument("--text-file", default=None, help="UTF-8 text (default: the shipped corpus)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here if present")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--log-json", default=None)
+    p.add_argument("--device", default=None, help="sf.hardware chip for the MFU estimate")
+    p.add_argument("--coordinator", default=None, help="host:port of process 0")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from shardfuse.parallel import distributed  # before any backend starts
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    from shardfuse.demos.llama import LlamaConfig
+    from shardfuse.demos.train_lm import TrainConfig, Trainer, parse_mesh
+
+    model = LlamaConfig(
+        vocab=args.vocab,
+        features=args.features,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        hidden=args.hidden,
+        layers=args.layers,
+    )
+    config = TrainConfig(
+        mesh=parse_mesh(args.mesh),
+        model=model,
+        steps=args.steps,
+        global_batch=args.batch,
+        seq_len=args.seq_len,
+        learning_rate=args.lr,
+        data=args.data,
+        text_file=args.text_file,
+        seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        log_json=args.log_json,
+        device=args.device,
+    )
+    trainer = Trainer(config, log=lambda line: print(line, flush=True))
+    losses = trainer.run()
+    if losses and distributed.is_primary():
+        print(json.dumps({"first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+    sys.exit(main())

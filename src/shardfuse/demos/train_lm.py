@@ -1,0 +1,226 @@
+"""Train the Llama-style LM on any mesh over `pipeline, data, fsdp, sequence, model`.
+
+The engine behind `examples/train_lm.py` (and a small run in `shardfuse
+demo`): builds the mesh from the configuration (or from a plan), the model
+and an optax AdamW optimizer born sharded, streams batches of which each
+process loads only its own rows, runs one jitted training step per batch,
+prints one line per step (`loss`, tokens/s, step time, an MFU estimate),
+writes a JSON log, and checkpoints with orbax every K steps and at exit. A
+run started again with the same checkpoint directory resumes from the last
+complete checkpoint, on any mesh.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse import hardware
+from shardfuse.collectives.ring_attention import to_ring_layout
+from shardfuse.demos.data import CORPUS, SyntheticTokens, TextTokens
+from shardfuse.demos.llama import LlamaConfig, LlamaLM, token_loss
+from shardfuse.layers import place_on_mesh
+from shardfuse.parallel import distributed
+from shardfuse.parallel.checkpoint import Checkpointer
+
+AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost to innermost
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run needs; every field is a flag of `examples/train_lm.py`."""
+
+    mesh: dict = dataclasses.field(default_factory=lambda: {"data": 2, "sequence": 2, "model": 2})
+    model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
+    steps: int = 20
+    global_batch: int = 8
+    seq_len: int = 64
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.0
+    data: str = "synthetic"  # or "text"
+    text_file: str | None = None
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    log_json: str | None = None
+    device: str | None = None  # sf.hardware name for the MFU estimate (default: detected)
+
+    def mesh_shape(self, device_count: int) -> tuple:
+        """Sizes of `AXES`, checked against the device count."""
+        unknown = sorted(set(self.mesh) - set(AXES))
+        if unknown:
+            raise ValueError(f"mesh axes {unknown} are not among {AXES}")
+        sizes = tuple(int(self.mesh.get(axis, 1)) for axis in AXES)
+        if any(size < 1 for size in sizes):
+            raise ValueError(f"mesh sizes {dict(zip(AXES, sizes, strict=True))} must be >= 1")
+        if math.prod(sizes) != device_count:
+            raise ValueError(
+                f"mesh {dict(zip(AXES, sizes, strict=True))} has {math.prod(sizes)} devices; "
+                f"JAX has {device_count} (on CPU set JAX_NUM_CPU_DEVICES)"
+            )
+        return sizes
+
+
+def parse_mesh(text: str) -> dict:
+    """`"data=2,model=4"` -> `{"data": 2, "model": 4}` (ValueError on bad syntax)."""
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in AXES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {AXES}")
+        sizes[name] = int(value)
+    return sizes
+
+
+def _stream(config: TrainConfig):
+    if config.data == "synthetic":
+        return SyntheticTokens(config.model.vocab, config.seq_len, config.seed)
+    if config.data == "text":
+        stream = TextTokens(config.text_file or CORPUS, config.seq_len, config.seed)
+        if config.model.vocab < stream.vocab:
+            raise ValueError(f"--data text needs vocab >= 256; got {config.model.vocab}")
+        return stream
+    raise ValueError(f"data={config.data!r} must be 'synthetic' or 'text'")
+
+
+def _peak_flops(config: TrainConfig) -> float | None:
+    chip = hardware.device(config.device) if config.device else hardware.current_device()
+    if chip is None:
+        return None
+    return chip.peak_tflops("bfloat16") * 1e12
+
+
+class Trainer:
+    """One training run: mesh, model, optimizer, data, checkpoints (see the module docstring).
+
+    Example usage::
+
+      >>> from shardfuse.demos.train_lm import TrainConfig, Trainer
+      >>> from shardfuse.demos.llama import LlamaConfig
+      >>> trainer = Trainer(TrainConfig(steps=2, model=LlamaConfig(layers=1)), log=lambda s: None)
+      >>> len(trainer.run())
+      2
+    """
+
+    def __init__(self, config: TrainConfig, *, log=print):
+        self.config, self._log = config, log
+        shape = config.mesh_shape(jax.device_count())
+        self.mesh = jax.make_mesh(shape, AXES)
+        self.batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
+        self.ring = self.mesh.shape["sequence"]
+        if self.mesh.shape["pipeline"] > 1 or self.mesh.shape["fsdp"] > 1:
+            raise NotImplementedError("pipeline and fsdp axes > 1 land with sf.parallel")
+        self.model = LlamaLM(config.model, mesh=self.mesh, rngs=nnx.Rngs(config.seed))
+        tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
+        self.optimizer = place_on_mesh(nnx.Optimizer(self.model, tx, wrt=nnx.Param), self.mesh)
+        self.stream = _stream(config)
+        self.step = 0
+        self.checkpointer = None
+        if config.checkpoint_dir:
+            self.checkpointer = Checkpointer(config.checkpoint_dir, every=config.checkpoint_every)
+            if self.checkpointer.latest_step() is not None:
+                meta = self.checkpointer.restore(self.model, self.optimizer)
+                self.step = int(meta["data_position"].get("next_batch", meta["step"]))
+                self.log(f"resumed from step {meta['step']} in {config.checkpoint_dir}")
+        self._train_step = nnx.jit(self._step_fn)
+        self.history = []
+
+    def log(self, line: str):
+        if distributed.is_primary():
+            self._log(line)
+
+    def batch(self, step: int):
+        """Global `(tokens, targets)` of batch `step`, rows loaded per process."""
+        c = self.config
+        sharding = NamedSharding(self.mesh, P(self.batch_axes))
+        rows = distributed.global_batch(
+            lambda start, stop: self.stream.rows(step, start, stop),
+            (c.global_batch, c.seq_len + 1),
+            sharding,
+        )
+        return rows
+
+    def _step_fn(self, model, optimizer, rows):
+        tokens, targets = rows[:, :-1], rows[:, 1:]
+        if self.ring > 1:  # ring (zigzag) order along T; the loss does not care about order
+            tokens = to_ring_layout(tokens, self.ring, "zigzag")
+            targets = to_ring_layout(targets, self.ring, "zigzag")
+
+        def loss_fn(model):
+            total, count = token_loss(model(tokens), targets)
+            return total / count
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def run(self) -> list[float]:
+        """Trains until `config.steps`; returns this run's losses (one per step taken)."""
+        c = self.config
+        tokens_per_step = c.global_batch * c.seq_len
+        flops_per_step = c.model.flops_per_token(c.seq_len) * tokens_per_step
+        peak = _peak_flops(c)
+        losses = []
+        try:
+            while self.step < c.steps:
+                start = time.perf_counter()
+                loss = float(self._train_step(self.model, self.optimizer, self.batch(self.step)))
+                seconds = time.perf_counter() - start
+                self.step += 1
+                losses.append(loss)
+                record = dict(
+                    step=self.step,
+                    loss=loss,
+                    tokens_per_s=tokens_per_step / seconds,
+                    step_time_s=seconds,
+                    mfu=None
+                    if peak is None
+                    else flops_per_step / seconds / (peak * jax.device_count()),
+                )
+                self.history.append(record)
+                mfu = "n/a" if peak is None else f"{record['mfu']:.2%}"
+                self.log(
+                    f"step {self.step}/{c.steps}  loss {loss:.4f}  "
+                    f"tokens/s {record['tokens_per_s']:.0f}  step_time {seconds:.3f}s  mfu {mfu}"
+                )
+                if self.checkpointer is not None:
+                    self.save()
+                self.write_log()
+        finally:
+            if self.checkpointer is not None:
+                self.save(force=True)
+                self.checkpointer.close()
+            self.write_log()
+        return losses
+
+    def save(self, force: bool = False):
+        self.checkpointer.save(
+            self.step,
+            self.model,
+            self.optimizer,
+            data_position={"next_batch": self.step},
+            force=force,
+        )
+
+    def write_log(self):
+        path = self.config.log_json
+        if not path or not distributed.is_primary():
+            return
+        config = dataclasses.asdict(self.config)
+        payload = dict(config=config, devices=jax.device_count(), steps=self.history)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1, default=str)
+        os.replace(tmp, path)
+
+
+def run(config: TrainConfig, log=print) -> list[float]:
+    """Builds a `Trainer` for `config` and runs it; returns the losses."""
+    return Trainer(config, log=log).run()
