@@ -2,7 +2,10 @@
 
 `ring_attention` (per shard, inside `jax.shard_map`), the layouts that
 balance causal work (`to_ring_layout`, `from_ring_layout`, `ring_positions`)
-and `ring_balance`, each device's block work under a layout.
+and `ring_balance`, each device's block work under a layout. The global
+`sf.ring_attention` (`sharded.py`) also runs Ulysses and Ulysses x ring (USP)
+(`ulysses.py`); `ring_attention_plan` shows which strategy `strategy=None`
+picks and the cost rule's predictions (`strategy.py`).
 """
 
 from shardfuse.collectives.ring_attention.api import ring_attention
@@ -13,13 +16,18 @@ from shardfuse.collectives.ring_attention.layouts import (
     ring_positions,
     to_ring_layout,
 )
+from shardfuse.collectives.ring_attention.plan import ring_attention_plan
+from shardfuse.collectives.ring_attention.strategy import ContextParallelPlan, StrategyCost
 
 __all__ = [
     "LAYOUTS",
+    "ContextParallelPlan",
     "RingBalance",
     "from_ring_layout",
     "ring_attention",
+    "ring_attention_plan",
     "ring_balance",
     "ring_positions",
+    "StrategyCost",
     "to_ring_layout",
 ]

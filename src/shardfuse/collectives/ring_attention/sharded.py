@@ -13,6 +13,11 @@ strategy="ring" runs the ring of `ring.py` (K/V travel by `ppermute`,
 O(local length) memory); strategy="all_gather" gathers K/V once over the
 axis and runs one block per device (less latency for short sequences,
 O(global length) memory for K/V), with the same positions and results.
+strategy="ulysses" trades the sequence shard for a head shard by all-to-all
+and runs one kernel on the whole natural-order sequence (`ulysses.py`; no
+relayout); strategy="ulysses_ring" (USP) runs Ulysses over the first of two
+sequence axes and the ring over the second, the sequence sharded ring-major.
+strategy=None asks the cost rule (`plan.py`, `strategy.py`).
 
 Meshes: the whole computation runs inside one `jax.jit` with the mesh's
 Explicit axes made Auto (`collectives/sharding.py`, `run_on_mesh`), so no
@@ -20,9 +25,7 @@ Explicit axes made Auto (`collectives/sharding.py`, `run_on_mesh`), so no
 outputs come back sharded over the same axes as the inputs' specs say.
 """
 
-import dataclasses
 import functools
-from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -31,80 +34,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives import sharding
-from shardfuse.collectives.ring_attention import api, blocks, layouts, relayout, ring
+from shardfuse.collectives.ring_attention import api, layouts, relayout, ring, ulysses
+from shardfuse.collectives.ring_attention.plan import Plan, make_plan
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.attention import base
 
-STRATEGIES = ("ring", "all_gather")
 PAD_SEGMENT_ID = int(jnp.iinfo(jnp.int32).min)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Everything static about one global call (hashable: the jit cache key)."""
-
-    mesh: Hashable
-    seq_axis: str
-    batch_axes: tuple | None
-    head_axes: tuple | None
-    kv_head_axes: tuple | None
-    layout: str
-    strategy: str
-    config: base.AttentionConfig
-    implementation: str | None
-    lengths: tuple  # (T, S, padded T, padded S)
-    pad_by_segment: bool  # padding needs segment ids (not hidden by causality)
-
-
-def _plan(q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strategy, impl):
-    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if not isinstance(seq_axis, str):
-        raise TypeError(f"sequence_axis={seq_axis!r} must be one mesh axis name (a str)")
-    axes = sharding.check_mesh_axes(
-        mesh, sequence_axis=seq_axis, data_axis=batch_axis, model_axis=head_axis
-    )
-    layouts.check_layout(layout)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)}")
-    blocks.candidates(impl)
-    if isinstance(impl, list):
-        impl = tuple(impl)  # hashable: the plan is a jit cache key
-    batch_axes, head_axes = axes["data_axis"], axes["model_axis"]
-    B, T, H, _ = q.shape
-    S, K = k.shape[1], k.shape[2]
-    batch_size = sharding.axes_size(mesh, batch_axes)
-    head_size = sharding.axes_size(mesh, head_axes)
-    if B % batch_size:
-        raise ValueError(
-            f"batch size B={B} must be a multiple of the {batch_axes} size {batch_size}"
-        )
-    if H % head_size:
-        raise ValueError(f"num heads H={H} must be a multiple of the {head_axes} size {head_size}")
-    kv_head_axes = head_axes
-    if K % head_size:
-        if K != 1:
-            raise ValueError(
-                f"num kv heads K={K} must be a multiple of the {head_axes} size {head_size} "
-                "(or 1: MQA, replicated over it)"
-            )
-        kv_head_axes = None  # MQA: every head shard reads the one kv head
-    multiple = mesh.shape[seq_axis] * layouts.shards_per_device(layout)
-    padded = (-(-T // multiple) * multiple, -(-S // multiple) * multiple)
-    needs_padding = padded != (T, S)
-    return _Plan(
-        mesh=mesh,
-        seq_axis=seq_axis,
-        batch_axes=batch_axes,
-        head_axes=head_axes,
-        kv_head_axes=kv_head_axes,
-        layout=layout,
-        strategy=strategy,
-        config=config,
-        implementation=impl,
-        lengths=(T, S, *padded),
-        pad_by_segment=needs_padding and not config.causal,
-    )
 
 
 def _pad_seq(x, length, value=0, mode="constant"):
@@ -120,15 +55,15 @@ def _pad_seq(x, length, value=0, mode="constant"):
 
 def _all_gather_shard(plan, q, k, v, q_seg, kv_seg):
     """strategy="all_gather": gather K/V (ring order) once, one block with global positions."""
-    n = plan.mesh.shape[plan.seq_axis]
+    axis, n = plan.seq_axes[0], plan.seq_size
     T, S, Tp, Sp = plan.lengths
-    index = lax.axis_index(plan.seq_axis)
+    index = lax.axis_index(axis)
     q_pos = layouts.shard_positions(index, q.shape[1], n, plan.layout) + (S - T)
     kv_pos = layouts.shard_positions(jnp.arange(n), Sp // n, n, plan.layout).reshape(-1)
     with jax.named_scope("ring_attention_all_gather_kv"):
-        k, v = (lax.all_gather(x, plan.seq_axis, axis=1, tiled=True) for x in (k, v))
+        k, v = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
         if kv_seg is not None:
-            kv_seg = lax.all_gather(kv_seg, plan.seq_axis, axis=1, tiled=True)
+            kv_seg = lax.all_gather(kv_seg, axis, axis=1, tiled=True)
     config = plan.config
     return attention_api.flash_attention(
         q,
@@ -149,14 +84,34 @@ def _all_gather_shard(plan, q, k, v, q_seg, kv_seg):
 
 
 def _ring_shard(plan, q, k, v, q_seg, kv_seg):
-    n = plan.mesh.shape[plan.seq_axis]
     T, S, _, _ = plan.lengths
 
     def make_spec(name):
         config = ring.aligned_block_sizes(plan.config, plan.layout, name, q.shape[1], k.shape[1])
-        return ring.RingSpec(plan.seq_axis, n, plan.layout, config, S - T, name)
+        return ring.RingSpec(plan.seq_axes[0], plan.seq_size, plan.layout, config, S - T, name)
 
     return api.run(make_spec, plan.implementation, q, k, v, q_seg, kv_seg)
+
+
+def _ulysses_shard(plan, q, k, v, q_seg, kv_seg):
+    T, S, _, _ = plan.lengths
+    options = dict(config=plan.config, implementation=plan.implementation, q_offset=S - T)
+    if plan.strategy == "ulysses":
+        return ulysses.ulysses_attention(
+            q, k, v, q_seg, kv_seg, axis_name=plan.seq_axes[0], **options
+        )
+    return ulysses.ulysses_ring_attention(
+        q, k, v, q_seg, kv_seg, ulysses_axis=plan.seq_axes[0], ring_axis=plan.seq_axes[1],
+        layout=plan.layout, **options,
+    )  # fmt: skip
+
+
+_SHARD_FNS = {
+    "ring": _ring_shard,
+    "all_gather": _all_gather_shard,
+    "ulysses": _ulysses_shard,
+    "ulysses_ring": _ulysses_shard,
+}
 
 
 def _out_specs(plan, q_shape):
@@ -166,14 +121,14 @@ def _out_specs(plan, q_shape):
     axis: a `jax.Array` cannot hold an uneven split.
     """
     B, T, H, D = q_shape
-    batch, seq, heads = plan.batch_axes, plan.seq_axis, plan.head_axes
+    batch, seq, heads = plan.batch_axes, plan.seq_spec, plan.head_axes
     out = sharding.divisible_spec(plan.mesh, P(batch, seq, heads, None), (B, T, H, D))
     lse = sharding.divisible_spec(plan.mesh, P(batch, heads, seq), (B, H, T))
     return out, lse
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
+def _global(plan: Plan, q, k, v, q_seg, kv_seg):
     # Every Explicit axis made Auto inside (the pads, layout reshapes and slices below
     # cannot be typed on Explicit axes), the outputs typed sharded on `plan.mesh`.
     run = sharding.run_on_mesh(
@@ -182,10 +137,10 @@ def _global(plan: _Plan, q, k, v, q_seg, kv_seg):
     return run(q, k, v, q_seg, kv_seg)
 
 
-def _attend(plan: _Plan, mesh, q, k, v, q_seg, kv_seg):
+def _attend(plan: Plan, mesh, q, k, v, q_seg, kv_seg):
     """The global computation on `mesh` (`plan.mesh` with Auto axes)."""
     T, S, Tp, Sp = plan.lengths
-    n, layout = plan.mesh.shape[plan.seq_axis], plan.layout
+    n, layout = plan.seq_size, plan.layout
     if plan.pad_by_segment and q_seg is None:
         q_seg = jnp.zeros((q.shape[0], T), jnp.int32)
         kv_seg = jnp.zeros((k.shape[0], S), jnp.int32)
@@ -194,9 +149,10 @@ def _attend(plan: _Plan, mesh, q, k, v, q_seg, kv_seg):
         # Pad queries keep a real id (no wider id ranges); pad keys get one no query has.
         q_seg = _pad_seq(q_seg.astype(jnp.int32), Tp, mode="edge")
         kv_seg = _pad_seq(kv_seg.astype(jnp.int32), Sp, value=PAD_SEGMENT_ID)
-    batch, seq = plan.batch_axes, plan.seq_axis
+    batch, seq = plan.batch_axes, plan.seq_spec
     # Move natural-order shards into ring order inside the shard_map (two ppermutes or
-    # one all_to_all), where possible; else permute the global arrays.
+    # one all_to_all), where possible; else permute the global arrays. USP: the zigzag of
+    # all N devices, ring-major over (ring, ulysses) (see ulysses.py).
     per_shard_relayout = relayout.supported(layout, (Tp // n, Sp // n), n)
     if not per_shard_relayout:
         ring_order = lambda x: x if x is None else layouts.to_ring_layout(x, n, layout)  # noqa: E731
@@ -205,7 +161,7 @@ def _attend(plan: _Plan, mesh, q, k, v, q_seg, kv_seg):
     q_spec = P(batch, seq, plan.head_axes, None)
     kv_spec = P(batch, seq, plan.kv_head_axes, None)
     seg_spec = P(batch, seq)
-    shard = _ring_shard if plan.strategy == "ring" else _all_gather_shard
+    shard = _SHARD_FNS[plan.strategy]
     has_seg = q_seg is not None
 
     def per_shard(q, k, v, *segs):
@@ -257,9 +213,9 @@ def ring_attention(
     v,
     *,
     mesh,
-    sequence_axis: str = "sequence",
+    sequence_axis: str | tuple = "sequence",
     layout: str = "zigzag",
-    strategy: str = "ring",
+    strategy: str | None = "ring",
     data_axis=None,
     model_axis=None,
     causal: bool = False,
@@ -294,10 +250,20 @@ def ring_attention(
       k: `[B, S, K, D]` keys, `H % K == 0`.
       v: `[B, S, K, D]` values.
       mesh: the `jax.sharding.Mesh` to run on.
-      sequence_axis: mesh axis of the ring (default "sequence").
-      layout: "zigzag" (default: balanced causal work), "contiguous" or "striped".
-      strategy: "ring" (K/V rotate by ppermute, memory O(S / N)) or
-        "all_gather" (K/V gathered once: fewer, larger messages for short sequences).
+      sequence_axis: mesh axis of the ring (default "sequence"); for
+        strategy="ulysses_ring", two axes `(ulysses_axis, ring_axis)`, and the
+        sequence is then sharded ring-major, `P(.., (ring_axis, ulysses_axis))`.
+      layout: "zigzag" (default: balanced causal work), "contiguous" or "striped"
+        (not with "ulysses_ring"; "ulysses" ignores it: its devices see the whole
+        sequence in natural order).
+      strategy: "ring" (default: K/V rotate by ppermute under the compute, memory
+        O(S / N)); "all_gather" (K/V gathered once: fewer, larger messages for short
+        sequences, memory O(S)); "ulysses" (all-to-alls trade the sequence shard for
+        H / N heads, one kernel on the whole sequence; H per model shard must divide
+        by N; kv heads repeated to lcm(K, N) when N does not divide K);
+        "ulysses_ring" (USP: Ulysses over the first axis, the ring over the second);
+        or None: chosen by the cost rule of `ring_attention_plan` (logged at DEBUG on
+        the "shardfuse" logger).
       data_axis: mesh axis name (or tuple of names) the batch is split over,
         or None (default).
       model_axis: mesh axis name (or tuple) the heads are split over, or None (default).
@@ -312,7 +278,8 @@ def ring_attention(
 
     Returns:
       `out` `[B, T, H, D]` in q's dtype, or `(out, lse)` with lse float32 `[B, H, T]`,
-      sharded on `mesh`: out as `P(data_axis, sequence_axis, model_axis, None)`,
+      sharded on `mesh`: out as `P(data_axis, sequence_axis, model_axis, None)`
+      (USP: `P(data_axis, (ring_axis, ulysses_axis), model_axis, None)`),
       lse as `P(data_axis, model_axis, sequence_axis)`, whatever the inputs'
       shardings (typed Explicit when the inputs are typed on an Explicit mesh or
       a mesh context is set; plain inputs get a sharded but untyped output, so
@@ -324,7 +291,8 @@ def ring_attention(
     Raises:
       ValueError: invalid attention inputs (as `sf.flash_attention`), an axis
         not in the mesh (the message lists its axes), the same axis used twice,
-        batch or heads not divisible by their axes, unknown layout or strategy.
+        batch or heads not divisible by their axes (Ulysses: heads by its axis
+        too), unknown layout or strategy, a strategy that does not fit the axes.
       TypeError: unsupported or mismatched dtypes, `mesh` not a Mesh, or both a
         deprecated keyword and its new name.
       NotImplementedError: the implementation cannot run these inputs here.
@@ -355,7 +323,7 @@ def ring_attention(
     )
     # After validation, so that float64 NumPy inputs are refused, not downcast.
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
-    plan = _plan(
+    plan = make_plan(
         q,
         k,
         config,
@@ -369,9 +337,9 @@ def ring_attention(
     )
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):
         return base.empty_result(q, return_lse)
-    q_spec = P(plan.batch_axes, plan.seq_axis, plan.head_axes, None)
-    kv_spec = P(plan.batch_axes, plan.seq_axis, plan.kv_head_axes, None)
-    seg_spec = P(plan.batch_axes, plan.seq_axis)
+    q_spec = P(plan.batch_axes, plan.seq_spec, plan.head_axes, None)
+    kv_spec = P(plan.batch_axes, plan.seq_spec, plan.kv_head_axes, None)
+    seg_spec = P(plan.batch_axes, plan.seq_spec)
     args = (
         _onto_mesh(q, mesh, q_spec),
         _onto_mesh(k, mesh, kv_spec),

@@ -1,0 +1,205 @@
+"""The static plan of one `sf.ring_attention` call, and `ring_attention_plan`.
+
+`make_plan` validates the mesh axes, layout and strategy, resolves
+`strategy=None` by the cost rule of `strategy.py`, and fixes the padded
+lengths; the resulting `Plan` is hashable, the jit cache key of the global
+wrapper (`sharded.py`). `ring_attention_plan` shows what `strategy=None`
+would choose for given inputs, with every strategy's prediction.
+"""
+
+import dataclasses
+import logging
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+
+from shardfuse.collectives import sharding
+from shardfuse.collectives.ring_attention import blocks, layouts
+from shardfuse.collectives.ring_attention import strategy as strategy_rule
+from shardfuse.kernels.attention import base
+
+STRATEGIES = strategy_rule.STRATEGIES  # ("ring", "all_gather", "ulysses", "ulysses_ring")
+_LOG = logging.getLogger("shardfuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one global call (hashable: the jit cache key)."""
+
+    mesh: Hashable
+    seq_axes: tuple  # as given: (axis,), or (ulysses axis, ring axis)
+    batch_axes: tuple | None
+    head_axes: tuple | None
+    kv_head_axes: tuple | None
+    layout: str  # "contiguous" for ulysses: the whole sequence is local, in natural order
+    strategy: str
+    config: base.AttentionConfig
+    implementation: str | None
+    lengths: tuple  # (T, S, padded T, padded S)
+    pad_by_segment: bool  # padding needs segment ids (not hidden by causality)
+
+    @property
+    def seq_spec(self):
+        """The sequence dimension's PartitionSpec entry: the axis, or (ring, ulysses) for USP
+        (ring-major: a ring group's Ulysses devices hold consecutive shards)."""
+        return self.seq_axes[0] if len(self.seq_axes) == 1 else self.seq_axes[::-1]
+
+    @property
+    def seq_size(self) -> int:
+        return sharding.axes_size(self.mesh, self.seq_axes)
+
+
+def check_sequence_axis(seq_axis, strategy):
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)} or None")
+    if isinstance(seq_axis, str):
+        if strategy == "ulysses_ring":
+            raise ValueError(
+                f"strategy='ulysses_ring' needs sequence_axis=(ulysses_axis, ring_axis), two "
+                f"mesh axes; got sequence_axis={seq_axis!r}"
+            )
+        return (seq_axis,)
+    if (
+        isinstance(seq_axis, tuple | list)
+        and len(seq_axis) == 2
+        and all(isinstance(a, str) for a in seq_axis)
+    ):
+        if strategy not in (None, "ulysses_ring"):
+            raise ValueError(
+                f"sequence_axis={seq_axis!r} (two axes) runs strategy='ulysses_ring' (or None); "
+                f"got strategy={strategy!r}"
+            )
+        return tuple(seq_axis)
+    raise TypeError(
+        f"sequence_axis={seq_axis!r} must be one mesh axis name (a str), or two, "
+        "(ulysses_axis, ring_axis), for strategy='ulysses_ring'"
+    )
+
+
+def make_plan(
+    q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strategy, impl,
+    hardware=None, latency_us=strategy_rule.DEFAULT_LATENCY_US, explain=False,
+):  # fmt: skip
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    seq_axes = check_sequence_axis(seq_axis, strategy)
+    axes = sharding.check_mesh_axes(
+        mesh, sequence_axis=seq_axis, data_axis=batch_axis, model_axis=head_axis
+    )
+    layouts.check_layout(layout)
+    blocks.candidates(impl)
+    if isinstance(impl, list):
+        impl = tuple(impl)  # hashable: the plan is a jit cache key
+    batch_axes, head_axes = axes["data_axis"], axes["model_axis"]
+    B, T, H, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    batch_size = sharding.axes_size(mesh, batch_axes)
+    head_size = sharding.axes_size(mesh, head_axes)
+    if B % batch_size:
+        raise ValueError(
+            f"batch size B={B} must be a multiple of the {batch_axes} size {batch_size}"
+        )
+    if H % head_size:
+        raise ValueError(f"num heads H={H} must be a multiple of the {head_axes} size {head_size}")
+    kv_head_axes = head_axes
+    if K % head_size:
+        if K != 1:
+            raise ValueError(
+                f"num kv heads K={K} must be a multiple of the {head_axes} size {head_size} "
+                "(or 1: MQA, replicated over it)"
+            )
+        kv_head_axes = None  # MQA: every head shard reads the one kv head
+    if strategy is None or explain:
+        choice = strategy_rule.plan_for_call(
+            q.shape, k.shape, jnp.dtype(q.dtype).itemsize,
+            seq_sizes=tuple(mesh.shape[a] for a in seq_axes), batch_size=batch_size,
+            head_size=head_size, kv_replicated=kv_head_axes is None, causal=config.causal,
+            hardware=hardware, latency_us=latency_us,
+        )  # fmt: skip
+        if explain:
+            return choice
+        strategy = choice.strategy
+        _LOG.debug("sf.ring_attention(strategy=None) -> %s\n%s", strategy, choice)
+    if strategy in ("ulysses", "ulysses_ring"):
+        ulysses_size = mesh.shape[seq_axes[0]]
+        if (H // head_size) % ulysses_size:
+            raise ValueError(
+                f"strategy={strategy!r}: num heads H={H}"
+                + (f" / {head_size} ({head_axes})" if head_size > 1 else "")
+                + f" must be a multiple of the Ulysses axis {seq_axes[0]!r} size {ulysses_size} "
+                "(each device attends to H / N heads)"
+            )
+    if strategy == "ulysses":
+        layout = "contiguous"  # the all-to-all hands each device the natural-order sequence
+    if strategy == "ulysses_ring" and layout == "striped":
+        raise ValueError(
+            "layout='striped' is not supported with strategy='ulysses_ring': use 'zigzag' "
+            "(balanced causal work) or 'contiguous'"
+        )
+    multiple = sharding.axes_size(mesh, seq_axes) * layouts.shards_per_device(layout)
+    padded = (-(-T // multiple) * multiple, -(-S // multiple) * multiple)
+    needs_padding = padded != (T, S)
+    return Plan(
+        mesh=mesh,
+        seq_axes=seq_axes,
+        batch_axes=batch_axes,
+        head_axes=head_axes,
+        kv_head_axes=kv_head_axes,
+        layout=layout,
+        strategy=strategy,
+        config=config,
+        implementation=impl,
+        lengths=(T, S, *padded),
+        pad_by_segment=needs_padding and not config.causal,
+    )
+
+
+def ring_attention_plan(
+    q, k, v=None, *, mesh, sequence_axis="sequence", data_axis=None, model_axis=None,
+    causal: bool = False, hardware=None, latency_us: float = strategy_rule.DEFAULT_LATENCY_US,
+) -> strategy_rule.ContextParallelPlan:  # fmt: skip
+    """What `sf.ring_attention(q, k, v, strategy=None, ...)` chooses, with every prediction.
+
+    The rule (`strategy.py`): per device, predicted forward + backward time of
+    ring, all_gather and ulysses (one sequence axis) or ulysses_ring (two),
+    from the per-device sequence length, heads, head dim, dtype, peak FLOP/s
+    and link bandwidth (`shardfuse.hardware`); the fastest applicable wins.
+
+    Args:
+      q, k, v: as `sf.ring_attention` (arrays or `jax.ShapeDtypeStruct`s; only
+        shapes and dtypes are read; v defaults to k).
+      mesh, sequence_axis, data_axis, model_axis, causal: as `sf.ring_attention`.
+      hardware: None (this chip; where `shardfuse.hardware` does not know it,
+        e.g. CPU, the H100 SXM figures), a `shardfuse.hardware` key ("tpu-v5p"),
+        "h100_nvlink" / "tpu_v5p_ici", or a `collective_matmul.cost_model.Hardware`.
+      latency_us: fixed cost of one collective, microseconds.
+
+    Returns:
+      A `ContextParallelPlan`: `.strategy` (the choice), `.costs` (one
+      `StrategyCost` per strategy, with why one is not applicable); `print` it
+      for a table.
+
+    Raises:
+      ValueError, TypeError: as `sf.ring_attention`; an unknown `hardware`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, shardfuse as sf
+      >>> from shardfuse.collectives.ring_attention import ring_attention_plan
+      >>> mesh = jax.make_mesh((8,), ("sequence",))
+      >>> q = jax.ShapeDtypeStruct((1, 131072, 32, 128), jnp.bfloat16)
+      >>> k = jax.ShapeDtypeStruct((1, 131072, 8, 128), jnp.bfloat16)
+      >>> plan = ring_attention_plan(q, k, mesh=mesh, causal=True, hardware="h100-sxm")
+      >>> plan.strategy in ("ring", "all_gather", "ulysses")
+      True
+    """
+    v = k if v is None else v
+    config = base.validate(
+        q, k, v, causal=causal, q_positions=None, kv_positions=None, q_segment_ids=None,
+        kv_segment_ids=None, window=None, logit_softcap=None, scale=None,
+    )  # fmt: skip
+    return make_plan(
+        q, k, config, mesh=mesh, seq_axis=sequence_axis, batch_axis=data_axis,
+        head_axis=model_axis, layout="zigzag", strategy=None, impl=None, hardware=hardware,
+        latency_us=latency_us, explain=True,
+    )  # fmt: skip

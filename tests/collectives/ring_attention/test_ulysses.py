@@ -1,0 +1,159 @@
+"""Ulysses and USP (Ulysses x ring) against the reference on the gathered sequence.
+
+`sf.ring_attention(strategy="ulysses" | "ulysses_ring")` on 8 CPU devices:
+Ulysses over 2, 4 and 8 devices, USP over 2 x 4 and 4 x 2 (ulysses x ring),
+every mask (causal, segment ids, window, softcap), GQA with K >= N (kv heads
+scattered) and K < N (repeated), MQA, float32 and bfloat16, lengths the axis
+does not divide, and a (data, sequence, model) mesh; forward, lse and
+gradients (jax.vjp with random cotangents) with the TESTING.md tolerances
+(`ring_cases.compare`). The default run keeps one cell of every kind; the
+full matrix runs with -m slow.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import shardfuse as sf
+from tests.collectives.ring_attention.ring_cases import (
+    RingCase,
+    compare,
+    make_inputs,
+    mesh_3d,
+    with_vjp,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesCase(RingCase):
+    """`N` devices of Ulysses; `ring` > 1: USP over a (ring, ulysses) mesh of `ring x N`."""
+
+    strategy: str = "ulysses"
+    ring: int = 1
+
+    @property
+    def id(self):
+        size = f"u{self.N}xr{self.ring}" if self.strategy == "ulysses_ring" else f"u{self.N}"
+        return super().id.replace(f"N{self.N}", size, 1)
+
+
+@functools.cache
+def _usp_mesh(ulysses: int, ring: int) -> Mesh:
+    devices = np.array(jax.devices()[: ulysses * ring]).reshape(ring, ulysses)
+    return Mesh(devices, ("ring", "ulysses"))
+
+
+def _attend_fn(case: UlyssesCase, kwargs):
+    extra = {}
+    if case.mesh == "3d":
+        mesh, extra = mesh_3d(), dict(data_axis="data", model_axis="model")
+        axis = "sequence"
+    elif case.strategy == "ulysses_ring":
+        mesh, axis = _usp_mesh(case.N, case.ring), ("ulysses", "ring")
+    else:
+        mesh, axis = Mesh(np.array(jax.devices()[: case.N]), ("sequence",)), "sequence"
+    return with_vjp(
+        lambda q, k, v: sf.ring_attention(
+            q, k, v, mesh=mesh, sequence_axis=axis, layout=case.layout, strategy=case.strategy,
+            return_lse=True, implementation=case.implementation, **extra, **kwargs,
+        )
+    )  # fmt: skip
+
+
+def check(case: UlyssesCase, seed: int = 0):
+    q, k, v, kwargs, cotangents = make_inputs(case, seed)
+    inputs = (q, k, v) if case.dtype == "float32" else (x.astype(case.dtype) for x in (q, k, v))
+    actual = _attend_fn(case, kwargs)(*inputs, *cotangents)
+    compare(case, actual, q, k, v, kwargs, cotangents)
+    return actual
+
+
+def _usp(ulysses, ring, **kwargs):
+    return UlyssesCase(N=ulysses, ring=ring, strategy="ulysses_ring", **kwargs)
+
+
+# One cell of every kind by default: Ulysses with kv heads repeated (K < N) under causal +
+# segment ids; Ulysses with kv heads scattered (K >= N) in bfloat16 with window and softcap;
+# USP zigzag 4 x 2 with GQA and a length it does not divide. (USP contiguous, MQA, 2 x 4,
+# 2 x 2, T != S and the 3-axis mesh: -m slow.)
+DEFAULT = [
+    UlyssesCase(N=4, H=8, K=2, segments=True),
+    UlyssesCase(N=2, H=4, K=2, dtype="bfloat16", window=(5, 3), softcap=20.0, causal=False),
+    _usp(4, 2, H=4, K=2, T=44, S=44),
+]
+
+
+def _slow_cases():
+    cases = []
+    for n in (2, 4, 8):
+        for kv in (1, 2, 8):
+            cases.append(UlyssesCase(N=n, H=8, K=kv))
+        cases += [
+            UlyssesCase(N=n, H=8, K=4, segments=True, causal=False),
+            UlyssesCase(N=n, H=8, K=2, window=(6, 0)),
+            UlyssesCase(N=n, H=8, K=2, softcap=10.0, segments=True),
+            UlyssesCase(N=n, H=8, K=2, dtype="bfloat16", segments=True),
+            UlyssesCase(N=n, H=8, K=8, T=24, S=40, window=(None, 4), causal=False),
+            UlyssesCase(N=n, H=8, K=2, T=40, S=24),
+            UlyssesCase(N=n, H=8, K=2, T=27, S=27),  # padded to a multiple of N
+        ]
+    for ulysses, ring in ((2, 4), (4, 2), (2, 2)):
+        for layout in ("zigzag", "contiguous"):
+            cases += [
+                _usp(ulysses, ring, layout=layout, H=4, K=2),
+                _usp(ulysses, ring, layout=layout, H=4, K=1, segments=True),
+                _usp(ulysses, ring, layout=layout, H=8, K=8, window=(9, 2), softcap=30.0),
+                _usp(ulysses, ring, layout=layout, H=4, K=4, dtype="bfloat16", segments=True),
+                _usp(ulysses, ring, layout=layout, H=4, K=2, T=24, S=40),
+                _usp(ulysses, ring, layout=layout, H=4, K=2, T=37, S=37, causal=False),
+            ]
+    cases += [
+        _usp(2, 4, layout="contiguous", H=2, K=1, segments=True, causal=False),
+        UlyssesCase(N=2, mesh="3d", B=2, H=4, K=2),
+        UlyssesCase(N=2, mesh="3d", B=2, H=4, K=1, segments=True),  # MQA over the model axis
+        UlyssesCase(N=2, mesh="3d", B=2, H=8, K=2, dtype="bfloat16"),
+    ]
+    return [c for c in cases if c not in DEFAULT]
+
+
+@pytest.mark.parametrize("case", DEFAULT, ids=lambda c: c.id)
+def test_ulysses_matches_reference(case):
+    check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _slow_cases(), ids=lambda c: c.id)
+def test_ulysses_matrix(case):
+    check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
+def test_ulysses_ignores_the_layout(layout):
+    """Ulysses sees the whole sequence in natural order: every layout gives the same bits."""
+    base = UlyssesCase(N=4, H=4, K=2)
+    expected = check(base)
+    actual = check(dataclasses.replace(base, layout=layout))
+    for a, e in zip(actual, expected, strict=True):
+        np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.slow
+def test_fully_masked_rows_and_nan_padding():
+    """Queries whose segment no key has: out 0, lse -inf, finite zero gradients; the padded
+    positions (T=30 on 4 devices: 2 pad rows) never reach the output."""
+    case = UlyssesCase(N=4, H=4, K=2, T=30, S=30, segments=True, causal=False)
+    q, k, v, kwargs, cotangents = make_inputs(case)
+    q_seg = kwargs["q_segment_ids"].at[:, :5].set(99)  # no key has segment 99
+    kwargs = dict(kwargs, q_segment_ids=q_seg)
+    out, lse, dq, dk, dv = _attend_fn(case, kwargs)(q, k, v, *cotangents)
+    assert np.all(np.asarray(out[:, :5]) == 0) and np.all(np.isneginf(lse[:, :, :5]))
+    assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
+    assert np.all(np.asarray(dq[:, :5]) == 0)
+    compare(case, (out, lse, dq, dk, dv), q, k, v, kwargs, cotangents)
