@@ -7,6 +7,8 @@ that `sf.ring_attention(strategy=None)` runs what `ring_attention_plan` says
 (read from the collectives it traces: all_gather, all_to_all or ppermute).
 """
 
+import doctest
+import importlib
 import logging
 
 import jax
@@ -206,3 +208,16 @@ def test_plan_on_explicit_mesh_matches_auto():
     assert plans[0] == plans[1]
     assert isinstance(plans[0], strategy.ContextParallelPlan)
     assert plans[0].strategy in ("ring", "all_gather", "ulysses")
+
+
+@pytest.mark.parametrize(
+    "module",
+    # The examples that compile shard_maps (20 s and 10 s on the 2-core CI host): -m slow.
+    ["plan", "strategy", pytest.param("ulysses", marks=pytest.mark.slow),
+     pytest.param("sharded", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_docstring_examples(module):
+    module = importlib.import_module(f"shardfuse.collectives.ring_attention.{module}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{module.__name__} has no examples"
+    assert result.failed == 0, f"{result.failed} failing examples in {module.__name__}"

@@ -25,7 +25,23 @@ _LOG = logging.getLogger("shardfuse")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything static about one global call (hashable: the jit cache key)."""
+    """Everything static about one global call (hashable: the jit cache key).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from shardfuse.kernels.attention import base
+      >>> from shardfuse.collectives.ring_attention.plan import make_plan
+      >>> q = k = jnp.zeros((1, 30, 4, 8))
+      >>> config = base.validate(q, k, k, causal=True, q_positions=None, kv_positions=None,
+      ...     q_segment_ids=None, kv_segment_ids=None, window=None, logit_softcap=None,
+      ...     scale=None)
+      >>> plan = make_plan(q, k, config, mesh=jax.make_mesh((2, 2), ("ring", "u")),
+      ...     seq_axis=("u", "ring"), batch_axis=None, head_axis=None, layout="zigzag",
+      ...     strategy="ulysses_ring", impl=None)
+      >>> plan.seq_spec, plan.lengths  # ring-major; padded to 2 x 4 devices
+      (('ring', 'u'), (30, 30, 32, 32))
+    """
 
     mesh: Hashable
     seq_axes: tuple  # as given: (axis,), or (ulysses axis, ring axis)
@@ -50,7 +66,7 @@ class Plan:
         return sharding.axes_size(self.mesh, self.seq_axes)
 
 
-def check_sequence_axis(seq_axis, strategy):
+def _check_sequence_axis(seq_axis, strategy):
     if strategy is not None and strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {list(STRATEGIES)} or None")
     if isinstance(seq_axis, str):
@@ -81,9 +97,20 @@ def make_plan(
     q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strategy, impl,
     hardware=None, latency_us=strategy_rule.DEFAULT_LATENCY_US, explain=False,
 ):  # fmt: skip
+    """The `Plan` of one `sf.ring_attention` call (see `Plan` for an example).
+
+    Validates mesh, axes, layout, strategy and divisibility (batch by
+    `batch_axis`, heads by `head_axis` and, for Ulysses, by its axis), resolves
+    `strategy=None` by the cost rule (logged at DEBUG on the "shardfuse"
+    logger), fixes the layout (Ulysses: natural order) and the padded lengths.
+    With `explain=True` returns the cost rule's `ContextParallelPlan` instead.
+
+    Raises:
+      ValueError, TypeError: as `sf.ring_attention`.
+    """
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    seq_axes = check_sequence_axis(seq_axis, strategy)
+    seq_axes = _check_sequence_axis(seq_axis, strategy)
     axes = sharding.check_mesh_axes(
         mesh, sequence_axis=seq_axis, data_axis=batch_axis, model_axis=head_axis
     )
@@ -183,7 +210,8 @@ def ring_attention_plan(
     Raises:
       ValueError, TypeError: as `sf.ring_attention`; an unknown `hardware`.
 
-    Example:
+    Example usage::
+
       >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from shardfuse.collectives.ring_attention import ring_attention_plan
       >>> mesh = jax.make_mesh((8,), ("sequence",))

@@ -305,7 +305,7 @@ def ring_attention(
       >>> out = jax.jit(lambda q, k, v: sf.ring_attention(q, k, v, mesh=mesh, causal=True))(
       ...     q, k, v)
       >>> out.shape, out.sharding.spec
-      ((1, 100, 4, 32), P(None, 'sequence', None, None))
+      ((1, 100, 4, 32), P(None, 'sequence'))
     """
     config = base.validate(
         q,

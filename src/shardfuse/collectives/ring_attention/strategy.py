@@ -69,6 +69,13 @@ class StrategyCost:
       kv_bytes: K/V bytes held at once (memory the strategy needs beyond its shards).
       applicable: whether this strategy can run these inputs on this mesh.
       why_not: the reason, when not applicable.
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention.strategy import StrategyCost
+      >>> StrategyCost("ring", 1, 8, forward_s=1e-3, backward_s=2e-3, bytes_sent=0.0,
+      ...              kv_bytes=0.0).total_s
+      0.003
     """
 
     strategy: str
@@ -96,6 +103,17 @@ class ContextParallelPlan:
       costs: one `StrategyCost` per strategy considered (applicable or not).
       hardware: the figures used.
       rule: the rule, in words.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from shardfuse.collectives.ring_attention import ring_attention_plan
+      >>> q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
+      >>> k = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+      >>> plan = ring_attention_plan(q, k, mesh=jax.make_mesh((8,), ("sequence",)),
+      ...                            causal=True, hardware="h100-sxm")
+      >>> plan.strategy, plan.cost("ulysses").ulysses_size
+      ('all_gather', 8)
     """
 
     strategy: str
@@ -128,6 +146,12 @@ def resolve_hardware(hardware=None, dtype: str = "bfloat16") -> Hardware:
 
     Raises:
       ValueError: an unknown name, or a chip without link figures.
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention.strategy import resolve_hardware
+      >>> resolve_hardware("tpu-v5p").link_gb_per_s
+      100.0
     """
     if isinstance(hardware, Hardware):
         return hardware
@@ -148,7 +172,14 @@ def resolve_hardware(hardware=None, dtype: str = "bfloat16") -> Hardware:
 
 
 def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    """(query, key) pairs attention computes: all, or the causal ones (bottom-right aligned)."""
+    """(query, key) pairs attention computes: all, or the causal ones (bottom-right aligned).
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention.strategy import visible_pairs
+      >>> visible_pairs(4, 4, causal=True), visible_pairs(2, 4, causal=True)
+      (10, 7)
+    """
     if not causal:
         return q_len * kv_len
     low = max(kv_len - q_len + 1, 1)  # query i sees min(i + S - T + 1, S) keys, at least 0
@@ -216,7 +247,8 @@ def strategy_costs(
     Raises:
       ValueError: sizes that are not positive ints, or a `ulysses_size` not dividing N.
 
-    Example:
+    Example usage::
+
       >>> from shardfuse.collectives.ring_attention import strategy
       >>> costs = strategy.strategy_costs(batch=1, seq_len=131072, heads=32, kv_heads=8,
       ...     head_dim=128, sequence_size=8, hardware="h100-sxm")
@@ -282,6 +314,14 @@ def choose(costs, allowed=STRATEGIES) -> str:
 
     Raises:
       ValueError: no strategy in `allowed` is applicable (the reasons are listed).
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention import strategy
+      >>> costs = strategy.strategy_costs(batch=1, seq_len=1 << 20, heads=32, kv_heads=8,
+      ...     head_dim=128, sequence_size=8, hardware="tpu-v5p")
+      >>> strategy.choose(costs)
+      'ring'
     """
     usable = [c for c in costs if c.applicable and c.strategy in allowed]
     if not usable:
@@ -299,7 +339,8 @@ def predicted_winners(
 
     `model`: a `shardfuse.models.ModelShape` (heads, kv heads, head dim); bfloat16.
 
-    Example:
+    Example usage::
+
       >>> from shardfuse import models
       >>> from shardfuse.collectives.ring_attention import strategy
       >>> rows = strategy.predicted_winners(models.get("llama3-8b"), hardware="tpu-v5p",
@@ -322,7 +363,17 @@ def predicted_winners(
 
 def crossovers(rows) -> list[tuple[int, str, str]]:
     """`(seq_len, old winner, new winner)` wherever the winner changes along the rows of
-    `predicted_winners`."""
+    `predicted_winners`.
+
+    Example usage::
+
+      >>> from shardfuse import models
+      >>> from shardfuse.collectives.ring_attention import strategy
+      >>> rows = strategy.predicted_winners(models.get("llama3-8b"), hardware="h100-sxm",
+      ...     seq_lens=[8192, 16384])
+      >>> strategy.crossovers(rows)
+      [(16384, 'all_gather', 'ring')]
+    """
     return [
         (b["seq_len"], a["winner"], b["winner"])
         for a, b in zip(rows, rows[1:], strict=False)
@@ -330,7 +381,7 @@ def crossovers(rows) -> list[tuple[int, str, str]]:
     ]
 
 
-def plan_for(costs, hardware, allowed) -> ContextParallelPlan:
+def _plan_for(costs, hardware, allowed) -> ContextParallelPlan:
     """A `ContextParallelPlan` from `strategy_costs` output: the choice among `allowed`;
     the strategies outside `allowed` are marked not applicable (needing another mesh)."""
     marked = tuple(
@@ -348,7 +399,7 @@ def _needs(strategy: str) -> str:
     return "needs a single sequence axis (sequence_axis a str)"
 
 
-def check_latency(latency_us) -> float:
+def _check_latency(latency_us) -> float:
     """`latency_us` if it is a finite number >= 0, else ValueError."""
     if isinstance(latency_us, bool) or not isinstance(latency_us, int | float):
         raise ValueError(f"latency_us={latency_us!r} must be a number >= 0")
@@ -364,7 +415,16 @@ def plan_for_call(
 ) -> ContextParallelPlan:  # fmt: skip
     """The plan of one `sf.ring_attention` call: global shapes, the sizes of its sequence
     axes (one axis: ring / all_gather / ulysses; two, (ulysses, ring): ulysses_ring), and the
-    data / model axis sizes that split batch and heads."""
+    data / model axis sizes that split batch and heads.
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention.strategy import plan_for_call
+      >>> plan = plan_for_call((1, 4096, 8, 64), (1, 4096, 2, 64), 2, seq_sizes=(4, 2),
+      ...                      hardware="tpu-v5p")
+      >>> plan.strategy, plan.cost("ulysses_ring").ring_size
+      ('ulysses_ring', 2)
+    """
     B, T, H, D = q_shape
     S, K = k_shape[1], k_shape[2]
     n = math.prod(seq_sizes)
@@ -374,7 +434,7 @@ def plan_for_call(
         heads=H // head_size, kv_heads=K if kv_replicated else K // head_size,
         head_dim=max(D, 1), sequence_size=n, ulysses_size=seq_sizes[0] if two_axes else None,
         dtype_bytes=dtype_bytes, causal=causal, hardware=hardware,
-        latency_us=check_latency(latency_us),
+        latency_us=_check_latency(latency_us),
     )  # fmt: skip
     allowed = ("ulysses_ring",) if two_axes else ("ring", "all_gather", "ulysses")
-    return plan_for(costs, hardware, allowed)
+    return _plan_for(costs, hardware, allowed)

@@ -41,7 +41,14 @@ from shardfuse.kernels.attention import api as attention_api
 
 
 def kv_heads_after_expansion(kv_heads: int, ulysses_size: int) -> int:
-    """kv heads once repeated so that `ulysses_size` devices can split them: `lcm(K, N)`."""
+    """kv heads once repeated so that `ulysses_size` devices can split them: `lcm(K, N)`.
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention import ulysses
+      >>> [ulysses.kv_heads_after_expansion(k, n) for k, n in ((8, 4), (2, 8), (4, 6))]
+      [8, 8, 12]
+    """
     return math.lcm(kv_heads, ulysses_size)
 
 
@@ -50,18 +57,57 @@ def expand_kv_heads(x, ulysses_size: int):
 
     Query head h reads kv head `h // (H / K)`, which is expanded head
     `h // (H / lcm(K, N))` (both H and lcm(K, N) are multiples of N and K).
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.collectives.ring_attention.ulysses import expand_kv_heads
+      >>> k = jnp.arange(2.0).reshape(1, 1, 2, 1)  # kv heads 0 and 1
+      >>> expand_kv_heads(k, 4)[0, 0, :, 0].tolist()
+      [0.0, 0.0, 1.0, 1.0]
     """
     repeats = kv_heads_after_expansion(x.shape[2], ulysses_size) // x.shape[2]
     return x if repeats == 1 else jnp.repeat(x, repeats, axis=2)
 
 
 def sequence_to_heads(x, axis_name, *, seq_axis: int = 1, head_axis: int = 2):
-    """This device's sequence shard, all heads -> the whole sequence, its 1/N of the heads."""
+    """This device's sequence shard, all heads -> the whole sequence, its 1/N of the heads.
+
+    `[B, L, H, D]` -> `[B, N L, H / N, D]` (inside `jax.shard_map` over `axis_name`);
+    the sequence comes in device order, device j gets heads `[j H/N, (j+1) H/N)`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from shardfuse.collectives.ring_attention.ulysses import sequence_to_heads
+      >>> mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> f = jax.shard_map(lambda x: sequence_to_heads(x, "sequence"), mesh=mesh,
+      ...                   in_specs=P(None, "sequence"), out_specs=P(None, None, "sequence"))
+      >>> x = jnp.zeros((1, 16, 8, 2))
+      >>> bool((jax.jit(f)(x) == x).all())  # the same global array, sharded over heads
+      True
+    """
     return lax.all_to_all(x, axis_name, head_axis, seq_axis, tiled=True)
 
 
 def heads_to_sequence(x, axis_name, *, seq_axis: int = 1, head_axis: int = 2):
-    """The exact inverse of `sequence_to_heads`."""
+    """The exact inverse of `sequence_to_heads`: `[B, N L, H / N, D]` -> `[B, L, H, D]`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from shardfuse.collectives.ring_attention import ulysses
+      >>> mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> def there_and_back(x):
+      ...     return ulysses.heads_to_sequence(ulysses.sequence_to_heads(x, "sequence"), "sequence")
+      >>> f = jax.shard_map(there_and_back, mesh=mesh, in_specs=P(None, "sequence"),
+      ...                   out_specs=P(None, "sequence"))
+      >>> x = jax.random.normal(jax.random.key(0), (1, 16, 8, 2))
+      >>> bool((jax.jit(f)(x) == x).all())
+      True
+    """
     return lax.all_to_all(x, axis_name, seq_axis, head_axis, tiled=True)
 
 
@@ -95,6 +141,27 @@ def ulysses_attention(q, k, v, q_seg, kv_seg, *, axis_name, config, implementati
 
     Returns:
       `(out [B, T/N, H, D], lse f32 [B, H, T/N])`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp, shardfuse as sf
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from shardfuse.kernels.attention import base
+      >>> from shardfuse.collectives.ring_attention.ulysses import ulysses_attention
+      >>> mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> q = jax.random.normal(jax.random.key(0), (1, 32, 4, 16))
+      >>> k = v = jax.random.normal(jax.random.key(1), (1, 32, 2, 16))
+      >>> config = base.validate(q, k, v, causal=True, q_positions=None, kv_positions=None,
+      ...     q_segment_ids=None, kv_segment_ids=None, window=None, logit_softcap=None,
+      ...     scale=None)
+      >>> f = jax.shard_map(
+      ...     lambda q, k, v: ulysses_attention(q, k, v, None, None, axis_name="sequence",
+      ...                                       config=config, implementation=None, q_offset=0),
+      ...     mesh=mesh, in_specs=P(None, "sequence"), out_specs=(P(None, "sequence"),
+      ...     P(None, None, "sequence")), check_vma=False)
+      >>> out, lse = jax.jit(f)(q, k, v)
+      >>> bool(jnp.allclose(out, sf.flash_attention(q, k, v, causal=True), atol=1e-5))
+      True
     """
     n = lax.axis_size(axis_name)
 
@@ -165,6 +232,30 @@ def ulysses_ring_attention(
     "zigzag", chunks i and 2N-1-i of the 2N-chunk zigzag with
     `i = r Nu + u` (`relayout.to_ring` over both axes). Shapes and arguments
     as `ulysses_attention`; the ring runs `implementation` per step.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp, shardfuse as sf
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from shardfuse.kernels.attention import base
+      >>> from shardfuse.collectives.ring_attention.ulysses import ulysses_ring_attention
+      >>> mesh = jax.make_mesh((2, 4), ("ring", "ulysses"),
+      ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+      >>> q = jax.random.normal(jax.random.key(0), (1, 32, 4, 16))
+      >>> k = v = jax.random.normal(jax.random.key(1), (1, 32, 2, 16))
+      >>> config = base.validate(q, k, v, causal=True, q_positions=None, kv_positions=None,
+      ...     q_segment_ids=None, kv_segment_ids=None, window=None, logit_softcap=None,
+      ...     scale=None)
+      >>> spec = P(None, ("ring", "ulysses"))  # contiguous: device (r, u) holds shard r * 4 + u
+      >>> f = jax.shard_map(
+      ...     lambda q, k, v: ulysses_ring_attention(
+      ...         q, k, v, None, None, ulysses_axis="ulysses", ring_axis="ring",
+      ...         layout="contiguous", config=config, implementation=None, q_offset=0),
+      ...     mesh=mesh, in_specs=spec, out_specs=(spec, P(None, None, ("ring", "ulysses"))),
+      ...     check_vma=False)
+      >>> out, lse = jax.jit(f)(q, k, v)
+      >>> bool(jnp.allclose(out, sf.flash_attention(q, k, v, causal=True), atol=1e-5))
+      True
     """
     nu, nr = lax.axis_size(ulysses_axis), lax.axis_size(ring_axis)
     zigzag = layout == "zigzag"
