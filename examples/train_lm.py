@@ -42,6 +42,11 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--log-json", default=None)
     p.add_argument("--device", default=None, help="sf.hardware chip for the MFU estimate")
+    p.add_argument(
+        "--spread-processes",
+        action="store_true",
+        help="arrange devices so every mesh axis crosses processes (for testing)",
+    )
     p.add_argument("--coordinator", default=None, help="host:port of process 0")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
@@ -78,6 +83,7 @@ def main(argv=None):
         checkpoint_every=args.checkpoint_every,
         log_json=args.log_json,
         device=args.device,
+        spread_processes=args.spread_processes,
     )
     trainer = Trainer(config, log=lambda line: print(line, flush=True))
     losses = trainer.run()

@@ -19,7 +19,7 @@ import time
 import jax
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse import hardware
@@ -51,6 +51,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     log_json: str | None = None
     device: str | None = None  # sf.hardware name for the MFU estimate (default: detected)
+    spread_processes: bool = False  # every mesh axis crosses processes (distributed.spread_devices)
 
     def mesh_shape(self, device_count: int) -> tuple:
         """Sizes of `AXES`, checked against the device count."""
@@ -112,7 +113,12 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, log=print):
         self.config, self._log = config, log
         shape = config.mesh_shape(jax.device_count())
-        self.mesh = jax.make_mesh(shape, AXES)
+        if config.spread_processes:
+            self.mesh = jax.sharding.Mesh(
+                distributed.spread_devices(shape), AXES, axis_types=(AxisType.Explicit,) * 5
+            )
+        else:
+            self.mesh = jax.make_mesh(shape, AXES)
         self.batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
         self.ring = self.mesh.shape["sequence"]
         if self.mesh.shape["pipeline"] > 1 or self.mesh.shape["fsdp"] > 1:

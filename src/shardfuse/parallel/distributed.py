@@ -16,7 +16,7 @@ import os
 import jax
 import numpy as np
 
-__all__ = ["initialize", "global_batch", "is_primary"]
+__all__ = ["initialize", "global_batch", "is_primary", "spread_devices"]
 
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -116,3 +116,49 @@ def global_batch(load_rows, global_shape, sharding):
         return cache[(start, stop)][(slice(None), *index[1:])]
 
     return jax.make_array_from_callback(tuple(global_shape), sharding, piece)
+
+
+def spread_devices(shape, devices=None) -> np.ndarray:
+    """Devices arranged as `shape` so that every axis of size > 1 crosses processes.
+
+    A checkerboard: the device at mesh position `(i, j, ...)` belongs to
+    process `(i + j + ...) % num_processes`. Useful to test that nothing
+    assumes an axis stays inside one host (the default `jax.make_mesh` order
+    keeps the inner axes on one host, which is what real runs want).
+
+    Args:
+      shape: the mesh shape.
+      devices: the devices (default `jax.devices()`).
+
+    Returns:
+      An object array of devices of `shape`, for `jax.sharding.Mesh(devices, names)`.
+
+    Raises:
+      ValueError: the checkerboard does not give every process the same
+        number of positions (no axis length is a multiple of the process count).
+
+    Example usage::
+
+      >>> import jax
+      >>> from shardfuse.parallel.distributed import spread_devices
+      >>> spread_devices((2, 4)).shape
+      (2, 4)
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    processes = sorted({d.process_index for d in devices})
+    by_process = {
+        p: sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+        for p in processes
+    }
+    count = len(processes)
+    grid = np.empty(tuple(shape), dtype=object)
+    if grid.size != len(devices):
+        raise ValueError(f"shape {tuple(shape)} has {grid.size} positions; {len(devices)} devices")
+    taken = dict.fromkeys(processes, 0)
+    for index in np.ndindex(*grid.shape):
+        process = processes[sum(index) % count]
+        if taken[process] >= len(by_process[process]):
+            raise ValueError(f"shape {tuple(shape)} cannot be spread evenly over {count} processes")
+        grid[index] = by_process[process][taken[process]]
+        taken[process] += 1
+    return grid
