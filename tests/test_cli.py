@@ -37,5 +37,5 @@ def test_bad_arguments_exit_with_usage():
 def test_demo_runs_end_to_end():
     result = _run("demo", "--seq-len", "128", timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "tiny causal LM training" in result.stdout
+    assert "Llama-style LM training" in result.stdout
     assert "flash_attention" in result.stdout

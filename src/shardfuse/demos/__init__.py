@@ -35,7 +35,10 @@ SECTIONS = [
     ("flash attention: triton (Triton interpreter on CPU)", "shardfuse.demos.attention_triton"),
     ("matmul and collective matmuls: xla vs reference", "shardfuse.demos.collective_matmul"),
     ("ring attention: 8-device ring vs one-device reference", "shardfuse.demos.ring_attention"),
-    ("tiny causal LM: NNX layers training on a 2x2x2 mesh", "shardfuse.demos.tiny_lm"),
+    (
+        "Llama-style LM: examples/train_lm.py, a small run on a 2x2x2 mesh",
+        "shardfuse.demos.train_lm",
+    ),
 ]
 
 
