@@ -26,8 +26,9 @@ def initialize(coordinator: str | None = None, num_processes=None, process_id=No
 
     Must run before anything touches a JAX backend. With no arguments it
     reads `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`
-    (all three, or none); with none of them set and no arguments it does
-    nothing (a single-process run). On CPU it selects the gloo collectives,
+    (all three, or none); without them, inside a SLURM job of several tasks
+    it lets `jax.distributed.initialize()` read SLURM's variables; otherwise
+    it does nothing (a single-process run). On CPU it selects the gloo collectives,
     which cross-process CPU meshes need.
 
     Args:
@@ -47,6 +48,10 @@ def initialize(coordinator: str | None = None, num_processes=None, process_id=No
     if coordinator is None and num_processes is None and process_id is None:
         found = [os.environ.get(name) for name in _ENV]
         if not any(found):
+            if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:  # JAX reads SLURM's variables
+                _use_gloo_on_cpu()
+                jax.distributed.initialize()
+                return True
             return False
         if not all(found):
             raise ValueError(
@@ -64,11 +69,16 @@ def initialize(coordinator: str | None = None, num_processes=None, process_id=No
         raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
     if ":" not in coordinator:
         raise ValueError(f"coordinator={coordinator!r} must be 'host:port'")
+    _use_gloo_on_cpu()
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    return True
+
+
+def _use_gloo_on_cpu():
+    """CPU meshes across processes need the gloo collectives (harmless on GPU/TPU runs)."""
     platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
     if platforms in ("", "cpu") or "cpu" in platforms.split(","):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id)
-    return True
 
 
 def is_primary() -> bool:
