@@ -21,13 +21,14 @@ to the order.
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.matmul import base as matmul_base
-from shardfuse.layers import _sharding
+from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
@@ -88,6 +89,9 @@ class ParallelSelfAttention(nnx.Module):
       dtype, param_dtype, precision, kernel_init, bias_init, implementation,
         rngs: as in `nnx.Linear` / `ColumnParallelLinear` (`precision`
         applies to the projections).
+      zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO options, as in
+        `ColumnParallelLinear`; zero=3 shards the F dimension of the three
+        kernels over `fsdp_axis` (`features` divisible by its size).
 
     Example usage::
 
@@ -126,12 +130,24 @@ class ParallelSelfAttention(nnx.Module):
         bias_init=default_bias_init,
         implementation: str | None = None,
         precision=None,
+        zero: int = 0,
+        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
+        reshard_after_forward: bool = True,
+        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
         self.model_axis, self.data_axis, self.sequence_axis = _sharding.layer_axes(
             mesh, model_axis=model_axis, data_axis=data_axis, sequence_axis=sequence_axis
         )
+        self.zero = fsdp.zero_options(
+            mesh,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
+        )
+        self.batch_axes = fsdp.check_batch_axes(mesh, self, self.zero)
         tp = _sharding.axis_size(mesh, self.model_axis)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -169,6 +185,7 @@ class ParallelSelfAttention(nnx.Module):
         self.precision = matmul_base.check_precision(precision)
         self.kv_sharded = num_kv_heads % tp == 0
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
+        fsdp.check_kernel("features", F, mesh, self.zero)
         specs = self._param_specs()
         make = _sharding.param_maker(rngs, param_dtype, mesh)
         self.q_kernel = make(kernel_init, (F, H * D), specs["q_kernel"])
@@ -182,22 +199,26 @@ class ParallelSelfAttention(nnx.Module):
     def _param_specs(self):
         """PartitionSpec of each parameter (kv replicated when `K % tp != 0`)."""
         kv = P(None, self.model_axis) if self.kv_sharded else P()
+        zero = self.zero  # zero=3: the F dimension of every kernel sharded over fsdp
         return dict(
-            q_kernel=P(None, self.model_axis),
-            kv_kernel=kv,
-            o_kernel=P(self.model_axis, None),
+            q_kernel=fsdp.kernel_spec(P(None, self.model_axis), zero, 0),
+            kv_kernel=fsdp.kernel_spec(kv, zero, 0),
+            o_kernel=fsdp.kernel_spec(P(self.model_axis, None), zero, 1),
             q_bias=P(self.model_axis),
             kv_bias=P(*kv[1:]),
             o_bias=P(),
         )
 
     def local_params(self, dtype):
-        """Parameter values cast to `dtype` and their specs, in `local`'s order."""
+        """Parameter values and their specs, in `local`'s order; biases cast to `dtype`.
+
+        Kernels stay in `param_dtype`: `local` casts them (and gathers them over
+        fsdp under zero=3), so that their gradients are reduced before the cast back.
+        """
         specs = self._param_specs()
         names = ("q_kernel", "kv_kernel", "o_kernel", "q_bias", "kv_bias", "o_bias")
-        values = [
-            None if getattr(self, n) is None else getattr(self, n)[...].astype(dtype) for n in names
-        ]
+        values = [None if getattr(self, n) is None else getattr(self, n)[...] for n in names]
+        values[3:] = [None if b is None else b.astype(dtype) for b in values[3:]]
         return values, [specs[n] for n in names]
 
     def default_positions(self, seq_len: int):
@@ -215,6 +236,8 @@ class ParallelSelfAttention(nnx.Module):
         """
         heads = self.num_heads // _sharding.axis_size(self.mesh, self.model_axis)  # local heads
         D = self.head_dim
+        q_w, kv_w = (fsdp.gather(self.zero, w, 0, x.dtype) for w in (q_w, kv_w))
+        o_w = fsdp.gather(self.zero, o_w, 1, x.dtype)
         if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
             group = self.num_heads // self.num_kv_heads
             head = lax.axis_index(self.model_axis) * heads // group
@@ -225,8 +248,8 @@ class ParallelSelfAttention(nnx.Module):
         if q_b is not None:
             y = y + jnp.concatenate([q_b, kv_b])
         b, t = y.shape[:2]
-        q = y[..., : heads * D].reshape(b, t, heads, D)
-        kv = y[..., heads * D :].reshape(b, t, -1, 2, D)
+        q = checkpoint_name(y[..., : heads * D], "attention_q").reshape(b, t, heads, D)
+        kv = checkpoint_name(y[..., heads * D :], "attention_kv").reshape(b, t, -1, 2, D)
         q = rope(q, positions, self.rope_theta)
         k = rope(kv[..., 0, :], positions, self.rope_theta)
         v = kv[..., 1, :]
@@ -242,15 +265,16 @@ class ParallelSelfAttention(nnx.Module):
             o = ring_attention(q, k, v, self.sequence_axis, layout=self.layout, **masks)
         else:
             o = attention_api.flash_attention(q, k, v, **masks)
+        o = checkpoint_name(o, "attention_core")
         out = row_matmul(self, o.reshape(b, t, heads * D), o_w)
-        return out if o_b is None else out + o_b
+        return checkpoint_name(out if o_b is None else out + o_b, "attention_out")
 
     def io_spec(self):
         """PartitionSpec of the `[B, T, F]` input and output."""
         sequence = _sharding.sequence_spec(
             self.sequence_axis, self.model_axis, self.sequence_parallel
         )
-        return P(self.data_axis, sequence, None)
+        return P(self.batch_axes, sequence, None)
 
     def check_input(self, x, positions, segment_ids):
         """Validates a `__call__`'s arguments; returns positions (defaulted)."""
@@ -270,7 +294,7 @@ class ParallelSelfAttention(nnx.Module):
             raise ValueError(
                 f"sequence length T={T} must be divisible by {shards} ({' x '.join(parts)})"
             )
-        _sharding.check_divisible("batch size B", B, self.mesh, self.data_axis)
+        _sharding.check_divisible("batch size B", B, self.mesh, self.batch_axes)
         if positions is None:
             positions = self.default_positions(T) if T else jnp.zeros((0,), jnp.int32)
         if not jnp.issubdtype(positions.dtype, jnp.integer):
@@ -339,7 +363,7 @@ class ParallelSelfAttention(nnx.Module):
             return _sharding.empty_output(x.astype(dtype), x.shape, self.mesh, spec)
         values, specs = self.local_params(dtype)
         return _sharding.shard_map_call(
-            self.local,
+            fsdp.reshard_after_forward(self.local, self.zero),
             self.mesh,
             [x.astype(dtype), positions, segment_ids, *values],
             [*self.token_specs(), *specs],
@@ -348,4 +372,4 @@ class ParallelSelfAttention(nnx.Module):
 
     def token_specs(self):
         """PartitionSpecs of `x` `[B, T, F]`, `positions` `[T]` and `segment_ids` `[B, T]`."""
-        return self.io_spec(), P(self.sequence_axis), P(self.data_axis, self.sequence_axis)
+        return self.io_spec(), P(self.sequence_axis), P(self.batch_axes, self.sequence_axis)

@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
-from shardfuse.layers import _sharding
+from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import remat as remat_lib
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.mlp import ParallelMLP
@@ -120,6 +121,11 @@ class ParallelTransformerBlock(nnx.Module):
         True for `nnx.Linear` compatibility).
       dtype, param_dtype, precision, kernel_init, bias_init, implementation:
         as in `ColumnParallelLinear`, for attention and MLP alike.
+      remat: activation checkpointing of the block: "none" (default),
+        "full", "selective", "dots" or "offload" (`shardfuse.layers.remat`).
+      zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO options of
+        attention and MLP, as in `ColumnParallelLinear` (norm scales stay
+        replicated).
       rngs: `nnx.Rngs`.
 
     Example usage::
@@ -164,10 +170,16 @@ class ParallelTransformerBlock(nnx.Module):
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         implementation: str | None = None,
+        remat: str = "none",
+        zero: int = 0,
+        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
+        reshard_after_forward: bool = True,
+        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm={norm!r} must be one of {NORMS}")
+        self.remat = remat_lib.check_policy(remat)
         common = dict(
             mesh=mesh,
             model_axis=model_axis,
@@ -181,6 +193,10 @@ class ParallelTransformerBlock(nnx.Module):
             kernel_init=kernel_init,
             bias_init=bias_init,
             implementation=implementation,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
             rngs=rngs,
         )
         self.attention = ParallelSelfAttention(
@@ -234,8 +250,9 @@ class ParallelTransformerBlock(nnx.Module):
         mlp_values, mlp_specs = self.mlp.local_params(dtype)
         norm_values = [self.norm_1.params(), self.norm_2.params()]
         norm_specs = [[P(), P()], [P(), P()]]
+        local = remat_lib.checkpoint(self.local, self.remat, zero=attention.zero)
         return _sharding.shard_map_call(
-            self.local,
+            local,
             mesh,
             [x.astype(dtype), positions, segment_ids, norm_values, attention_values, mlp_values],
             [*attention.token_specs(), norm_specs, attention_specs, mlp_specs],

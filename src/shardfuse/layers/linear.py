@@ -10,7 +10,7 @@ all-gathers the sequence and the row layer reduce-scatters it. Both are done
 with the overlapped collective matmuls of `shardfuse.collectives`, which hide
 the ring transfers behind the chunk matmuls.
 
-Activations are `[B, T, F]`: batch over `data_axis`, sequence over
+Activations are `[B, T, F]`: batch over `data_axis` (and `fsdp_axis`), sequence over
 `sequence_axis` (the context-parallel axis, the one ring attention runs
 over) and, with `sequence_parallel=True` (Megatron sequence parallelism),
 also over `model_axis`: `P(data, (sequence, model), None)` between layers.
@@ -32,11 +32,12 @@ stay sharded from block to block, defaults to `sequence_parallel=True`.
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.matmul import base as matmul_base
-from shardfuse.layers import _sharding
+from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -65,15 +66,34 @@ class _ParallelLinear(nnx.Module):
         sequence_axis: str | None,
         implementation: str | None,
         precision,
+        zero: int,
+        fsdp_axis: str | None,
+        reshard_after_forward: bool,
+        reduce_dtype,
         rngs: nnx.Rngs,
     ):
         self.mesh = mesh
         self.model_axis, self.data_axis, self.sequence_axis = _sharding.layer_axes(
             mesh, model_axis=model_axis, data_axis=data_axis, sequence_axis=sequence_axis
         )
-        sharded = out_features if self.sharded_features == "out" else in_features
-        name = "out_features" if self.sharded_features == "out" else "in_features"
+        self.zero = fsdp.zero_options(
+            mesh,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
+        )
+        self.batch_axes = fsdp.check_batch_axes(mesh, self, self.zero)
+        column = self.sharded_features == "out"
+        sharded = out_features if column else in_features
+        name = "out_features" if column else "in_features"
         _sharding.check_divisible(name, sharded, mesh, self.model_axis)
+        fsdp.check_kernel(
+            "in_features" if column else "out_features",
+            in_features if column else out_features,
+            mesh,
+            self.zero,
+        )
         self.in_features = in_features
         self.out_features = out_features
         self.sequence_parallel = bool(sequence_parallel)
@@ -83,20 +103,31 @@ class _ParallelLinear(nnx.Module):
         self.implementation = implementation
         self.precision = matmul_base.check_precision(precision)
         make = _sharding.param_maker(rngs, param_dtype, mesh)
-        self.kernel = make(
-            kernel_init, (in_features, out_features), self.kernel_spec_for(self.model_axis)
-        )
+        self.kernel = make(kernel_init, (in_features, out_features), self.kernel_spec())
         bias_spec = self.bias_spec_for(self.model_axis)
         self.bias = make(bias_init, (out_features,), bias_spec) if use_bias else None
 
     def _sequence_spec(self, parallel: bool):
         return _sharding.sequence_spec(self.sequence_axis, self.model_axis, parallel)
 
+    def kernel_spec(self):
+        """PartitionSpec of `kernel` (with the fsdp axis under zero=3)."""
+        dim = 0 if self.sharded_features == "out" else 1  # the dimension model_axis leaves whole
+        return fsdp.kernel_spec(self.kernel_spec_for(self.model_axis), self.zero, dim)
+
+    def weight(self, kernel, dtype):
+        """Per shard: this device's kernel in `dtype` (gathered over fsdp under zero=3)."""
+        return fsdp.gather(self.zero, kernel, 0 if self.sharded_features == "out" else 1, dtype)
+
     def local_params(self, dtype):
-        """`[kernel, bias]` cast to `dtype` (bias None without one), and their specs."""
+        """`[kernel, bias]` and their specs; bias cast to `dtype` (None without one).
+
+        The kernel stays in `param_dtype`: the per-shard function casts it
+        (and under zero=3 gathers it, see `weight`), so that its gradient is
+        reduced before it is cast back.
+        """
         bias = None if self.bias is None else self.bias[...].astype(dtype)
-        specs = [self.kernel_spec_for(self.model_axis), self.bias_spec_for(self.model_axis)]
-        return [self.kernel[...].astype(dtype), bias], specs
+        return [self.kernel[...], bias], [self.kernel_spec(), self.bias_spec_for(self.model_axis)]
 
     def _check(self, x):
         """Validates `x` `[B, T, in]` (before any tracing)."""
@@ -111,7 +142,7 @@ class _ParallelLinear(nnx.Module):
         B, T = x.shape[:2]
         sequence = self._sequence_spec(self.sequence_parallel)
         _sharding.check_divisible("sequence length T", T, self.mesh, sequence)
-        _sharding.check_divisible("batch size B", B, self.mesh, self.data_axis)
+        _sharding.check_divisible("batch size B", B, self.mesh, self.batch_axes)
 
     def _run(self, local, x, in_spec, out_spec):
         dtype = _sharding.compute_dtype(self.dtype, x, self.kernel[...])
@@ -120,6 +151,7 @@ class _ParallelLinear(nnx.Module):
             shape = (*x.shape[:-1], self.out_features)
             return _sharding.empty_output(x, shape, self.mesh, out_spec)
         values, specs = self.local_params(dtype)
+        local = fsdp.reshard_after_forward(local, self.zero)
         return _sharding.shard_map_call(local, self.mesh, [x, *values], [in_spec, *specs], out_spec)
 
     def __call__(self, x):
@@ -168,6 +200,12 @@ class ColumnParallelLinear(_ParallelLinear):
         and `sequence_axis` are ignored when the mesh lacks them; None: not
         sharded.
       implementation: matmul / collective implementation (None: best).
+      zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO stage (0-3)
+        over `fsdp_axis` (default "fsdp", ignored when the mesh lacks it; the
+        batch is split over `(data_axis, fsdp_axis)`); zero=3 also shards the
+        kernel over it, gathered just in time (dropped after the forward
+        unless `reshard_after_forward=False`), its gradient reduce-scattered
+        in `reduce_dtype` (float32; None: compute dtype). See `layers.fsdp`.
       rngs: `nnx.Rngs` for the initializers.
 
     Example usage::
@@ -211,6 +249,10 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         implementation: str | None = None,
         precision=None,
+        zero: int = 0,
+        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
+        reshard_after_forward: bool = True,
+        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         super().__init__(
@@ -228,26 +270,32 @@ class ColumnParallelLinear(_ParallelLinear):
             sequence_axis=sequence_axis,
             implementation=implementation,
             precision=precision,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
             rngs=rngs,
         )
         self.gather_output = bool(gather_output)
 
     def local(self, x, kernel, bias=None):
         """Per-shard computation (inside `jax.shard_map` over the layer's mesh)."""
-        y = column_matmul(self, x, kernel)
-        return y if bias is None else y + bias
+        y = column_matmul(self, x, self.weight(kernel, x.dtype))
+        return checkpoint_name(y if bias is None else y + bias, "linear")
 
     def output_spec(self):
         """PartitionSpec of the `[B, T, out]` output."""
         features = None if self.gather_output else self.model_axis
-        return P(self.data_axis, self._sequence_spec(False), features)
+        return P(self.batch_axes, self._sequence_spec(False), features)
 
     def forward(self, x):
         """`__call__` without the input checks (traced by `call_compiled`)."""
-        in_spec = P(self.data_axis, self._sequence_spec(self.sequence_parallel), None)
-        out_spec = P(self.data_axis, self._sequence_spec(False), self.model_axis)
+        in_spec = P(self.batch_axes, self._sequence_spec(self.sequence_parallel), None)
+        out_spec = P(self.batch_axes, self._sequence_spec(False), self.model_axis)
         y = self._run(self.local, x, in_spec, out_spec)
-        if self.gather_output:  # XLA's all-gather of the feature shards
+        if self.gather_output and _sharding.in_manual_region(self.mesh):  # per shard
+            y = jax.lax.all_gather(y, self.model_axis, axis=y.ndim - 1, tiled=True)
+        elif self.gather_output:  # XLA's all-gather of the feature shards
             y = _sharding.place(y, self.mesh, self.output_spec())
         return y
 
@@ -290,6 +338,12 @@ class RowParallelLinear(_ParallelLinear):
         and `sequence_axis` are ignored when the mesh lacks them; None: not
         sharded.
       implementation: matmul / collective implementation (None: best).
+      zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO stage (0-3)
+        over `fsdp_axis` (default "fsdp", ignored when the mesh lacks it; the
+        batch is split over `(data_axis, fsdp_axis)`); zero=3 also shards the
+        kernel over it, gathered just in time (dropped after the forward
+        unless `reshard_after_forward=False`), its gradient reduce-scattered
+        in `reduce_dtype` (float32; None: compute dtype). See `layers.fsdp`.
       rngs: `nnx.Rngs` for the initializers.
 
     Example usage::
@@ -333,6 +387,10 @@ class RowParallelLinear(_ParallelLinear):
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         implementation: str | None = None,
         precision=None,
+        zero: int = 0,
+        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
+        reshard_after_forward: bool = True,
+        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         super().__init__(
@@ -350,18 +408,22 @@ class RowParallelLinear(_ParallelLinear):
             sequence_axis=sequence_axis,
             implementation=implementation,
             precision=precision,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
             rngs=rngs,
         )
         self.input_is_parallel = bool(input_is_parallel)
 
     def local(self, x, kernel, bias=None):
         """Per-shard computation: x `[b, t, in / tp]` (feature shard) -> reduced output."""
-        y = row_matmul(self, x, kernel)
-        return y if bias is None else y + bias
+        y = row_matmul(self, x, self.weight(kernel, x.dtype))
+        return checkpoint_name(y if bias is None else y + bias, "linear")
 
     def _local_replicated_input(self, x, kernel, bias=None):
         """`local` on a replicated `x` `[b, t, in]`: this shard keeps its slice of the features."""
-        part = kernel.shape[0]
+        part = kernel.shape[0]  # in / tp rows (fsdp shards the other dimension)
         index = jax.lax.axis_index(self.model_axis)
         x = jax.lax.dynamic_slice_in_dim(x, index * part, part, axis=2)
         return self.local(x, kernel, bias)
@@ -369,11 +431,11 @@ class RowParallelLinear(_ParallelLinear):
     def input_spec(self):
         """PartitionSpec the `[B, T, in]` input is placed on (see `input_is_parallel`)."""
         features = self.model_axis if self.input_is_parallel else None
-        return P(self.data_axis, self._sequence_spec(False), features)
+        return P(self.batch_axes, self._sequence_spec(False), features)
 
     def output_spec(self):
         """PartitionSpec of the `[B, T, out]` output."""
-        return P(self.data_axis, self._sequence_spec(self.sequence_parallel), None)
+        return P(self.batch_axes, self._sequence_spec(self.sequence_parallel), None)
 
     def forward(self, x):
         """`__call__` without the input checks (traced by `call_compiled`)."""

@@ -10,10 +10,11 @@ all-gather under sequence parallelism) serves both.
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
-from shardfuse.layers import _sharding
+from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -47,7 +48,8 @@ class ParallelMLP(nnx.Module):
       activation: "gelu" or "swiglu" (fused, interleaved gate/up kernel).
       mesh, model_axis, sequence_parallel, use_bias, dtype, param_dtype,
         precision, kernel_init, bias_init, data_axis, sequence_axis,
-        implementation, rngs: as in `ColumnParallelLinear` (the defaults
+        implementation, zero, fsdp_axis, reshard_after_forward, reduce_dtype,
+        rngs: as in `ColumnParallelLinear` (the defaults
         `use_bias=True`, `sequence_parallel=False` match it: replicated
         activations in and out, like two `nnx.Linear`s). `axis` is the
         deprecated spelling of `model_axis`.
@@ -83,6 +85,10 @@ class ParallelMLP(nnx.Module):
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         implementation: str | None = None,
         precision=None,
+        zero: int = 0,
+        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
+        reshard_after_forward: bool = True,
+        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         if activation not in ACTIVATIONS:
@@ -102,6 +108,10 @@ class ParallelMLP(nnx.Module):
             sequence_axis=sequence_axis,
             implementation=implementation,
             precision=precision,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
             rngs=rngs,
         )
         self.activation = activation
@@ -113,18 +123,19 @@ class ParallelMLP(nnx.Module):
 
     def local(self, x, up_kernel, up_bias, down_kernel, down_bias):
         """Per-shard MLP (inside `jax.shard_map`); biases may be None."""
-        h = self.up.local(x, up_kernel, up_bias)
-        return self.down.local(activate(self.activation, h), down_kernel, down_bias)
+        h = checkpoint_name(self.up.local(x, up_kernel, up_bias), "mlp_up")
+        y = self.down.local(activate(self.activation, h), down_kernel, down_bias)
+        return checkpoint_name(y, "mlp_down")
 
     def local_params(self, dtype):
-        """`(up_kernel, up_bias, down_kernel, down_bias)` cast to `dtype`, and their specs."""
+        """`(up_kernel, up_bias, down_kernel, down_bias)` and their specs (biases in `dtype`)."""
         up_values, up_specs = self.up.local_params(dtype)
         down_values, down_specs = self.down.local_params(dtype)
         return up_values + down_values, up_specs + down_specs
 
     def io_spec(self):
         """PartitionSpec of the `[B, T, features]` input and output."""
-        return P(self.up.data_axis, self.up._sequence_spec(self.up.sequence_parallel), None)
+        return P(self.up.batch_axes, self.up._sequence_spec(self.up.sequence_parallel), None)
 
     def __call__(self, x):
         """`x` `[B, T, features]` -> `[B, T, features]`, sharded as `io_spec()`.
@@ -148,4 +159,5 @@ class ParallelMLP(nnx.Module):
         if x.size == 0:
             return _sharding.empty_output(x, x.shape, up.mesh, spec)
         values, specs = self.local_params(dtype)
-        return _sharding.shard_map_call(self.local, up.mesh, [x, *values], [spec, *specs], spec)
+        local = fsdp.reshard_after_forward(self.local, up.zero)
+        return _sharding.shard_map_call(local, up.mesh, [x, *values], [spec, *specs], spec)

@@ -2,19 +2,37 @@
 
 A policy says which intermediate values of a layer's forward pass are saved
 for the backward pass; the rest are recomputed (`jax.checkpoint`). The
-layers tag their matmul outputs with `jax.ad_checkpoint.checkpoint_name`,
-so the policies can name them:
+layers' per-shard functions tag their matmul outputs with
+`jax.ad_checkpoint.checkpoint_name`, so the policies can name them:
 
 | policy | saved | recomputed |
 |---|---|---|
 | "none" | everything autodiff keeps | nothing |
 | "full" | only the layer's inputs | the whole layer |
-| "selective" | linear layers' outputs (Korthikanti 2022) | norms, activations, attention |
-| "dots" | every matmul output | everything else |
-| "offload" | the linear layers' outputs, moved to host memory | as "selective" |
+| "selective" | the projections' outputs | norms, activations, RoPE, attention core |
+| "dots" | every matmul output (projections, attention core) | norms, activations, RoPE |
+| "offload" | as "selective", moved to host memory (`pinned_host`) | as "selective" |
+
+"selective" is Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models"): keep what is expensive to recompute and
+cheap to store, recompute the attention core (softmax and its inputs) and
+the element-wise work. Names a layer tags:
+
+- `attention_q`, `attention_kv`: the fused QKV projection's query and
+  key/value columns (before RoPE);
+- `attention_core`: the attention output (the product with V);
+- `attention_out`: the output projection;
+- `mlp_up`, `mlp_down`: the MLP's projections; `linear`: a lone linear layer;
+- `fsdp_gather`: a ZeRO-3 weight gathered over fsdp (never saved while the
+  layer reshards after the forward, see `shardfuse.layers.fsdp`).
+
+Every policy works inside `nnx.scan` / `lax.scan` (the policy is part of the
+scanned body's jaxpr), which is how `sf.layers.Stack` applies it.
 """
 
 import jax
+
+from shardfuse.layers import fsdp
 
 POLICIES = ("none", "full", "selective", "dots", "offload")
 
@@ -25,14 +43,33 @@ LINEAR_OUTPUT_NAMES = (
     "attention_out",
     "mlp_up",
     "mlp_down",
+    "linear",
 )
+ATTENTION_CORE_NAME = "attention_core"
+# every matmul output (what "dots" keeps)
+MATMUL_OUTPUT_NAMES = (*LINEAR_OUTPUT_NAMES, ATTENTION_CORE_NAME)
 
 
 def check_policy(policy: str) -> str:
     """Returns `policy`; ValueError naming the valid policies otherwise."""
-    if policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"remat={policy!r} is not a remat policy; valid: {POLICIES}")
     return policy
+
+
+def offload_supported(device=None) -> tuple[bool, str]:
+    """Whether `device` (default: the first) has the `pinned_host` memory "offload" moves to.
+
+    Returns `(supported, reason)`; the reason says what is missing.
+    """
+    device = jax.devices()[0] if device is None else device
+    try:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+    except Exception as error:  # a backend without memory spaces
+        return False, f"{device.platform} device has no memory kinds ({error})"
+    if "pinned_host" not in kinds:
+        return False, f"{device.platform} device memories {sorted(kinds)} lack pinned_host"
+    return True, ""
 
 
 def jax_policy(policy: str):
@@ -44,8 +81,14 @@ def jax_policy(policy: str):
     if policy == "selective":
         return policies.save_only_these_names(*LINEAR_OUTPUT_NAMES)
     if policy == "dots":
-        return policies.checkpoint_dots
+        return policies.save_only_these_names(*MATMUL_OUTPUT_NAMES)
     if policy == "offload":
+        supported, reason = offload_supported()
+        if not supported:
+            raise NotImplementedError(
+                f'remat="offload" saves the matmul outputs in host memory, but the {reason}; '
+                'use remat="selective" (same recomputation, saved on the device)'
+            )
         return policies.save_and_offload_only_these_names(
             names_which_can_be_saved=(),
             names_which_can_be_offloaded=LINEAR_OUTPUT_NAMES,
@@ -55,19 +98,36 @@ def jax_policy(policy: str):
     raise AssertionError(policy)  # "none" never reaches here
 
 
-def checkpoint(fn, policy: str, *, prevent_cse: bool = True):
+def _keeping_gathered(policy):
+    """`policy`, extended to save the gathered ZeRO-3 weights too."""
+
+    def keep(primitive, *avals, **params):
+        if fsdp.is_gathered(primitive, **params):
+            return True
+        return False if policy is None else policy(primitive, *avals, **params)
+
+    return keep
+
+
+def checkpoint(fn, policy: str, *, prevent_cse: bool = True, zero=None):
     """`fn` wrapped in `jax.checkpoint` with the named `policy` ("none": `fn` itself).
+
+    With `zero` (a layer's `fsdp.ZeroOptions`) at stage 3, gathered weights
+    follow `zero.reshard_after_forward`: True, never saved (under "none" too:
+    then every other value is saved); False, always saved.
 
     Args:
       fn: a function of arrays (a layer's forward, a scan body).
       policy: one of `POLICIES`.
       prevent_cse: as `jax.checkpoint`; False is safe (and faster) inside `lax.scan`.
+      zero: None, or the `shardfuse.layers.fsdp.ZeroOptions` of the layer `fn` runs.
 
     Returns:
       The wrapped function.
 
     Raises:
       ValueError: an unknown policy.
+      NotImplementedError: "offload" on a device without `pinned_host` memory.
 
     Example usage::
 
@@ -77,6 +137,10 @@ def checkpoint(fn, policy: str, *, prevent_cse: bool = True):
       >>> float(jax.grad(f)(0.0))
       1.0
     """
+    gathered = zero is not None and zero.param_axis is not None
     if check_policy(policy) == "none":
-        return fn
-    return jax.checkpoint(fn, policy=jax_policy(policy), prevent_cse=prevent_cse)
+        return fsdp.reshard_after_forward(fn, zero) if gathered else fn
+    jax_fn_policy = jax_policy(policy)
+    if gathered and not zero.reshard_after_forward:
+        jax_fn_policy = _keeping_gathered(jax_fn_policy)
+    return jax.checkpoint(fn, policy=jax_fn_policy, prevent_cse=prevent_cse)

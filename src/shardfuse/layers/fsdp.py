@@ -1,0 +1,205 @@
+"""ZeRO stages in the layers: fsdp-sharded parameters gathered just in time (ZeRO-3 / FSDP).
+
+ZeRO (Rajbhandari et al. 2020) removes the data-parallel redundancy of the
+training state over an `fsdp` mesh axis: stage 1 shards the optimizer state,
+stage 2 the gradients too, stage 3 (FSDP, Zhao et al. 2023) the parameters
+too. Stages 1 and 2 do not change a layer (the optimizer and the gradient
+function of `shardfuse.parallel` shard their state); stage 3 does:
+
+- each kernel is created sharded over `fsdp` on the dimension the model axis
+  leaves whole (column kernel `[in, out]`: `P(fsdp, model)`; row kernel:
+  `P(model, fsdp)`); biases and norm scales, small, stay replicated;
+- the per-shard function all-gathers the kernel over `fsdp` in the compute
+  `dtype` right before its matmul (`gather`); the transpose of that gather
+  is a reduce-scatter, so gradients come out sharded like the parameters,
+  reduced in `reduce_dtype` (float32 by default);
+- `reshard_after_forward=True` (default) tags the gathered copy
+  `FSDP_GATHER`, a name no checkpoint policy saves: the backward gathers it
+  again instead of keeping it (memory of one layer's weights, not all).
+
+Whatever the stage, the fsdp axis is a data-parallel axis for activations:
+the batch is split over `(data, fsdp)` (`batch_axes`).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.sharding import check_mesh_axes
+
+ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_FSDP_AXIS = "fsdp"
+FSDP_GATHER = "fsdp_gather"  # checkpoint name of a gathered ZeRO-3 weight
+_GATHER_SCOPE = "fsdp_all_gather"  # named scope of the gather (how remat policies spot it)
+
+
+def check_zero(zero) -> int:
+    """`zero` as an int; ValueError unless it is one of 0, 1, 2, 3."""
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero={zero!r} must be one of {ZERO_STAGES} (the ZeRO stage)")
+    return int(zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOptions:
+    """A layer's ZeRO settings (hashable: part of the layer's compiled-program key).
+
+    Attributes:
+      stage: the ZeRO stage, 0 to 3.
+      fsdp_axis: the mesh axis (None: the mesh has none; then every stage is stage 0 here).
+      reshard_after_forward: ZeRO-3: drop gathered weights after use, gather again
+        in the backward.
+      reduce_dtype: dtype of the gradient reduce-scatter (None: the compute dtype).
+    """
+
+    stage: int = 0
+    fsdp_axis: str | None = None
+    reshard_after_forward: bool = True
+    reduce_dtype: object = jnp.dtype(jnp.float32)
+
+    @property
+    def param_axis(self) -> str | None:
+        """The axis parameters are sharded over: `fsdp_axis` under stage 3, else None."""
+        return self.fsdp_axis if self.stage == 3 else None
+
+
+def zero_options(mesh, *, zero, fsdp_axis, reshard_after_forward, reduce_dtype) -> ZeroOptions:
+    """Checked `ZeroOptions` for a layer on `mesh`.
+
+    `fsdp_axis` may be None; its default "fsdp" becomes None on a mesh that
+    lacks it (an absent axis has size 1). An explicitly chosen name must be
+    an axis of the mesh.
+
+    Raises:
+      ValueError: `zero` not in 0..3, or `fsdp_axis` not an axis of the mesh.
+    """
+    stage = check_zero(zero)
+    if fsdp_axis is not None and fsdp_axis not in mesh.axis_names:
+        if fsdp_axis != DEFAULT_FSDP_AXIS:
+            raise ValueError(
+                f"fsdp_axis={fsdp_axis!r} is not an axis of the mesh; its axes are "
+                f"{tuple(mesh.axis_names)}"
+            )
+        fsdp_axis = None
+    reduce = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    return ZeroOptions(stage, fsdp_axis, bool(reshard_after_forward), reduce)
+
+
+def batch_axes(data_axis, fsdp_axis):
+    """PartitionSpec entry of the batch dimension: `data_axis` and `fsdp_axis`, those not None."""
+    axes = tuple(a for a in (data_axis, fsdp_axis) if a)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def kernel_spec(spec: P, options: ZeroOptions, dim: int) -> P:
+    """`spec` of a 2-D kernel with the ZeRO-3 axis on dimension `dim` (unchanged below stage 3)."""
+    axis = options.param_axis
+    if axis is None:
+        return spec
+    entries = list(spec) + [None] * (2 - len(spec))
+    entries[dim] = axis
+    return P(*entries)
+
+
+def check_kernel(argument: str, size: int, mesh, options: ZeroOptions):
+    """ValueError unless a kernel dimension of `size` divides evenly over the ZeRO-3 axis."""
+    axis = options.param_axis
+    if axis is not None and size % mesh.shape[axis]:
+        raise ValueError(
+            f"{argument}={size} must be divisible by the size {mesh.shape[axis]} of fsdp_axis "
+            f"{axis!r} (zero=3 shards every kernel over it); pick a mesh whose fsdp size "
+            "divides it, or zero < 3"
+        )
+
+
+def gather(options: ZeroOptions, shard, dim: int, dtype):
+    """This device's kernel in `dtype`: under ZeRO-3 the fsdp shards all-gathered along `dim`.
+
+    Per-shard (inside `jax.shard_map` or a manual region). The gradient of
+    the gathered kernel is reduce-scattered back to the shard in
+    `options.reduce_dtype` and returned in the shard's dtype. The gathered
+    value carries the checkpoint name `FSDP_GATHER`.
+    """
+    dtype = jnp.dtype(dtype)
+    if options.param_axis is None:
+        return shard.astype(dtype)
+    reduce = dtype if options.reduce_dtype is None else options.reduce_dtype
+    full = _fsdp_gather(shard, options.param_axis, dim, dtype, reduce, jnp.dtype(shard.dtype))
+    return checkpoint_name(full, FSDP_GATHER)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _fsdp_gather(shard, axis, dim, dtype, reduce_dtype, param_dtype):
+    with jax.named_scope(_GATHER_SCOPE):
+        return lax.all_gather(shard.astype(dtype), axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(shard, axis, dim, dtype, reduce_dtype, param_dtype):
+    return _fsdp_gather(shard, axis, dim, dtype, reduce_dtype, param_dtype), None
+
+
+def _gather_bwd(axis, dim, dtype, reduce_dtype, param_dtype, _, cotangent):
+    with jax.named_scope("fsdp_reduce_scatter"):
+        grad = lax.psum_scatter(
+            cotangent.astype(reduce_dtype), axis, scatter_dimension=dim, tiled=True
+        )
+    return (grad.astype(param_dtype),)
+
+
+_fsdp_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def check_batch_axes(mesh, layer, options: ZeroOptions):
+    """The batch entry `(data, fsdp)` of `layer`'s activation specs, the axes checked distinct.
+
+    `layer` has `model_axis`, `data_axis` and `sequence_axis` (checked already).
+
+    Raises:
+      ValueError: the fsdp axis is also the layer's model, data or sequence axis.
+    """
+    check_mesh_axes(
+        mesh,
+        model_axis=layer.model_axis,
+        data_axis=layer.data_axis,
+        sequence_axis=layer.sequence_axis,
+        fsdp_axis=options.fsdp_axis,
+    )
+    return batch_axes(layer.data_axis, options.fsdp_axis)
+
+
+def reshard_after_forward(fn, options: ZeroOptions):
+    """`fn` (a per-shard function) saving no gathered ZeRO-3 weight for the backward.
+
+    Under zero=3 with `reshard_after_forward`, `fn` runs under `jax.checkpoint`
+    with a policy that saves every residual except the values named
+    `FSDP_GATHER`, which the backward gathers again. Otherwise `fn` itself.
+    """
+    if options.param_axis is None or not options.reshard_after_forward:
+        return fn
+    return jax.checkpoint(fn, policy=save_anything_but_gathered)
+
+
+def is_gathered(primitive, **params) -> bool:
+    """True for the equations that make a gathered ZeRO-3 weight (the gather and its name)."""
+    if primitive.name == "name":
+        return params.get("name") == FSDP_GATHER
+    if primitive.name != "custom_vjp_call":
+        return False
+    jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", None)
+    return any(
+        _GATHER_SCOPE in str(eqn.source_info.name_stack) for eqn in getattr(jaxpr, "eqns", ())
+    )
+
+
+def save_anything_but_gathered(primitive, *_, **params) -> bool:
+    """`jax.checkpoint` policy: save every value except gathered ZeRO-3 weights.
+
+    (`save_anything_except_these_names(FSDP_GATHER)` is not enough: it would
+    save the gather's own output, the value the name is put on.)
+    """
+    return not is_gathered(primitive, **params)
