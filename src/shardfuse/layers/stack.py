@@ -116,7 +116,7 @@ class Stack(nnx.Module):
         values = jax.jit(jax.vmap(make_one), out_shardings=shardings)(keys)
 
         def restack(variable, value, spec):
-            metadata = {**variable.get_metadata(), "out_sharding": spec}
+            metadata = {"mesh": mesh, **variable.get_metadata(), "out_sharding": spec}
             return type(variable)(value[...] if _is_variable(value) else value, **metadata)
 
         state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_is_variable)

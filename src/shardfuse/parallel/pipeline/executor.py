@@ -1,0 +1,236 @@
+"""Runs a `ScheduleTable` in one SPMD program: `lax.scan` over ticks, `ppermute` between stages.
+
+The program is one `jax.shard_map` over EVERY axis of the mesh (a full-manual
+region: the layers inside run per shard, see `shardfuse.layers._sharding`).
+Device `s` of the pipeline axis holds chunks `c = 0..v-1` of the stack
+(virtual stage `c * p + s`, `L / (p v)` layers each) and, per tick `t`, reads
+its action `(kind, microbatch, chunk)` from the table's row `t`:
+
+- F: `y = stage(x_in)` with `x_in` the microbatch itself (virtual stage 0) or
+  the activation received earlier; `y` goes to the next virtual stage by
+  `ppermute`; on the last virtual stage the head and the loss run instead,
+  and the loss gradient `dy` is kept for the backward.
+- B: the stage VJP, recomputing the forward from the kept stage input (the
+  stage's residuals are never stored across ticks): the input gradient goes
+  to the previous virtual stage by `ppermute` (on virtual stage 0 it is the
+  gradient of the pipeline's input); without a split backward the parameter
+  gradient is accumulated too.
+- W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier.
+
+Every tick each device evaluates the stage VJP once and keeps from it what
+its action needs (`jnp.where`, never a multiply by 0: NaN in unused buffers
+or bubble ticks never reaches a result). Branching per device (`lax.cond`)
+would be cheaper, but the stage's own collectives (tensor, sequence and data
+parallel layers) must be executed by every device at the same point, which
+divergent branches break; so every tick costs one stage forward and backward
+and the schedules differ in their number of ticks (the IR's bubble).
+
+Stage inputs and output gradients wait in ring buffers of
+`table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`):
+`p` for 1F1B and zero-bubble, about `(v + 1) p` for interleaved, `m` for
+GPipe. The table sets the scan length; nothing is unrolled.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from shardfuse.kernels.vma import to_varying, varying_axes
+from shardfuse.parallel.pipeline.schedule import B, F, W
+
+
+def arrival_tables(table):
+    """Per (tick, stage): whether an activation / a gradient arrives, and its chunk and slot.
+
+    An F on stage `s` (not the last virtual stage) is received by stage
+    `s + 1` (chunk `c + 1` when it wraps from `p - 1` to 0) one tick later; a
+    B on a virtual stage > 0 by stage `s - 1` (chunk `c - 1` when it wraps).
+    Returns six int32 arrays `[ticks, p]`: forward valid, chunk, slot and
+    backward valid, chunk, slot.
+    """
+    p, v, slots = table.num_stages, table.virtual_stages, table.buffer_slots
+    ticks = table.num_ticks
+    out = np.zeros((6, ticks, p), np.int32)
+    for t in range(ticks - 1):
+        for s in range(p):
+            k, i, c = table.kind[t, s], table.microbatch[t, s], table.chunk[t, s]
+            vs = c * p + s
+            if k == F and vs < p * v - 1:
+                to = (s + 1) % p
+                out[0:3, t + 1, to] = (1, c + (s == p - 1), i % slots)
+            if k == B and vs > 0:
+                to = (s - 1) % p
+                out[3:6, t + 1, to] = (1, c - (s == 0), i % slots)
+    return out
+
+
+def _varying_of(struct) -> frozenset:
+    manual = getattr(struct, "manual_axis_type", None)
+    vma = getattr(struct, "vma", None) or getattr(manual, "varying", None)
+    return frozenset(vma or ())
+
+
+def _typed_carry(body, carry, xs_row):
+    """`carry` cast to vary over every axis the scan body makes it vary over (a fixed point)."""
+    for _ in range(4):
+        out = jax.eval_shape(lambda c: body(c, xs_row)[0], carry)
+        grown = jax.tree.map(
+            lambda c, o: to_varying(c, varying_axes(c) | _varying_of(o)), carry, out
+        )
+        same = all(
+            varying_axes(a) == varying_axes(b)
+            for a, b in zip(jax.tree.leaves(carry), jax.tree.leaves(grown), strict=True)
+        )
+        carry = grown
+        if same:
+            return carry
+    return carry
+
+
+def _take(tree, index):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
+
+
+def _put(buffer, index, value, keep):
+    """`buffer[index] = value` where `keep`, else unchanged (a select, NaN-safe)."""
+    old = lax.dynamic_index_in_dim(buffer, index, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), index, 0)
+
+
+def _put2(buffer, first, second, value, keep):
+    inner = lax.dynamic_index_in_dim(buffer, first, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buffer, _put(inner, second, value, keep), first, 0)
+
+
+def run_schedule(
+    table,
+    *,
+    stage_fn,
+    head_fn,
+    pipeline_axis,
+    stage_params,
+    head_params,
+    x,
+    targets,
+    weights,
+    poison=False,
+):
+    """The per-shard program (call it inside a full-manual `jax.shard_map`).
+
+    Args:
+      table: the `ScheduleTable`.
+      stage_fn: `stage_fn(chunk_params, x) -> y`, one chunk's layers on local activations.
+      head_fn: `head_fn(head_params, y, targets, weights) -> (loss_sum, weight_sum)` on the
+        last virtual stage (None in forward-only runs).
+      pipeline_axis: the pipeline mesh axis.
+      stage_params: this device's chunks, leaves `[v, L/(p v), ...]`.
+      head_params: the head's local parameters (None in forward-only runs).
+      x: `[m, b, ...]` local microbatches; targets, weights: `[m, b, ...]` (or None).
+      poison: fill every buffer and every unused transfer with NaN (tests).
+
+    Returns:
+      forward-only: `y` `[m, b, ...]` (the last stage's outputs; zeros elsewhere).
+      training: `(loss_sum, weight_sum, stage_grads, head_grads, dx)`, unreduced
+      over the pipeline axis except the stage gradients.
+    """
+    p, v = table.num_stages, table.virtual_stages
+    slots = table.buffer_slots
+    forward_only = table.forward_only
+    split = table.split_backward
+    stage = lax.axis_index(pipeline_axis)
+    fill = jnp.nan if poison else 0.0
+    act = x[0]
+    tables = np.stack([table.kind, table.microbatch, table.chunk, *arrival_tables(table)], -1)
+    perm_forward = [(s, (s + 1) % p) for s in range(p)]
+    perm_backward = [(s, (s - 1) % p) for s in range(p)]
+
+    def pick(row):
+        kind, i, c, f_ok, f_c, f_slot, b_ok, b_c, b_slot = (
+            lax.dynamic_index_in_dim(row, stage, 0, keepdims=False)[j] for j in range(9)
+        )
+        return (
+            kind,
+            jnp.maximum(i, 0),
+            jnp.maximum(c, 0),
+            f_ok == 1,
+            f_c,
+            f_slot,
+            b_ok == 1,
+            b_c,
+            b_slot,
+        )
+
+    def tick(carry, row):
+        kind, i, c, f_ok, f_c, f_slot, b_ok, b_c, b_slot = pick(row)
+        slot = i % slots
+        first = (c == 0) & (stage == 0)
+        last = (c == v - 1) & (stage == p - 1)
+        carry = dict(carry)
+        carry["inputs"] = _put2(carry["inputs"], f_c, f_slot, carry["from_prev"], f_ok)
+        x_in = jnp.where(first, _take(x, i), carry["inputs"][c, slot])
+        params = _take(stage_params, c)
+        is_f = kind == F
+        if forward_only:
+            y = stage_fn(params, x_in)
+            carry["out"] = _put(carry["out"], i, y, is_f & last)
+            send_f, send_b = y, None
+        else:
+            carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
+            cotangent = carry["grads_in"][c, slot]
+            y, stage_vjp = jax.vjp(stage_fn, params, x_in)
+            d_params, d_x = stage_vjp(cotangent)
+            (loss_sum, weight_sum), head_vjp = jax.vjp(
+                lambda hp, y: head_fn(hp, y, _take(targets, i), _take(weights, i)), head_params, y
+            )
+            d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
+            head_tick = is_f & last
+            carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y.astype(y.dtype), head_tick)
+            carry["loss"] = jnp.where(head_tick, carry["loss"] + loss_sum, carry["loss"])
+            carry["weight"] = jnp.where(head_tick, carry["weight"] + weight_sum, carry["weight"])
+            carry["head_grads"] = jax.tree.map(
+                lambda acc, g: jnp.where(head_tick, acc + g, acc), carry["head_grads"], d_head
+            )
+            weight_tick = (kind == W) if split else (kind == B)
+            carry["stage_grads"] = jax.tree.map(
+                lambda acc, g: _put(acc, c, _take(acc, c) + g, weight_tick),
+                carry["stage_grads"],
+                d_params,
+            )
+            is_b = kind == B
+            carry["dx"] = _put(carry["dx"], i, d_x, is_b & first)
+            send_f, send_b = y, jnp.where(is_b, d_x, fill)
+        send_f = jnp.where(is_f, send_f, fill)
+        carry["from_prev"] = lax.ppermute(send_f, pipeline_axis, perm_forward)
+        if send_b is not None:
+            carry["from_next"] = lax.ppermute(send_b, pipeline_axis, perm_backward)
+        return carry, None
+
+    buffer = jnp.full((v, slots, *act.shape), fill, act.dtype)
+    carry = dict(inputs=buffer, from_prev=jnp.full(act.shape, fill, act.dtype))
+    if forward_only:
+        carry["out"] = jnp.zeros(x.shape, x.dtype)
+    else:
+        carry.update(
+            grads_in=buffer,
+            from_next=jnp.full(act.shape, fill, act.dtype),
+            loss=jnp.zeros((), jnp.float32),
+            weight=jnp.zeros((), jnp.float32),
+            head_grads=jax.tree.map(jnp.zeros_like, head_params),
+            stage_grads=jax.tree.map(jnp.zeros_like, stage_params),
+            dx=jnp.zeros(x.shape, x.dtype),
+        )
+    if not forward_only:
+        # The head's parameters are the same on every stage; made to vary over the pipeline
+        # here, so that each tick's VJP does not sum the head gradients of every stage (the
+        # transpose of the implicit cast), only the caller's final psum does.
+        head_params = jax.tree.map(
+            lambda a: to_varying(a, frozenset((pipeline_axis,))), head_params
+        )
+        carry["head_grads"] = jax.tree.map(jnp.zeros_like, head_params)
+    rows = jnp.asarray(tables)
+    carry = _typed_carry(tick, carry, rows[0])
+    carry, _ = lax.scan(tick, carry, rows)
+    if forward_only:
+        return carry["out"]
+    return carry["loss"], carry["weight"], carry["stage_grads"], carry["head_grads"], carry["dx"]
