@@ -135,6 +135,53 @@ def test_matrix(mesh_kind, context, mode):
     _check(out, lse, grads, expected, (None, "sequence"), (None, None, "sequence"))
 
 
+def _strategy_cells():
+    """Ulysses and USP over {Explicit, Auto} x {no context, set_mesh} x {eager, jit, grad,
+    vjp}: the default run keeps USP under jax.grad on the README's Explicit mesh without a
+    context (numerics: test_ulysses.py); the other cells run with -m slow."""
+    cells = []
+    for strategy in ("ulysses", "ulysses_ring"):
+        for mesh_kind in ("explicit", "auto"):
+            for context in (False, True):
+                for mode in ("eager", "jit", "grad", "vjp"):
+                    default = (strategy, mesh_kind, context, mode) == (
+                        "ulysses_ring",
+                        "explicit",
+                        False,
+                        "grad",
+                    )
+                    name = (
+                        f"{strategy}-{mesh_kind}-{'set_mesh' if context else 'no_context'}-{mode}"
+                    )
+                    marks = () if default else (pytest.mark.slow,)
+                    cells.append(
+                        pytest.param(strategy, mesh_kind, context, mode, id=name, marks=marks)
+                    )
+    return cells
+
+
+@pytest.mark.parametrize("strategy, mesh_kind, context, mode", _strategy_cells())
+def test_strategy_matrix(strategy, mesh_kind, context, mode):
+    if strategy == "ulysses":
+        mesh, axis, seq = _mesh(mesh_kind), "sequence", "sequence"
+    else:
+        mesh = _mesh(mesh_kind, (2, 2), ("ring", "ulysses"))
+        axis, seq = ("ulysses", "ring"), ("ring", "ulysses")  # sharded ring-major
+    q, k, v, d_out, d_lse = _inputs()
+    expected = _reference(q, k, v, d_out, d_lse)
+
+    def attend(q, k, v):
+        return sf.ring_attention(
+            q, k, v, mesh=mesh, sequence_axis=axis, strategy=strategy, return_lse=True,
+            **KWARGS,
+        )  # fmt: skip
+
+    ctx = jax.sharding.set_mesh(mesh) if context else contextlib.nullcontext()
+    with ctx:
+        out, lse, grads = _run(mode, attend, mesh, q, k, v, d_out, d_lse)
+    _check(out, lse, grads, expected, (None, seq), (None, None, seq))
+
+
 @pytest.mark.parametrize("how", ["grad", "grad_of_jit"])
 def test_plain_inputs_grad_without_context(how):
     """The README's pattern: plain arrays, the mesh jax.make_mesh gives (Explicit), no
@@ -171,6 +218,8 @@ def test_output_typed_explicit_when_inputs_are():
         ("explicit", "ring"),
         pytest.param("explicit", "all_gather", marks=pytest.mark.slow),
         pytest.param("auto", "ring", marks=pytest.mark.slow),
+        pytest.param("explicit", "ulysses", marks=pytest.mark.slow),
+        pytest.param("auto", "ulysses", marks=pytest.mark.slow),
     ],
 )
 def test_three_axis_mesh(mesh_kind, strategy):
@@ -231,17 +280,22 @@ def test_lengths_the_ring_does_not_divide(mesh_kind, t):
 
 
 @pytest.mark.parametrize(
-    "old, new, value",
-    [("seq_axis", "sequence_axis", "sequence"), ("batch_axis", "data_axis", None),
-     ("head_axis", "model_axis", None)],
+    "old, new, value, strategy",
+    [("seq_axis", "sequence_axis", "sequence", "ring"), ("batch_axis", "data_axis", None, "ring"),
+     ("head_axis", "model_axis", None, "ring"),
+     pytest.param("seq_axis", "sequence_axis", ("ulysses", "ring"), "ulysses_ring",
+                  marks=pytest.mark.slow)],
 )  # fmt: skip
-def test_renamed_keywords(old, new, value):
-    mesh = _mesh("auto")
+def test_renamed_keywords(old, new, value, strategy):
+    if strategy == "ulysses_ring":
+        mesh = _mesh("auto", (2, 2), ("ring", "ulysses"))
+    else:
+        mesh = _mesh("auto")
     q, k, v, *_ = _inputs(t=16)
     with pytest.warns(
         DeprecationWarning, match=rf"ring_attention\({old}=\.\.\.\) is deprecated.*use {new}="
     ):
-        out = sf.ring_attention(q, k, v, mesh=mesh, **{old: value}, **KWARGS)
+        out = sf.ring_attention(q, k, v, mesh=mesh, strategy=strategy, **{old: value}, **KWARGS)
     assert_close(out, sf.attention_reference(q, k, v, **KWARGS), name="out")
     with pytest.raises(TypeError, match=rf"both {old}= \(deprecated\) and {new}="):
         sf.ring_attention(q, k, v, mesh=mesh, **{old: value, new: value})

@@ -78,14 +78,13 @@ def _usp(ulysses, ring, **kwargs):
     return UlyssesCase(N=ulysses, ring=ring, strategy="ulysses_ring", **kwargs)
 
 
-# One cell of every kind by default: Ulysses with kv heads repeated (K < N) under causal +
-# segment ids; Ulysses with kv heads scattered (K >= N) in bfloat16 with window and softcap;
-# USP zigzag 4 x 2 with GQA and a length it does not divide. (USP contiguous, MQA, 2 x 4,
-# 2 x 2, T != S and the 3-axis mesh: -m slow.)
+# By default: Ulysses with kv heads repeated (K < N) under causal + segment ids, and with kv
+# heads scattered (K >= N) in bfloat16 with window and softcap. USP runs by default in
+# test_ring_global_api.py (2 x 2, zigzag, jax.grad on an Explicit mesh); the USP matrix (4 x 2,
+# 2 x 4, contiguous, MQA, padding, T != S) and the 3-axis mesh: -m slow.
 DEFAULT = [
     UlyssesCase(N=4, H=8, K=2, segments=True),
     UlyssesCase(N=2, H=4, K=2, dtype="bfloat16", window=(5, 3), softcap=20.0, causal=False),
-    _usp(4, 2, H=4, K=2, T=44, S=44),
 ]
 
 
@@ -114,6 +113,7 @@ def _slow_cases():
                 _usp(ulysses, ring, layout=layout, H=4, K=2, T=37, S=37, causal=False),
             ]
     cases += [
+        _usp(4, 2, H=4, K=2, T=44, S=44),
         _usp(2, 4, layout="contiguous", H=2, K=1, segments=True, causal=False),
         UlyssesCase(N=2, mesh="3d", B=2, H=4, K=2),
         UlyssesCase(N=2, mesh="3d", B=2, H=4, K=1, segments=True),  # MQA over the model axis
