@@ -438,3 +438,26 @@ def plan_for_call(
     )  # fmt: skip
     allowed = ("ulysses_ring",) if two_axes else ("ring", "all_gather", "ulysses")
     return _plan_for(costs, hardware, allowed)
+
+
+def main() -> None:
+    """Prints the predicted winners for llama3-8b, 8k to 1M tokens, on H100 SXM and TPU v5p
+    (8 devices; USP as 4 x 2):
+    `python -c "from shardfuse.collectives.ring_attention import strategy; strategy.main()"`."""
+    from shardfuse.models import get
+
+    lens = [8192 << i for i in range(8)]
+    for hardware in ("h100-sxm", "tpu-v5p"):
+        rows = predicted_winners(
+            get("llama3-8b"), hardware=hardware, seq_lens=lens, sequence_size=8, ulysses_size=4
+        )
+        print(f"llama3-8b on {resolve_hardware(hardware).name}, 8 devices, fwd + bwd ms:")
+        print(f"{'T':>8} {'winner':12} " + " ".join(f"{s:>12}" for s in STRATEGIES))
+        for row in rows:
+            times = " ".join(f"{row[s]:12.3f}" for s in STRATEGIES)
+            print(f"{row['seq_len']:>8} {row['winner']:12} {times}")
+        print(f"crossovers: {crossovers(rows)}\n")
+
+
+if __name__ == "__main__":
+    main()
