@@ -248,13 +248,13 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def working_set_bytes(q, k, segments: bool) -> int:
-    """Per-device VMEM bytes of the larger (backward) kernel: operands, outputs, receive
-    slots, statistics and the float32 dK/dV ring buffers.
+    """Per-device VMEM bytes the fused kernels hold (an upper bound of both directions):
+    operands, outputs, receive slots, row statistics and the float32 dK/dV ring buffers.
 
     Example:
       >>> import jax.numpy as jnp
       >>> working_set_bytes(jnp.zeros((1, 128, 4, 128)), jnp.zeros((1, 128, 2, 128)), False)
-      3411968
+      4280320
     """
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -262,7 +262,9 @@ def working_set_bytes(q, k, segments: bool) -> int:
     rows = 1 + (B if segments else 0)
     metadata = rows * (T + S) * (tiles.NUM_LANES + tiles.NUM_SUBLANES) * 4
     kv_ring = 3 * (2 * B * K * S * D * item + rows * S * (tiles.NUM_LANES + tiles.NUM_SUBLANES) * 4)
-    queries = 2 * B * H * T * D * item + 2 * B * H * T * tiles.NUM_LANES * 4 + B * H * T * D * 4
+    # q and out (or d_out); three [B H, T, 128] float32 row statistics (m, l, lse or lse,
+    # delta); the float32 accumulator (or dQ).
+    queries = 2 * B * H * T * D * item + 3 * B * H * T * tiles.NUM_LANES * 4 + B * H * T * D * 4
     dkv_ring = 6 * 2 * B * K * S * D * 4  # output, share, two send and two receive slots
     return metadata + kv_ring + queries + dkv_ring
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from shardfuse.collectives.collective_matmul.pallas_tpu_kernels import (
     _barrier_with_neighbours,
@@ -108,46 +109,77 @@ def _signal_upstream(table_ref, credit, st: FusedStatic):
     pl.semaphore_signal(credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH)
 
 
+def _when(condition, body):
+    """`body()` under `condition`: a Python bool decides now, a traced one in the kernel."""
+    if isinstance(condition, bool):
+        if condition:
+            body()
+    else:
+        pl.when(condition)(body)
+
+
+def _copy(src, dst, send_sem, recv_sem, slot, table_ref, st: FusedStatic):
+    """The descriptor of the DMA of `src` into the right neighbour's `dst[slot]`; waiting on
+    it waits for this device's own send, or for the same-shaped arrival in its `dst[slot]`."""
+    return pltpu.make_async_remote_copy(
+        src, dst.at[slot], send_sem.at[slot], recv_sem.at[slot],
+        device_id=_neighbour(table_ref, +1, st.num_axes), device_id_type=pl.DeviceIdType.MESH,
+    )  # fmt: skip
+
+
 def _kv_ring(table_ref, travels, credit, consume, st: FusedStatic):
-    """The K/V ring: in step s every travelling array held (its local copy in step 0, else
-    the one received in step s - 1) is forwarded to the right neighbour (after a
-    credit, from step 2 on) while `consume(s, *held_refs)` computes; then the
-    slot is handed back upstream (the pattern of the collective matmuls' gather ring)."""
+    """The K/V ring (the collective matmuls' gather ring, steps in a loop).
+
+    In step s every travelling array held (its local copy in step 0, else the
+    one received in step s - 1, in slot (s - 1) % 2) is forwarded to the right
+    neighbour's slot s % 2 (after a credit, from step 2 on) while
+    `consume(s, *held_refs)` computes; then this device waits for its sends
+    and hands slot (s - 1) % 2 back upstream. Step 0 is unrolled (it reads the
+    local arrays); steps 1 .. N-1 run in a `lax.fori_loop` with the slot and
+    every condition traced, so the kernel's size does not grow with the ring.
+    """
     n = st.ring_size
     _barrier_with_neighbours(table_ref, st.num_axes)
-    pending = None
-    for s in range(n):
-        with jax.named_scope(f"ring_attention_step_{s}"):
-            if s == 0:
-                held = [t.local for t in travels]
-            else:
-                for copy in pending:
-                    copy.wait_recv()  # this step's K/V have arrived
-                held = [t.buffer.at[(s - 1) % 2] for t in travels]
-            started = None
-            if s <= n - 2:
-                if st.handshake and s >= 2:
-                    pl.semaphore_wait(credit, 1)  # downstream freed slot s % 2
-                started = [
-                    _send_to_neighbour(
-                        src,
-                        t.buffer,
-                        t.send_sem,
-                        t.recv_sem,
-                        slot=s % 2,
-                        table_ref=table_ref,
-                        direction=+1,
-                        num_axes=st.num_axes,
-                    )  # fmt: skip
-                    for src, t in zip(held, travels, strict=True)
-                ]
-            consume(s, *held)
-            if started is not None:
-                for copy in started:
-                    copy.wait_send()
-            if st.handshake and 1 <= s <= n - 3:  # slot (s - 1) % 2 is free again
-                _signal_upstream(table_ref, credit, st)
-            pending = started
+
+    def step(s, held, slot_in):
+        slot_out = lax.rem(s, 2) if slot_in is not None else 0
+        if slot_in is not None:
+            for t in travels:  # this step's arrays have arrived
+                _copy(
+                    t.buffer.at[slot_in], t.buffer, t.send_sem, t.recv_sem, slot_in, table_ref, st
+                ).wait_recv()
+
+        def send():
+            _when(st.handshake and (s >= 2), lambda: pl.semaphore_wait(credit, 1))
+            for src, t in zip(held, travels, strict=True):
+                _send_to_neighbour(
+                    src, t.buffer, t.send_sem, t.recv_sem, slot=slot_out, table_ref=table_ref,
+                    direction=+1, num_axes=st.num_axes,
+                )  # fmt: skip
+
+        def wait_sends():
+            for src, t in zip(held, travels, strict=True):
+                _copy(src, t.buffer, t.send_sem, t.recv_sem, slot_out, table_ref, st).wait_send()
+
+        forwards = s <= n - 2
+        _when(forwards, send)
+        consume(s, *held)
+        _when(forwards, wait_sends)
+        if st.handshake:  # slot (s - 1) % 2 is free again
+            _when((s >= 1) & (s <= n - 3), lambda: _signal_upstream(table_ref, credit, st))
+
+    with jax.named_scope("ring_attention_step_0"):
+        step(0, [t.local for t in travels], None)
+    if n == 1:
+        return
+
+    def loop_step(s, carry):
+        slot_in = lax.rem(s + 1, 2)  # (s - 1) % 2
+        step(s, [t.buffer.at[slot_in] for t in travels], slot_in)
+        return carry
+
+    with jax.named_scope("ring_attention_steps"):
+        lax.fori_loop(1, n, loop_step, 0)
 
 
 def _for_each_block(st: FusedStatic, states_ref, step: int, body):
@@ -297,7 +329,6 @@ def backward_kernel(
     n, bk, precision = st.ring_size, st.block.block_kv, st.block.precision
     scale = st.block.config.scale
     dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
-    copies = []  # the dK/dV DMA of every step so far
 
     def block(kv, kv_lanes, kv_rows, bh, kv_head, b, i, j, masked):
         rows_q, rows_k, q, k, v = _block_inputs(st, q_ref, kv, bh, kv_head, i, j)
@@ -322,37 +353,43 @@ def backward_kernel(
         share[1, kv_head, rows_k, :] += attention._dot(p.astype(do.dtype), do, TN_DIMS, precision)
         share[0, kv_head, rows_k, :] += attention._dot(ds.astype(q.dtype), q, TN_DIMS, precision)
 
+    def dkv_copy(src, slot):
+        return _copy(src, recv_buf, dkv_send_sem, dkv_recv_sem, slot, table_ref, st)
+
     def consume(step, kv, kv_lanes, kv_rows):
         share[...] = jnp.zeros(share.shape, jnp.float32)
         _for_each_block(st, states_ref, step, lambda *idx: block(kv, kv_lanes, kv_rows, *idx))
         if n == 1:
             return
         with jax.named_scope("ring_attention_send_dkv"):
-            partial = share[...]
-            if step >= 1:
-                copies[-1].wait_recv()  # the accumulator of this K/V block, from upstream
-                partial = partial + recv_buf[(step - 1) % 2]
-                if st.handshake and step <= n - 2:  # receive slot (step - 1) % 2 is free again
-                    _signal_upstream(table_ref, dkv_credit, st)
-            # Send slot step % 2 was last sent from in step - 2, waited for in step - 1.
-            send_buf[step % 2] = partial
-            if st.handshake and step >= 2:
-                pl.semaphore_wait(dkv_credit, 1)  # downstream added its slot step % 2
-            copy = _send_to_neighbour(
-                send_buf.at[step % 2], recv_buf, dkv_send_sem, dkv_recv_sem, slot=step % 2,
+            first = isinstance(step, int)  # step 0, unrolled: nothing received yet
+            slot_out = 0 if first else lax.rem(step, 2)
+            if first:
+                send_buf[0] = share[...]
+            else:
+                slot_in = lax.rem(step + 1, 2)  # (step - 1) % 2
+                dkv_copy(recv_buf.at[slot_in], slot_in).wait_recv()  # this block's accumulator
+                # Send slot step % 2 was last sent from in step - 2, waited for in step - 1.
+                send_buf[slot_out] = share[...] + recv_buf[slot_in]
+                if st.handshake:  # receive slot (step - 1) % 2 is free again
+                    _when(step <= n - 2, lambda: _signal_upstream(table_ref, dkv_credit, st))
+            # Downstream added its slot step % 2 (received in its step - 1).
+            _when(st.handshake and step >= 2, lambda: pl.semaphore_wait(dkv_credit, 1))
+            _send_to_neighbour(
+                send_buf.at[slot_out], recv_buf, dkv_send_sem, dkv_recv_sem, slot=slot_out,
                 table_ref=table_ref, direction=+1, num_axes=st.num_axes,
             )  # fmt: skip
-            if copies:
-                copies[-1].wait_send()
-            copies.append(copy)
+            if not first:
+                dkv_copy(send_buf.at[slot_in], slot_in).wait_send()  # the previous step's send
 
     _kv_ring(table_ref, travels, credit, consume, st)
     if n == 1:
         home = share[...]
     else:
-        copies[-1].wait_recv()  # this device's own dK/dV, after N hops
-        home = recv_buf[(n - 1) % 2]
-        copies[-1].wait_send()
+        last = (n - 1) % 2
+        dkv_copy(recv_buf.at[last], last).wait_recv()  # this device's own dK/dV, after N hops
+        home = recv_buf[last]
+        dkv_copy(send_buf.at[last], last).wait_send()
     dkv_ref[0] = home[0] * scale
     dkv_ref[1] = home[1]
     dq_ref[...] = dq_ref[...] * scale
