@@ -19,16 +19,44 @@ from flax import nnx
 
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.layers import ColumnParallelLinear, Norm, ParallelTransformerBlock, place_on_mesh
+from shardfuse.layers._sharding import in_manual_region, sharded_param
+from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS
 
 
 class TinyLM(nnx.Module):
-    """Embedding, `ParallelTransformerBlock`s, final norm, column-parallel vocabulary head."""
+    """Embedding, `ParallelTransformerBlock`s, final norm, column-parallel vocabulary head.
 
-    def __init__(self, *, vocab, features, heads, kv_heads, hidden, layers, mesh, rngs):
+    `zero`, `remat` (and the other `ParallelTransformerBlock` keywords in
+    `block_kwargs`) go to the blocks and the head; with zero=3 the embedding
+    `[vocab, features]` is sharded over the fsdp axis on its vocabulary
+    dimension too (`shardfuse.parallel.accumulate` gathers it per
+    microbatch). Runs normally or per shard (inside the full-manual region of
+    `sf.parallel.accumulate`, with tokens sharded `P((data, fsdp), sequence)`).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab,
+        features,
+        heads,
+        kv_heads,
+        hidden,
+        layers,
+        mesh,
+        rngs,
+        zero=0,
+        remat="none",
+        **block_kwargs,
+    ):
         self.mesh = mesh
         init = nnx.initializers.normal(0.02)
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.embed = nnx.Param(jax.device_put(init(rngs.params(), (vocab, features)), replicated))
+        fsdp = DEFAULT_FSDP_AXIS if zero == 3 and DEFAULT_FSDP_AXIS in mesh.axis_names else None
+        embed_spec = jax.sharding.PartitionSpec(fsdp, None)
+        self.embed = sharded_param(
+            init, rngs.params(), (vocab, features), jnp.float32, mesh, embed_spec
+        )
+        layer_kwargs = dict(mesh=mesh, zero=zero, rngs=rngs)
         self.blocks = nnx.List(
             [
                 ParallelTransformerBlock(
@@ -36,9 +64,10 @@ class TinyLM(nnx.Module):
                     heads,
                     hidden,
                     num_kv_heads=kv_heads,
-                    mesh=mesh,
                     layout="zigzag",
-                    rngs=rngs,
+                    remat=remat,
+                    **block_kwargs,
+                    **layer_kwargs,
                 )
                 for _ in range(layers)
             ]
@@ -47,19 +76,43 @@ class TinyLM(nnx.Module):
         self.head = ColumnParallelLinear(
             features,
             vocab,
-            mesh=mesh,
             sequence_parallel=True,
             gather_output=True,
             use_bias=False,
-            rngs=rngs,
+            **layer_kwargs,
         )
 
     def __call__(self, tokens):
         """tokens int `[B, T]` in ring (zigzag) order -> logits `[B, T, vocab]`."""
         x = jnp.take(self.embed[...], tokens, axis=0)
+        attention = self.blocks[0].attention if len(self.blocks) else None
+        if attention is not None and in_manual_region(self.mesh):
+            x = _sequence_shard(x, attention)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def _sequence_shard(x, attention):
+    """Per shard: this model shard's part of the sequence `[b, t, F]` under sequence parallelism."""
+    if not attention.sequence_parallel or attention.model_axis is None:
+        return x
+    part = x.shape[1] // jax.lax.axis_size(attention.model_axis)
+    start = jax.lax.axis_index(attention.model_axis) * part
+    return jax.lax.dynamic_slice_in_dim(x, start, part, axis=1)
+
+
+def token_loss(model, batch):
+    """`(sum_loss, num_tokens)`: cross entropy summed over the tokens `batch["mask"]` keeps.
+
+    `batch`: dict of int `tokens` and `targets` `[B, T]` and a 0/1 `mask`
+    `[B, T]` (padding 0). The loss `sf.parallel.accumulate` expects; run
+    plainly, `sum_loss / num_tokens` is the token-weighted mean.
+    """
+    logits = model(batch["tokens"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
 
 
 def make_batch(rng, batch, seq_len, vocab):

@@ -28,6 +28,7 @@ from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_
 
 DEFAULT_DATA_AXIS = "data"
 DEFAULT_SEQUENCE_AXIS = "sequence"
+DEFAULT_MODEL_AXIS = "model"
 
 
 def manual_axes() -> frozenset:
@@ -85,12 +86,13 @@ def optional_axis(mesh, name, argument: str, default: str):
 def layer_axes(mesh, *, model_axis, data_axis, sequence_axis) -> tuple:
     """A layer's `(model_axis, data_axis, sequence_axis)`, checked against `mesh`.
 
-    `model_axis` must be a mesh axis; `data_axis` and `sequence_axis` may be
-    None, and their defaults become None on a mesh that lacks them. Raises
-    ValueError naming the keyword when an axis is missing or two keywords
-    name the same axis.
+    Each may be None, and the defaults ("model", "data", "sequence") become
+    None on a mesh that lacks them (an absent axis has size 1: no tensor
+    parallelism without a model axis). Raises ValueError naming the keyword
+    when an explicitly named axis is missing or two keywords name the same
+    axis.
     """
-    model = require_axis(mesh, model_axis, "model_axis")
+    model = optional_axis(mesh, model_axis, "model_axis", DEFAULT_MODEL_AXIS)
     data = optional_axis(mesh, data_axis, "data_axis", DEFAULT_DATA_AXIS)
     sequence = optional_axis(mesh, sequence_axis, "sequence_axis", DEFAULT_SEQUENCE_AXIS)
     check_mesh_axes(mesh, model_axis=model, data_axis=data, sequence_axis=sequence)

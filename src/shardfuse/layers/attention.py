@@ -114,7 +114,7 @@ class ParallelSelfAttention(nnx.Module):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         mesh,
-        model_axis: str = "model",
+        model_axis: str | None = "model",
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
         sequence_parallel: bool = False,

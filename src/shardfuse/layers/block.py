@@ -159,7 +159,7 @@ class ParallelTransformerBlock(nnx.Module):
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
-        model_axis: str = "model",
+        model_axis: str | None = "model",
         sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
         data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
         sequence_parallel: bool = True,

@@ -237,7 +237,7 @@ class ColumnParallelLinear(_ParallelLinear):
         out_features: int,
         *,
         mesh,
-        model_axis: str = "model",
+        model_axis: str | None = "model",
         sequence_parallel: bool = False,
         gather_output: bool = False,
         use_bias: bool = True,
@@ -293,6 +293,8 @@ class ColumnParallelLinear(_ParallelLinear):
         in_spec = P(self.batch_axes, self._sequence_spec(self.sequence_parallel), None)
         out_spec = P(self.batch_axes, self._sequence_spec(False), self.model_axis)
         y = self._run(self.local, x, in_spec, out_spec)
+        if self.model_axis is None:
+            return y
         if self.gather_output and _sharding.in_manual_region(self.mesh):  # per shard
             y = jax.lax.all_gather(y, self.model_axis, axis=y.ndim - 1, tiled=True)
         elif self.gather_output:  # XLA's all-gather of the feature shards
@@ -375,7 +377,7 @@ class RowParallelLinear(_ParallelLinear):
         out_features: int,
         *,
         mesh,
-        model_axis: str = "model",
+        model_axis: str | None = "model",
         sequence_parallel: bool = False,
         input_is_parallel: bool = True,
         use_bias: bool = True,
@@ -424,7 +426,7 @@ class RowParallelLinear(_ParallelLinear):
     def _local_replicated_input(self, x, kernel, bias=None):
         """`local` on a replicated `x` `[b, t, in]`: this shard keeps its slice of the features."""
         part = kernel.shape[0]  # in / tp rows (fsdp shards the other dimension)
-        index = jax.lax.axis_index(self.model_axis)
+        index = 0 if self.model_axis is None else jax.lax.axis_index(self.model_axis)
         x = jax.lax.dynamic_slice_in_dim(x, index * part, part, axis=2)
         return self.local(x, kernel, bias)
 

@@ -74,7 +74,7 @@ class ParallelMLP(nnx.Module):
         *,
         activation: str = "gelu",
         mesh,
-        model_axis: str = "model",
+        model_axis: str | None = "model",
         sequence_parallel: bool = False,
         use_bias: bool = True,
         dtype=None,
@@ -93,7 +93,9 @@ class ParallelMLP(nnx.Module):
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-        _sharding.require_axis(mesh, model_axis, "model_axis")
+        model_axis = _sharding.optional_axis(
+            mesh, model_axis, "model_axis", _sharding.DEFAULT_MODEL_AXIS
+        )
         _sharding.check_divisible("hidden_features", hidden_features, mesh, model_axis)
         common = dict(
             mesh=mesh,

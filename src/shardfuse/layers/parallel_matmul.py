@@ -20,7 +20,7 @@ def column_matmul(layer, x, kernel):
     with `model_axis`, `sequence_parallel`, `implementation` and `precision`.
     """
     options = dict(implementation=layer.implementation, precision=layer.precision)
-    if layer.sequence_parallel:
+    if layer.sequence_parallel and layer.model_axis is not None:
         return collectives.all_gather_matmul(
             x, kernel, layer.model_axis, gather_axis=x.ndim - 2, **options
         )
@@ -33,9 +33,11 @@ def row_matmul(layer, x, kernel):
     x `[b, t, C / tp]` -> `[b, t, N]`, the partial products all-reduced
     (`matmul_all_reduce`), or under `layer.sequence_parallel` reduce-scattered
     along the sequence to `[b, t / tp, N]` (`matmul_reduce_scatter`). `layer`
-    as in `column_matmul`.
+    as in `column_matmul`. Without a model axis (None) a plain matmul.
     """
     options = dict(implementation=layer.implementation, precision=layer.precision)
+    if layer.model_axis is None:  # no tensor-parallel axis: nothing to reduce
+        return matmul(x, kernel, **options)
     if layer.sequence_parallel:
         return collectives.matmul_reduce_scatter(
             x, kernel, layer.model_axis, scatter_axis=x.ndim - 2, **options

@@ -1,0 +1,255 @@
+"""ZeRO stages by name: which training state is sharded over the `fsdp` mesh axis.
+
+ZeRO (Rajbhandari et al. 2020) over an `fsdp` axis, whose devices split the
+batch like data-parallel devices:
+
+| zero | parameters | gradients | optimizer state |
+|---|---|---|---|
+| 0 | replicated | replicated (all-reduced) | replicated |
+| 1 | replicated | replicated (all-reduced) | sharded |
+| 2 | replicated | sharded (reduce-scattered) | sharded |
+| 3 | sharded, gathered just in time per layer | sharded (reduce-scattered) | sharded |
+
+The optimizer state is `ZeroOptimizer`'s, the gradients `accumulate(zero=...)`'s
+(`shardfuse.parallel.accumulate`), the parameters the layers' (`zero=3`).
+
+"Sharded" adds the fsdp axis to an array's PartitionSpec on its first
+dimension that it divides (`shard_spec`); an array with no such dimension
+(a scalar step count, a dimension too small) stays replicated. ZeRO-3
+parameters are the layers' business (`zero=3` on `shardfuse.layers`,
+`shardfuse.layers.fsdp`); a plain `nnx.Param` (an embedding) is sharded by
+giving it that spec (`nnx.Param(value, out_sharding=P("fsdp", None), mesh=mesh)`),
+and `accumulate` gathers it on entry.
+
+`ZeroOptimizer` is an `nnx.Optimizer` whose state is born sharded (its
+`tx.init` runs under `jax.jit` with `out_shardings`) and whose `update`
+computes the update on the shards (ZeRO-1/2/3), then puts each parameter
+back on its own sharding (for replicated parameters: the all-gather of
+ZeRO-1/2). `init` creates a model (and optimizer) in one jitted program
+with `out_shardings`, so no device ever holds more than its shards.
+"""
+
+import jax
+import optax
+from flax import nnx
+from flax.nnx.training.optimizer import OptState, to_opt_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.layers import _sharding
+from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P) or x is None
+
+
+def fsdp_axis_of(mesh, fsdp_axis):
+    """`fsdp_axis` if the mesh has it (None for an absent default); ValueError for a wrong name."""
+    if fsdp_axis is None or fsdp_axis in mesh.axis_names:
+        return fsdp_axis
+    if fsdp_axis == DEFAULT_FSDP_AXIS:
+        return None
+    raise ValueError(
+        f"fsdp_axis={fsdp_axis!r} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)}"
+    )
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def shard_spec(spec, shape, mesh, axis) -> P:
+    """`spec` with mesh axis `axis` added on the first dimension of `shape` it divides.
+
+    Unchanged when `axis` is None, of size 1, already in `spec`, or divides no
+    dimension (after the axes already on it).
+    """
+    spec = P() if spec is None else spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if axis is None or mesh.shape[axis] == 1 or any(axis in _axes(e) for e in entries):
+        return P(*entries)
+    for dim, (size, entry) in enumerate(zip(shape, entries, strict=True)):
+        shards = 1
+        for name in _axes(entry):
+            shards *= mesh.shape[name]
+        if size % (shards * mesh.shape[axis]) == 0:
+            entries[dim] = axis if entry is None else (*_axes(entry), axis)
+            return P(*entries)
+    return P(*entries)
+
+
+def param_specs(state):
+    """PartitionSpecs of a state's arrays: their `out_sharding` metadata, else `P()`.
+
+    Returns a pure pytree (the `nnx.as_pure` structure of `state`) of PartitionSpecs.
+    """
+    specs = nnx.as_pure(nnx.get_partition_spec(state))
+    return jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=_is_spec)
+
+
+def sharded_specs(state, mesh, zero: int, fsdp_axis, *, stage: int = 1):
+    """Specs of a state (params, gradients or optimizer moments) under ZeRO `zero`.
+
+    Arrays are sharded over `fsdp_axis` (`shard_spec`) when `zero >= stage`
+    (1 for the optimizer state, 2 for gradients), else they keep their own
+    specs (`param_specs`).
+    """
+    specs = param_specs(state)
+    if check_zero(zero) < stage or fsdp_axis is None:
+        return specs
+    arrays = nnx.as_pure(state)
+    return jax.tree.map(
+        lambda spec, x: shard_spec(spec, x.shape, mesh, fsdp_axis), specs, arrays, is_leaf=_is_spec
+    )
+
+
+def put(tree, specs, mesh):
+    """Each array of `tree` placed on its spec (`_sharding.place`: reshard or constraint)."""
+    return jax.tree.map(lambda x, s: _sharding.place(x, mesh, s), tree, specs, is_leaf=_is_spec)
+
+
+class ZeroOptimizer(nnx.Optimizer):
+    """An `nnx.Optimizer` whose state is sharded over `fsdp_axis` per ZeRO stage `zero`.
+
+    `zero` 0: the state is sharded like the parameters (a plain
+    `nnx.Optimizer`, but born on the mesh); 1, 2, 3: every state array
+    (AdamW's moments) is sharded over `fsdp_axis` too (`shard_spec`). The
+    state is created by `tx.init` under `jax.jit` with `out_shardings`, so no
+    device holds it whole. `update(model, grads)` reshards the gradients and
+    parameters to the state's sharding (a local slice when they are
+    replicated), updates the shards, and puts each parameter back on its own
+    sharding (ZeRO-1/2: an all-gather; ZeRO-3: nothing to do). Use it inside
+    `nnx.jit` like an `nnx.Optimizer`.
+
+    Args:
+      model: the NNX model (its parameters carry their specs as metadata:
+        `shardfuse.layers` do; `nnx.Param(..., out_sharding=spec, mesh=mesh)`).
+      tx: an optax `GradientTransformation`.
+      mesh: the mesh.
+      zero: ZeRO stage 0 to 3.
+      fsdp_axis: the axis the state is sharded over (default "fsdp";
+        ignored when the mesh lacks it).
+      wrt: the variables to optimize (default `nnx.Param`).
+
+    Raises:
+      ValueError: `zero` not in 0..3, or `fsdp_axis` not an axis of the mesh.
+
+    Example usage::
+
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from shardfuse.layers import ColumnParallelLinear
+      >>> from shardfuse.parallel.zero import ZeroOptimizer
+      >>> mesh = jax.make_mesh((4, 2), ("fsdp", "model"))
+      >>> layer = ColumnParallelLinear(16, 32, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> opt = ZeroOptimizer(layer, optax.adamw(1e-3), mesh=mesh, zero=1)
+      >>> opt.opt_state[0].mu["kernel"][...].sharding.spec
+      P('fsdp', 'model')
+    """
+
+    def __init__(
+        self, model, tx, *, mesh, zero: int = 1, fsdp_axis=DEFAULT_FSDP_AXIS, wrt=nnx.Param
+    ):
+        self.zero = check_zero(zero)
+        self.mesh = mesh
+        self.fsdp_axis = fsdp_axis_of(mesh, fsdp_axis)
+        self.graph = None
+        self.tx = tx
+        self.wrt = wrt
+        replicated = NamedSharding(mesh, P())
+        self.step = OptState(jax.deviceput(jax.numpy.zeros((), jax.numpy.uint32), replicated))
+        params = nnx.as_pure(nnx.state(model, wrt))
+        specs = sharded_specs(nnx.state(model, wrt), mesh, self.zero, self.fsdp_axis)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+        abstract = jax.eval_shape(tx.init, params)
+        out_shardings = optax.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            abstract,
+            shardings,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+        state = jax.jit(tx.init, out_shardings=out_shardings)(params)
+        self.opt_state = nnx.data(to_opt_state(state))
+
+    def update(self, model, grads, /, **kwargs):
+        """Updates the state and the model's parameters from `grads` (see the class docstring)."""
+        state = nnx.state(model, self.wrt)
+        own_specs = param_specs(state)
+        shard_specs = sharded_specs(state, self.mesh, self.zero, self.fsdp_axis)
+        params = put(nnx.as_pure(state), shard_specs, self.mesh)
+        grads = put(nnx.as_pure(nnx.state(grads, self.wrt)), shard_specs, self.mesh)
+        updates, new_state = self.tx.update(
+            grads, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
+        )
+        new_params = put(optax.apply_updates(params, updates), own_specs, self.mesh)
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_state))
+        self.step[...] += 1
+        return updates
+
+
+def init(make_model, *, tx=None, mesh=None, zero: int = 0, fsdp_axis=DEFAULT_FSDP_AXIS):
+    """Creates `make_model()` in one jitted program whose outputs are its sharded parameters.
+
+    Every array is an output of `jax.jit` with `out_shardings` taken from the
+    parameters' metadata (the specs the layers give them), so no device ever
+    holds more than its shards. Values depend on the seed only, not on the
+    mesh (`jax_threefry_partitionable`, JAX's default). With `tx`, also a
+    `ZeroOptimizer(model, tx, mesh=mesh, zero=zero, fsdp_axis=fsdp_axis)`.
+
+    Args:
+      make_model: `make_model() -> nnx.Module`, e.g. `lambda: TinyLM(..., rngs=nnx.Rngs(0))`.
+      tx: optional optax transformation for the optimizer.
+      mesh: the mesh (needed with `tx`).
+      zero, fsdp_axis: as `ZeroOptimizer`.
+
+    Returns:
+      The model, or `(model, optimizer)` with `tx`.
+
+    Example usage::
+
+      >>> import jax, optax
+      >>> from flax import nnx
+      >>> from shardfuse.layers import ColumnParallelLinear
+      >>> from shardfuse.parallel.zero import init
+      >>> mesh = jax.make_mesh((4, 2), ("fsdp", "model"))
+      >>> make = lambda: ColumnParallelLinear(16, 32, mesh=mesh, zero=3, rngs=nnx.Rngs(0))
+      >>> model, opt = init(make, tx=optax.adamw(1e-3), mesh=mesh, zero=3)
+      >>> model.kernel[...].sharding.spec, opt.opt_state[0].nu["kernel"][...].sharding.spec
+      (P('fsdp', 'model'), P('fsdp', 'model'))
+    """
+    graphdef, create = init_program(make_model)
+    model = nnx.merge(graphdef, create())
+    if tx is None:
+        return model
+    if mesh is None:
+        raise ValueError("init(tx=...) needs mesh= (the mesh the optimizer state is sharded on)")
+    return model, ZeroOptimizer(model, tx, mesh=mesh, zero=zero, fsdp_axis=fsdp_axis)
+
+
+def init_program(make_model):
+    """`(graphdef, create)`: `create()` is the jitted program `init` runs (its state's arrays).
+
+    `create.lower().compile().memory_analysis()` gives the initialization's
+    memory per device.
+    """
+    abstract = nnx.eval_shape(make_model)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = nnx.get_named_sharding(abstract_state, _mesh_of(abstract_state))
+
+    def create():
+        return nnx.split(make_model())[1]
+
+    return graphdef, jax.jit(create, out_shardings=shardings)
+
+
+def _mesh_of(state):
+    """The mesh of the first array in `state` that carries one (its sharding metadata)."""
+    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        mesh = getattr(variable, "mesh", None) or variable.get_metadata().get("mesh")
+        if mesh is not None:
+            return mesh
+    raise ValueError("init: no parameter of the model carries a mesh (out_sharding metadata)")
