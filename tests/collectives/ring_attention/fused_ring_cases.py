@@ -18,6 +18,7 @@ TESTING.md tolerances).
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
@@ -53,7 +54,10 @@ def _specs(case: RingCase):
             P("data", "model", "sequence"),
         )
     seq = P(None, "sequence")
-    return ring_mesh(case.N), seq, seq, seq, P(None, None, "sequence")
+    if case.mesh == "explicit":  # what jax.make_mesh gives
+        mesh = jax.make_mesh((case.N,), ("sequence",), devices=jax.devices()[: case.N])
+        return mesh, seq, seq, seq, P(None, None, "sequence")
+    return ring_mesh(case.N), seq, seq, seq, P(None, None, "sequence")  # Auto axes
 
 
 def fused_fn(case: RingCase, kwargs, *, implementation=FUSED):
@@ -63,8 +67,11 @@ def fused_fn(case: RingCase, kwargs, *, implementation=FUSED):
     options = dict(kwargs)
     q_seg, kv_seg = options.pop("q_segment_ids", None), options.pop("kv_segment_ids", None)
 
-    def to_ring(x, axis=1):
-        return None if x is None else sf.to_ring_layout(x, n, layout, axis=axis)
+    def to_ring(x, spec, axis=1):
+        """Ring order, on the mesh (an Explicit mesh's shard_map wants its in_specs)."""
+        if x is None:
+            return None
+        return jax.device_put(sf.to_ring_layout(x, n, layout, axis=axis), NamedSharding(mesh, spec))
 
     def shard(q, k, v, q_seg, kv_seg):
         return sf.collectives.ring_attention(
@@ -81,7 +88,10 @@ def fused_fn(case: RingCase, kwargs, *, implementation=FUSED):
     )
 
     def attend(q, k, v):
-        out, lse = mapped(to_ring(q), to_ring(k), to_ring(v), to_ring(q_seg), to_ring(kv_seg))
+        out, lse = mapped(
+            to_ring(q, q_spec), to_ring(k, kv_spec), to_ring(v, kv_spec),
+            to_ring(q_seg, seg_spec), to_ring(kv_seg, seg_spec),
+        )  # fmt: skip
         return sf.from_ring_layout(out, n, layout), sf.from_ring_layout(lse, n, layout, axis=2)
 
     return attend

@@ -122,9 +122,9 @@ def _forward_and_backward(c, mode, *, handshake=True, backward=True):
 
 @pytest.mark.parametrize("mode", ["on_wait", pytest.param("eager", marks=pytest.mark.slow)])
 def test_race_free(mode):
-    """Ring of 4: the credits of both rings are exercised (K/V from step 2 on, dK/dV too);
-    the results match the reference."""
-    c = case(N=4, layout="zigzag", causal=True, H=2, K=1)
+    """Ring of 4 on an Explicit mesh (the numerics case runs on Auto axes): the credits of
+    both rings are exercised (K/V from step 2 on, dK/dV too); results match the reference."""
+    c = case(N=4, layout="zigzag", causal=True, H=2, K=1, mesh="explicit")
     outputs, grads, forward_races, backward_races = _forward_and_backward(c, mode)
     assert not forward_races, f"race in the fused forward ({mode})"
     assert not backward_races, f"race in the fused backward ({mode})"
@@ -245,7 +245,7 @@ def test_not_implemented_falls_back(monkeypatch):
     q, k, v, kwargs, _ = make_inputs(c)
     half = [x.astype(jnp.float16) for x in (q, k, v)]
     with pytest.raises(NotImplementedError, match="float32 and bfloat16"):
-        fused_fn(c, kwargs)(*half)
+        jax.make_jaxpr(fused_fn(c, kwargs))(*half)  # raised while tracing
     assert pallas_tpu_fused.working_set_bytes(q, k, False) < pallas_tpu_fused.VMEM_BUDGET_BYTES
     long_shard = pallas_tpu_fused.working_set_bytes(
         jnp.zeros((1, 8192, 32, 128), jnp.bfloat16), jnp.zeros((1, 8192, 8, 128)), False
@@ -253,11 +253,11 @@ def test_not_implemented_falls_back(monkeypatch):
     assert long_shard > pallas_tpu_fused.VMEM_BUDGET_BYTES
     monkeypatch.setattr(pallas_tpu_fused, "VMEM_BUDGET_BYTES", 0)  # nothing fits
     with pytest.raises(NotImplementedError, match="keeps the shard in VMEM"):
-        fused_fn(c, kwargs)(q, k, v)
-    out, lse = jax.jit(fused_fn(c, kwargs, implementation=(FUSED, "xla")))(q, k, v)
-    expected = sf.attention_reference(q, k, v, return_lse=True, **kwargs)
-    assert_close(out, expected[0], name="out")
-    assert_close(lse, expected[1], name="lse")
+        jax.make_jaxpr(fused_fn(c, kwargs))(q, k, v)
+    # Traced only (the xla ring's numerics are tested with it): the fallback runs no kernel.
+    jaxpr = jax.make_jaxpr(fused_fn(c, kwargs, implementation=(FUSED, "xla")))(q, k, v)
+    primitives = {eqn.primitive.name for eqn in iter_eqns(jaxpr)}
+    assert "pallas_call" not in primitives and "ppermute" in primitives, primitives
 
 
 def test_implementation_names():
