@@ -21,8 +21,11 @@ Every op's `implementation=` then means the same thing (`Op.candidates`):
 
 An unknown name is a `ValueError` listing the valid ones. Ring attention runs
 the `attention` backends per ring step (`forward` / `backward` of each
-backend module, see `kernels/attention/protocol.py`), so it dispatches over
-the `attention` entry as well.
+backend module, see `kernels/attention/protocol.py`); its own op,
+`ring_attention` (declared in `collectives/ring_attention/api.py`), lists
+those names plus `pallas_tpu_fused`, the whole ring in one Pallas TPU kernel
+per direction, and follows the `attention` op's preference for
+`implementation=None`.
 """
 
 import dataclasses
