@@ -97,19 +97,21 @@ def fused_fn(case: RingCase, kwargs, *, implementation=FUSED):
     return attend
 
 
-def run_fused(case: RingCase, params=None, seed: int = 0):
-    """`(actual (out, lse, dq, dk, dv), inputs)` of the fused ring under interpret `params`."""
+def run_fused(case: RingCase, params=None, seed: int = 0, block_sizes=None):
+    """`(actual (out, lse, dq, dk, dv), inputs)` of the fused ring under interpret `params`
+    (`block_sizes`: the kernels' tiles within a shard, default theirs)."""
     q, k, v, kwargs, cotangents = make_inputs(case, seed)
     inputs = [x.astype(case.dtype) for x in (q, k, v)]
     params = params or pltpu.InterpretParams(dma_execution_mode="eager")
+    attend = fused_fn(case, {**kwargs, "block_sizes": block_sizes})
     with interpret_mode(params):
-        actual = jax.block_until_ready(with_vjp(fused_fn(case, kwargs))(*inputs, *cotangents))
+        actual = jax.block_until_ready(with_vjp(attend)(*inputs, *cotangents))
     return actual, (q, k, v, kwargs, cotangents)
 
 
-def check_fused(case: RingCase, params=None, seed: int = 0):
+def check_fused(case: RingCase, params=None, seed: int = 0, block_sizes=None):
     """The fused ring vs the reference on the gathered sequence; returns its results."""
-    actual, (q, k, v, kwargs, cotangents) = run_fused(case, params, seed)
+    actual, (q, k, v, kwargs, cotangents) = run_fused(case, params, seed, block_sizes)
     compare(case, actual, q, k, v, kwargs, cotangents)
     for name, x in zip(("out", "dq", "dk", "dv"), (actual[0], *actual[2:]), strict=True):
         assert bool(jnp.isfinite(x).all()), f"{case.id} {name} not finite"

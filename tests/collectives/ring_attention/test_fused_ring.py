@@ -95,6 +95,22 @@ def test_fused_ring_matrix(c):
     check_fused(c)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "c",
+    [
+        case(N=2, layout="zigzag", T=512, S=512, H=1, K=1, causal=True),
+        case(N=2, layout="contiguous", T=512, S=512, H=2, K=1, causal=True, segments=True),
+        case(N=2, layout="striped", T=512, S=256, H=1, K=1, causal=False, window=(100, 20)),
+    ],
+    ids=lambda c: c.id,
+)
+def test_fused_ring_several_blocks_per_shard(c):
+    """128-row tiles within a shard (2 x 2 or 2 x 1 per step): the block loops, the
+    (query block, key block) state table and its skipped blocks on the diagonal."""
+    check_fused(c, block_sizes=base.BlockSizes(128, 128))
+
+
 # --- races ---------------------------------------------------------------------------------
 
 
@@ -221,11 +237,11 @@ def test_causal_step_skipping():
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_lowers_for_tpu(dtype):
     """The Mosaic kernels (remote DMAs, semaphores, the block loops) lower for TPU, forward
-    and backward, at TPU tile sizes (128 rows per shard, head dim 128)."""
-    c = case(N=4, layout="zigzag", T=512, S=512, H=2, K=1, D=128, dtype=dtype)
+    and backward, at TPU tile sizes: 256 rows per shard in 128-row tiles, head dim 128."""
+    c = case(N=4, layout="zigzag", T=1024, S=1024, H=2, K=1, D=128, dtype=dtype)
     q, k, v, kwargs, cotangents = make_inputs(c)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    run = with_vjp(fused_fn(c, kwargs))
+    run = with_vjp(fused_fn(c, {**kwargs, "block_sizes": base.BlockSizes(128, 128)}))
     with interpret_mode(False):
         exported = jax.export.export(run, platforms=["tpu"])(q, k, v, *cotangents)
     text = exported.mlir_module()
