@@ -172,6 +172,7 @@ class Pipeline(nnx.Module):
         """The stack's output `[B, T, F]` for input `x`, by the schedule's forward ticks."""
         self._check_batch(x)
         graphdef, values = _pure(self.stack.blocks)
+        x = _sharding.place(x, self.mesh, P(*self.io_spec))
         return _forward_program(self._config(graphdef), values, x)
 
     def loss(self, x, targets, *, head, weights=None, loss_fn=cross_entropy, targets_spec=None):
@@ -210,6 +211,9 @@ class Pipeline(nnx.Module):
             loss_fn=loss_fn,
             targets_spec=targets_spec,
         )
+        # On the activation layout first: the reshard's transpose brings x's gradient back
+        # to x's own sharding (e.g. that of an embedding lookup).
+        x = _sharding.place(x, self.mesh, P(*self.io_spec))
         return _pipelined_loss(config, stack_values, head_values, x, targets, weights)
 
     def _config(self, graphdef, **head):

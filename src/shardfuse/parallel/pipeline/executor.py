@@ -179,7 +179,7 @@ def run_schedule(
             carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
             cotangent = carry["grads_in"][c, slot]
             y, stage_vjp = jax.vjp(stage_fn, params, x_in)
-            d_params, d_x = stage_vjp(cotangent)
+            d_params, d_x = stage_vjp(to_varying(cotangent, varying_axes(y)))
             (loss_sum, weight_sum), head_vjp = jax.vjp(
                 lambda hp, y: head_fn(hp, y, _take(targets, i), _take(weights, i)), head_params, y
             )
@@ -206,14 +206,17 @@ def run_schedule(
             carry["from_next"] = lax.ppermute(send_b, pipeline_axis, perm_backward)
         return carry, None
 
-    buffer = jnp.full((v, slots, *act.shape), fill, act.dtype)
-    carry = dict(inputs=buffer, from_prev=jnp.full(act.shape, fill, act.dtype))
+    # Activations and their gradients vary over the pipeline and over what x varies over.
+    act_axes = varying_axes(x) | {pipeline_axis}
+    buffer = to_varying(jnp.full((v, slots, *act.shape), fill, act.dtype), act_axes)
+    incoming = to_varying(jnp.full(act.shape, fill, act.dtype), act_axes)
+    carry = dict(inputs=buffer, from_prev=incoming)
     if forward_only:
         carry["out"] = jnp.zeros(x.shape, x.dtype)
     else:
         carry.update(
             grads_in=buffer,
-            from_next=jnp.full(act.shape, fill, act.dtype),
+            from_next=incoming,
             loss=jnp.zeros((), jnp.float32),
             weight=jnp.zeros((), jnp.float32),
             head_grads=jax.tree.map(jnp.zeros_like, head_params),
