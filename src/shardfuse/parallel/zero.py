@@ -158,7 +158,7 @@ class ZeroOptimizer(nnx.Optimizer):
         self.tx = tx
         self.wrt = wrt
         replicated = NamedSharding(mesh, P())
-        self.step = OptState(jax.deviceput(jax.numpy.zeros((), jax.numpy.uint32), replicated))
+        self.step = OptState(jax.device_put(jax.numpy.zeros((), jax.numpy.uint32), replicated))
         params = nnx.as_pure(nnx.state(model, wrt))
         specs = sharded_specs(nnx.state(model, wrt), mesh, self.zero, self.fsdp_axis)
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
