@@ -236,15 +236,15 @@ class ParallelSelfAttention(nnx.Module):
         """
         heads = self.num_heads // _sharding.axis_size(self.mesh, self.model_axis)  # local heads
         D = self.head_dim
-        q_w, kv_w = (fsdp.gather(self.zero, w, 0, x.dtype) for w in (q_w, kv_w))
-        o_w = fsdp.gather(self.zero, o_w, 1, x.dtype)
         if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
             group = self.num_heads // self.num_kv_heads
             head = lax.axis_index(self.model_axis) * heads // group
             kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
         # one fused QKV matmul per shard
-        y = column_matmul(self, x, jnp.concatenate([q_w, kv_w], axis=1))
+        # one fused QKV kernel, gathered over fsdp (zero=3) once, right before its matmul
+        qkv_w = fsdp.gather(self.zero, jnp.concatenate([q_w, kv_w], axis=1), 0, x.dtype)
+        y = column_matmul(self, x, qkv_w)
         if q_b is not None:
             y = y + jnp.concatenate([q_b, kv_b])
         b, t = y.shape[:2]
@@ -266,7 +266,7 @@ class ParallelSelfAttention(nnx.Module):
         else:
             o = attention_api.flash_attention(q, k, v, **masks)
         o = checkpoint_name(o, "attention_core")
-        out = row_matmul(self, o.reshape(b, t, heads * D), o_w)
+        out = row_matmul(self, o.reshape(b, t, heads * D), fsdp.gather(self.zero, o_w, 1, x.dtype))
         return checkpoint_name(out if o_b is None else out + o_b, "attention_out")
 
     def io_spec(self):

@@ -291,12 +291,16 @@ def _per_shard(
         return lax.psum_scatter(g, fsdp_axis, scatter_dimension=dim, tiled=True)
 
     def microstep(acc, mb):
+        # Tie the parameters to this microbatch: XLA may then not hoist the zero=3
+        # gathers out of the loop (which would keep every gathered weight alive).
+        params_now, mb = lax.optimization_barrier((params, mb))
+
         def loss(p):
             p = jax.tree.map(gather, p, gather_dims)
             s, n = loss_fn(nnx.merge(graphdef, p, rest), mb)
             return s, n
 
-        p = jax.tree.map(vary, params, param_specs, is_leaf=None)
+        p = jax.tree.map(vary, params_now, param_specs, is_leaf=None)
         (s, n), g = jax.value_and_grad(loss, has_aux=True)(p)
         g = jax.tree.map(lambda x: x.astype(reduce_dtype), g)
         g = jax.tree.map(scatter, g, param_specs, grad_specs, is_leaf=None)
