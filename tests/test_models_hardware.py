@@ -191,3 +191,69 @@ def test_data_modules_import_nothing_of_shardfuse_but_each_other(name):
             assert names is not None and set(names) <= {"models", "hardware"}, (name, line)
         elif module.startswith("shardfuse."):
             assert module in allowed, f"{name}:{line} imports {module}"
+
+
+# ---- GPT families, published runs, custom specs --------------------------------
+
+
+def test_gpt3_and_narayanan_table1_models():
+    gpt3 = models.get("gpt3-175b")
+    assert (gpt3.hidden, gpt3.heads, gpt3.num_layers, gpt3.ffn_hidden) == (12288, 96, 96, 49152)
+    assert gpt3.activation == "gelu" and gpt3.tied_embeddings
+    assert abs(gpt3.num_params() / 1e9 - 175) < 1
+    # Narayanan et al. 2021 Table 1's "number of parameters (billion)" column.
+    published = {"gpt-1.7b": 1.7, "gpt-3.6b": 3.6, "gpt-7.5b": 7.5, "gpt-18b": 18.4,
+                 "gpt-39b": 39.1, "gpt-76b": 76.1, "gpt-145b": 145.6, "gpt-310b": 310.1,
+                 "gpt-530b": 529.6, "gpt-1t": 1008.0}  # fmt: skip
+    for run in models.NARAYANAN_2021_TABLE1:
+        model = models.get(run.model)
+        assert run.tensor * run.pipeline * run.data == run.gpus
+        assert run.global_batch % run.data == 0 and model.num_layers % run.pipeline == 0
+        assert model.heads % run.tensor == 0
+        # the table rounds to 0.1B and counts biases and position embeddings we leave out
+        assert abs(model.num_params() / 1e9 / published[run.model] - 1) < 0.035, run.model
+    assert [r.gpus for r in models.NARAYANAN_2021_TABLE1][-1] == 3072
+
+
+def test_layer_params_match_the_published_counts():
+    assert models.get("llama3-8b").num_params() == pytest.approx(8.03e9, rel=2e-3)
+    assert models.get("llama3-70b").num_params() == pytest.approx(70.6e9, rel=2e-3)
+    assert models.get("llama3-405b").num_params() == pytest.approx(405.9e9, rel=3e-3)
+    # a GPT layer is 12 h^2 matmul weights plus two norms
+    gpt = models.get("gpt-1.7b")
+    assert gpt.layer_params() == 12 * 2304**2 + 2 * 2304 and gpt.mlp_matrices == 2
+
+
+def test_model_spec_is_user_constructible_and_checked():
+    spec = models.ModelSpec("mine", hidden=64, heads=4, kv_heads=1, head_dim=16,
+                            ffn_hidden=128, num_layers=3, vocab_size=50)  # fmt: skip
+    assert spec.num_params() == 3 * spec.layer_params() + 2 * 50 * 64 + 64
+    assert models.ModelShape.gpt("g", 768, 12, 12).head_dim == 64
+    with pytest.raises(ValueError, match="activation='relu' must be one of"):
+        models.ModelSpec("bad", 64, 4, 4, 16, 128, num_layers=1, vocab_size=5, activation="relu")
+    with pytest.raises(ValueError, match="hidden=100 must be a multiple of heads=3"):
+        models.ModelShape.gpt("bad", 100, 3, 2)
+
+
+# ---- links and clusters -------------------------------------------------------
+
+
+def test_tpu_links_are_filled_in():
+    assert hardware.device("tpu-v4").link.egress_gb_per_s == 300.0  # 6 links x 50 GB/s
+    assert hardware.device("tpu-v6e").link.egress_gb_per_s == 400.0  # 800 both ways
+    assert hardware.device("tpu-v6e").link.gb_per_s == 100.0  # over 4 ports
+
+
+def test_clusters():
+    c = hardware.cluster("h100", nodes=8)
+    assert (c.num_devices, c.devices_per_node, c.device.key) == (64, 8, "h100-sxm")
+    assert (c.intra_link.name, c.inter_link.gb_per_s) == ("NVLink 4", 50.0)
+    assert hardware.cluster("a100", nodes=4).inter_link.gb_per_s == 25.0  # HDR, Selene
+    assert hardware.cluster("tpu-v5p").devices_per_node == 8960
+    assert hardware.cluster("v5e", devices_per_node=64).inter_link.name == "DCN"
+    assert hardware.resolve("H100").key == "h100-sxm"
+    assert "8 x 8 H100 SXM" in c.describe()
+    with pytest.raises(ValueError, match="nodes=0 must be a positive int"):
+        hardware.cluster("h100", nodes=0)
+    with pytest.raises(ValueError, match="'b200' is not one of .*h100"):
+        hardware.cluster("b200")

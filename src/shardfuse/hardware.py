@@ -25,13 +25,26 @@ Sources (vendor datasheets and product pages):
   A100: https://www.nvidia.com/en-us/data-center/a100/ : BF16 312 dense,
     FP32 19.5; HBM 80 GB at 2,039 GB/s (SXM) or 1,935 GB/s (PCIe), 40 GB at
     1,555 GB/s; NVLink 3 600 GB/s both directions together.
-  TPU v4:  https://cloud.google.com/tpu/docs/v4  : 275 bf16 TFLOP/s, 32 GiB HBM2 at 1,200 GB/s.
+  TPU v4:  https://cloud.google.com/tpu/docs/v4  : 275 bf16 TFLOP/s, 32 GiB HBM2 at 1,200 GB/s,
+    3D torus (6 ICI links); the page gives 1.1 PB/s all-reduce bandwidth per 4096-chip pod
+    (~270 GB/s per chip); Jouppi et al. 2023 ("TPU v4: An Optically Reconfigurable
+    Supercomputer", ISCA) give 6 links of 50 GB/s each way: 600 GB/s both ways per chip.
   TPU v5e: https://cloud.google.com/tpu/docs/v5e : 197 bf16 TFLOP/s, 16 GB HBM2 at 819 GB/s,
     ICI 400 GB/s bidirectional per chip over 4 ports (2D torus).
   TPU v5p: https://cloud.google.com/tpu/docs/v5p : 459 bf16 TFLOP/s, 95 GB HBM2e at 2,765 GB/s,
     ICI 1,200 GB/s bidirectional per chip over 6 links (3D torus).
-  TPU v6e: https://cloud.google.com/tpu/docs/v6e : 918 bf16 TFLOP/s, 32 GB HBM at 1,640 GB/s.
-  (The ICI figures of v4 and v6e are not filled in yet: `link` is None there.)
+  TPU v6e: https://cloud.google.com/tpu/docs/v6e : 918 bf16 TFLOP/s, 32 GB HBM at 1,640 GB/s,
+    ICI 800 GB/s bidirectional per chip over 4 ports (2D torus), 256-chip pods.
+
+Inter-node links (`Cluster`): a GPU node is one 8-GPU server (DGX/HGX) with one
+InfiniBand NIC per GPU: DGX A100 8x HDR 200 Gb/s (25 GB/s per GPU each way,
+the Selene cluster of Narayanan et al. 2021), DGX H100/H200 8x NDR 400 Gb/s
+(50 GB/s per GPU). A TPU "node" is one ICI-connected slice (the pod sizes
+above: v4 4096, v5e 256, v5p 8960, v6e 256 chips); slices talk over the data
+center network: v5p 50 Gb/s DCN per chip (6.25 GB/s, the v5p page), v5e
+2 x 100 Gb/s per 8-chip host (3.125 GB/s per chip, the v5e page); v4 and v6e
+are taken equal to v5p and v5e. Latencies are typical one-hop figures, not
+datasheet values: 3 us for NVLink/ICI, 10 us for InfiniBand/DCN.
 
 CPUs have no entry: their "% of peak" is "n/a".
 
@@ -59,17 +72,21 @@ class Link:
       egress_gb_per_s: everything the chip can send at once (all links, one
         direction), GB/s: caps a bidirectional ring that sends to two neighbours.
         Through an NVSwitch every peer shares the same egress, so it equals `gb_per_s`.
+      latency_us: the fixed cost of one transfer (launch and synchronisation), us.
     """
 
     name: str
     gb_per_s: float
     egress_gb_per_s: float
+    latency_us: float = 3.0
 
     def __post_init__(self):
         for field in ("gb_per_s", "egress_gb_per_s"):
             value = getattr(self, field)
             if not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"Link.{field}={value!r} must be a number > 0")
+        if not (isinstance(self.latency_us, int | float) and self.latency_us >= 0):
+            raise ValueError(f"Link.latency_us={self.latency_us!r} must be a number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +166,10 @@ DEVICES: dict[str, Device] = {
         ),
         _gpu("a100-80gb", "A100 80GB SXM", 312.0, 19.5, 80, 2039.0, 600.0, r"a100.*80", 3),
         _gpu("a100-40gb", "A100 40GB", 312.0, 19.5, 40, 1555.0, 600.0, r"a100", 3),
-        _tpu("tpu-v4", "TPU v4", 275.0, 32 * 2**30 / 1e9, 1200.0, r"tpu v4(?! ?lite)"),
+        _tpu("tpu-v4", "TPU v4", 275.0, 32 * 2**30 / 1e9, 1200.0, r"tpu v4(?! ?lite)", 600.0, 6),
         _tpu("tpu-v5e", "TPU v5e", 197.0, 16, 819.0, r"tpu v5 ?(lite|e)", 400.0, 4),
         _tpu("tpu-v5p", "TPU v5p", 459.0, 95, 2765.0, r"tpu v5 ?p?$", 1200.0, 6),
-        _tpu("tpu-v6e", "TPU v6e", 918.0, 32, 1640.0, r"tpu v6 ?(lite|e)"),
+        _tpu("tpu-v6e", "TPU v6e", 918.0, 32, 1640.0, r"tpu v6 ?(lite|e)", 800.0, 4),
     )
 }
 
@@ -224,3 +241,138 @@ def current_device() -> Device | None:
     import jax
 
     return detect(jax.devices()[0].device_kind)
+
+
+# ---- clusters ---------------------------------------------------------------
+
+# Short names `cluster` accepts besides the keys of `DEVICES`.
+ALIASES = {
+    "a100": "a100-80gb",
+    "h100": "h100-sxm",
+    "h200": "h200-sxm",
+    "v4": "tpu-v4",
+    "v5e": "tpu-v5e",
+    "v5p": "tpu-v5p",
+    "v6e": "tpu-v6e",
+}
+
+# Per device family: (devices per node, inter-node link). Sources: the module docstring.
+_IB_HDR = Link("InfiniBand HDR", 25.0, 25.0, latency_us=10.0)
+_IB_NDR = Link("InfiniBand NDR", 50.0, 50.0, latency_us=10.0)
+_DCN_V5P = Link("DCN", 6.25, 6.25, latency_us=10.0)
+_DCN_V5E = Link("DCN", 3.125, 3.125, latency_us=10.0)
+_NODES = {
+    "a100": (8, _IB_HDR),
+    "h100": (8, _IB_NDR),
+    "h200": (8, _IB_NDR),
+    "tpu-v4": (4096, _DCN_V5P),
+    "tpu-v5e": (256, _DCN_V5E),
+    "tpu-v5p": (8960, _DCN_V5P),
+    "tpu-v6e": (256, _DCN_V5E),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `devices_per_node` chips of one kind, with their intra- and inter-node links.
+
+    Devices are numbered node-major (device `i` sits on node `i // devices_per_node`),
+    the order of `jax.devices()` on GPU clusters and TPU slices. A mesh axis whose
+    devices all sit on one node talks over `intra_link`; any other over `inter_link`.
+
+    Attributes:
+      device: the chip.
+      nodes: number of nodes (servers, or TPU slices).
+      devices_per_node: chips per node.
+      intra_link: the link inside a node (NVLink, ICI).
+      inter_link: the link between nodes (InfiniBand, DCN), per chip, one direction.
+
+    Example:
+      >>> from shardfuse import hardware
+      >>> c = hardware.cluster("h100", nodes=8)
+      >>> c.num_devices, c.intra_link.gb_per_s, c.inter_link.gb_per_s
+      (64, 450.0, 50.0)
+    """
+
+    device: Device
+    nodes: int
+    devices_per_node: int
+    intra_link: Link
+    inter_link: Link
+
+    def __post_init__(self):
+        for field in ("nodes", "devices_per_node"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cluster.{field}={value!r} must be a positive int")
+
+    @property
+    def num_devices(self) -> int:
+        """`nodes * devices_per_node`."""
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        """One line: "8 x 8 H100 SXM (NVLink 4 450 GB/s, InfiniBand NDR 50 GB/s)"."""
+        return (
+            f"{self.nodes} x {self.devices_per_node} {self.device.name} "
+            f"({self.intra_link.name} {self.intra_link.gb_per_s:g} GB/s, "
+            f"{self.inter_link.name} {self.inter_link.gb_per_s:g} GB/s)"
+        )
+
+
+def resolve(name: "str | Device") -> Device:
+    """A `Device` from a key of `DEVICES`, a short alias ("h100", "v5p") or a `Device`.
+
+    Example:
+      >>> from shardfuse import hardware
+      >>> hardware.resolve("h100").key
+      'h100-sxm'
+    """
+    if isinstance(name, Device):
+        return name
+    if isinstance(name, str) and name.lower() in ALIASES:
+        name = ALIASES[name.lower()]
+    try:
+        return DEVICES[name]
+    except (KeyError, TypeError):
+        valid = sorted(set(DEVICES) | set(ALIASES))
+        raise ValueError(f"device {name!r} is not one of {valid}") from None
+
+
+def cluster(
+    device: "str | Device",
+    nodes: int = 1,
+    *,
+    devices_per_node: int | None = None,
+    inter_link: Link | None = None,
+) -> Cluster:
+    """A cluster of `nodes` nodes of `device` chips.
+
+    Args:
+      device: a key of `DEVICES`, an alias of `ALIASES` ("h100", "a100", "v5p") or a `Device`.
+      nodes: number of nodes (8-GPU servers, or TPU slices), default 1.
+      devices_per_node: chips per node; default 8 for GPUs, the pod size for TPUs
+        (a smaller slice: pass its chip count).
+      inter_link: override the inter-node link (default: the module docstring's).
+
+    Returns:
+      The `Cluster`.
+
+    Raises:
+      ValueError: unknown device, a device without link figures, or a size that
+        is not a positive int.
+
+    Example:
+      >>> from shardfuse import hardware
+      >>> hardware.cluster("a100", nodes=4).num_devices
+      32
+      >>> hardware.cluster("v5p", devices_per_node=256).inter_link.name
+      'DCN'
+    """
+    chip = resolve(device)
+    if chip.link is None:
+        raise ValueError(f"device {chip.key!r} has no link figures in shardfuse.hardware")
+    family = next((k for k in _NODES if chip.key.startswith(k)), None)
+    default_per_node, default_inter = _NODES.get(family, (8, _IB_NDR))
+    per_node = default_per_node if devices_per_node is None else devices_per_node
+    return Cluster(chip, nodes, per_node, chip.link, inter_link or default_inter)

@@ -17,6 +17,21 @@ Every figure is the published checkpoint's `config.json` on the Hugging Face Hub
   gemma2-9b    google/gemma-2-9b               3584, 16, 8, head_dim 256, 14336, 42 layers,
                vocab 256000, sliding_window 4096 (its local layers),
                attn_logit_softcapping 50.0
+  gpt3-175b    Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1:
+               d_model 12288, 96 layers, 96 heads of 128, d_ff = 4 d_model, context 2048;
+               the GPT-2 BPE vocabulary of 50257 tokens; GELU MLP, tied embeddings
+
+The GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language
+Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473),
+Table 1: "gpt-1.7b" ... "gpt-1t", with the heads, hidden size and layers of the
+table, head dim = hidden / heads, MLP 4 x hidden (GELU), vocabulary 51200 and
+sequence length 2048 (the paper's section 5.1), tied input/output embeddings.
+`NARAYANAN_2021_TABLE1` holds the table's runs: tensor/pipeline/data sizes,
+batch, GPUs (A100 80GB, Selene) and the achieved TFLOP/s per GPU.
+
+`ModelSpec` is another name of `ModelShape`: a user model is one constructor
+call (`ModelSpec("mine", hidden=..., ...)`), and `ModelShape.gpt(...)` fills in
+the GPT conventions from hidden size, heads and layers.
 
 Example:
   >>> from shardfuse import models
@@ -27,6 +42,8 @@ Example:
 """
 
 import dataclasses
+
+ACTIVATIONS = ("swiglu", "gelu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +62,9 @@ class ModelShape:
       window: sliding-window size (keys, the query itself included) of its local
         attention layers, or None (global attention only).
       logit_softcap: attention logit softcap, or None.
+      activation: MLP activation: "swiglu" (gated: three `hidden x ffn_hidden`
+        matrices, Llama, Mistral, Gemma) or "gelu" (two, GPT).
+      tied_embeddings: the output projection reuses the input embedding (GPT).
 
     Raises:
       ValueError: a size is not a positive int, or `heads % kv_heads != 0`.
@@ -66,6 +86,8 @@ class ModelShape:
     vocab_size: int
     window: int | None = None
     logit_softcap: float | None = None
+    activation: str = "swiglu"
+    tied_embeddings: bool = False
 
     def __post_init__(self):
         for field in (
@@ -84,6 +106,72 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape heads={self.heads} must be a multiple of kv_heads={self.kv_heads}"
             )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"ModelShape.activation={self.activation!r} must be one of {ACTIVATIONS}"
+            )
+
+    @classmethod
+    def gpt(cls, name: str, hidden: int, heads: int, num_layers: int, vocab_size: int = 51200):
+        """A GPT-style model: MHA, head dim `hidden / heads`, GELU MLP of `4 * hidden`, tied.
+
+        Raises:
+          ValueError: `hidden % heads != 0`, or a size that is not a positive int.
+
+        Example:
+          >>> from shardfuse.models import ModelShape
+          >>> ModelShape.gpt("gpt-small", 768, 12, 12).ffn_hidden
+          3072
+        """
+        if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"hidden={hidden!r} and heads={heads!r} must be positive ints")
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        return cls(
+            name,
+            hidden,
+            heads,
+            heads,
+            hidden // heads,
+            4 * hidden,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            activation="gelu",
+            tied_embeddings=True,
+        )
+
+    @property
+    def mlp_matrices(self) -> int:
+        """`hidden x ffn_hidden` matrices per MLP: 3 gated (swiglu), 2 plain (gelu)."""
+        return 3 if self.activation == "swiglu" else 2
+
+    def layer_params(self) -> int:
+        """Weights of one transformer block: q, k, v, o projections, MLP, two norms.
+
+        Example:
+          >>> from shardfuse import models
+          >>> models.get("llama3-8b").layer_params()
+          218112000
+        """
+        q_out = self.heads * self.head_dim
+        kv_out = self.kv_heads * self.head_dim
+        attention = self.hidden * (q_out + 2 * kv_out) + q_out * self.hidden
+        return attention + self.mlp_matrices * self.hidden * self.ffn_hidden + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        """Input embedding plus output projection (once when tied) and the final norm."""
+        tables = 1 if self.tied_embeddings else 2
+        return tables * self.vocab_size * self.hidden + self.hidden
+
+    def num_params(self) -> int:
+        """Total weights: `num_layers * layer_params() + embedding_params()`.
+
+        Example:
+          >>> from shardfuse import models
+          >>> round(models.get("llama3-8b").num_params() / 1e9, 2)
+          8.03
+        """
+        return self.num_layers * self.layer_params() + self.embedding_params()
 
     @property
     def causal_mask(self) -> tuple[tuple[int, int] | None, str]:
@@ -130,8 +218,88 @@ MODELS: dict[str, ModelShape] = {
             window=4096,
             logit_softcap=50.0,
         ),
+        ModelShape(
+            "gpt3-175b",
+            12288,
+            96,
+            96,
+            128,
+            49152,
+            num_layers=96,
+            vocab_size=50257,
+            activation="gelu",
+            tied_embeddings=True,
+        ),
+        # Narayanan et al. 2021, Table 1 (heads, hidden, layers); vocabulary 51200.
+        ModelShape.gpt("gpt-1.7b", 2304, 24, 24),
+        ModelShape.gpt("gpt-3.6b", 3072, 32, 30),
+        ModelShape.gpt("gpt-7.5b", 4096, 32, 36),
+        ModelShape.gpt("gpt-18b", 6144, 48, 40),
+        ModelShape.gpt("gpt-39b", 8192, 64, 48),
+        ModelShape.gpt("gpt-76b", 10240, 80, 60),
+        ModelShape.gpt("gpt-145b", 12288, 96, 80),
+        ModelShape.gpt("gpt-310b", 16384, 128, 96),
+        ModelShape.gpt("gpt-530b", 20480, 128, 105),
+        ModelShape.gpt("gpt-1t", 25600, 160, 128),
     )
 }
+
+ModelSpec = ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRun:
+    """One training run reported in a paper: its layout and its measured throughput.
+
+    Attributes:
+      model: a key of `MODELS`.
+      tensor, pipeline, data: the parallel sizes (t, p, d); `tensor * pipeline * data == gpus`.
+      global_batch: sequences per step.
+      seq_len: tokens per sequence.
+      gpus: devices used.
+      device: a key of `shardfuse.hardware.DEVICES`.
+      tflops_per_gpu: the achieved TFLOP/s per GPU the paper reports (its own FLOP count).
+      source: where the numbers come from.
+    """
+
+    model: str
+    tensor: int
+    pipeline: int
+    data: int
+    global_batch: int
+    seq_len: int
+    gpus: int
+    device: str
+    tflops_per_gpu: float
+    source: str
+
+
+_TABLE1 = "Narayanan et al. 2021 (arXiv:2104.04473), Table 1"
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", Table 1 ("Weak-scaling throughput for GPT models
+# ranging from 1 billion to 1 trillion parameters"): columns number of parameters,
+# attention heads, hidden size, layers, tensor-parallel size, pipeline-parallel
+# size, number of GPUs, batch size, achieved teraFLOP/s per GPU, percentage of
+# theoretical peak, achieved aggregate petaFLOP/s. Data-parallel size = GPUs / (t p).
+# Sequence length 2048, A100 80GB GPUs of the Selene supercomputer (section 5).
+# Their FLOP count: 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step
+# (activation recomputation included).
+NARAYANAN_2021_TABLE1: tuple[PublishedRun, ...] = tuple(
+    PublishedRun(name, t, p, gpus // (t * p), batch, 2048, gpus, "a100-80gb", tflops, _TABLE1)
+    for name, t, p, gpus, batch, tflops in (
+        ("gpt-1.7b", 1, 1, 32, 512, 137.0),
+        ("gpt-3.6b", 2, 1, 64, 512, 138.0),
+        ("gpt-7.5b", 4, 1, 128, 512, 142.0),
+        ("gpt-18b", 8, 1, 256, 1024, 135.0),
+        ("gpt-39b", 8, 2, 512, 1536, 138.0),
+        ("gpt-76b", 8, 4, 1024, 1792, 140.0),
+        ("gpt-145b", 8, 8, 1536, 2304, 148.0),
+        ("gpt-310b", 8, 16, 1920, 2160, 155.0),
+        ("gpt-530b", 8, 35, 2520, 2520, 163.0),
+        ("gpt-1t", 8, 64, 3072, 3072, 163.0),
+    )
+)
 
 
 def names() -> list[str]:

@@ -1,0 +1,160 @@
+"""`shardfuse plan`: the best parallel layouts for a model on a cluster, as a table or JSON.
+
+    shardfuse plan --model llama3-70b --device h100 --nodes 8 --seq 8192 --batch 512
+    shardfuse plan ... --json            # a list of plans, best first
+    shardfuse plan ... --explain         # every term of the best plan
+
+`--model` takes a name of `shardfuse.models` or a JSON object of
+`ModelSpec` fields (`{"name": "mine", "hidden": 4096, ...}`, or `@file.json`).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from shardfuse import hardware, models
+from shardfuse.planner.options import (
+    CP_STRATEGIES,
+    REMAT_POLICIES,
+    SCHEDULES,
+    ZERO_STAGES,
+    Assumptions,
+)
+from shardfuse.planner.search import PlanningError, plan
+
+EXIT_NO_PLAN = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the `shardfuse plan` options to its sub-parser."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"a model name ({', '.join(models.names())}) or a JSON ModelSpec (or @file.json)",
+    )
+    parser.add_argument(
+        "--device",
+        default="h100",
+        help=f"accelerator: {', '.join(sorted(hardware.ALIASES))} or a key of shardfuse.hardware",
+    )
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (8-GPU servers, TPU slices)")
+    parser.add_argument(
+        "--devices-per-node", type=int, help="chips per node (default: the device's)"
+    )
+    parser.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
+    parser.add_argument(
+        "--batch", type=int, required=True, help="global batch (sequences per step)"
+    )
+    parser.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the plans as JSON, best first")
+    parser.add_argument("--explain", action="store_true", help="print every term of the best plan")
+    only = "allow only these {} (repeatable; default: all)"
+    parser.add_argument("--zero", type=int, action="append", choices=ZERO_STAGES,
+                        help=only.format("ZeRO stages"))  # fmt: skip
+    parser.add_argument("--remat", action="append", choices=REMAT_POLICIES,
+                        help=only.format("remat policies"))  # fmt: skip
+    parser.add_argument("--schedule", action="append", choices=SCHEDULES,
+                        help=only.format("pipeline schedules"))  # fmt: skip
+    parser.add_argument("--cp-strategy", action="append", choices=CP_STRATEGIES,
+                        help=only.format("context-parallel strategies"))  # fmt: skip
+    parser.add_argument(
+        "--efficiency",
+        type=float,
+        help=f"fraction of peak FLOP/s reached (default {Assumptions().compute_efficiency})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="bfloat16: mixed precision (default); float32: everything float32",
+    )
+
+
+def load_model(text: str) -> models.ModelShape:
+    """A model from a name, a JSON object of `ModelSpec` fields, or `@path` to one.
+
+    Raises:
+      ValueError: unknown name, bad JSON or bad fields (named).
+
+    Example:
+      >>> from shardfuse.planner.cli import load_model
+      >>> load_model('{"name": "m", "hidden": 64, "heads": 4, "kv_heads": 4, "head_dim": 16, '
+      ...            '"ffn_hidden": 256, "num_layers": 2, "vocab_size": 100}').hidden
+      64
+    """
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    if not text.lstrip().startswith("{"):
+        return models.get(text)
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--model is neither a model name nor valid JSON: {error}") from None
+    try:
+        return models.ModelSpec(**fields)
+    except TypeError as error:
+        raise ValueError(f"--model JSON: {error}") from None
+
+
+def table(plans) -> str:
+    """The plans as a text table: rank, mesh, options, step time, MFU, memory, the largest terms."""
+    header = (
+        f"{'#':>2}  {'mesh (p d f s m)':17} {'options':42} {'step s':>9} {'MFU':>6} "
+        f"{'GB/dev':>7}  terms (s)"
+    )
+    lines = [header, "-" * len(header)]
+    for rank, p in enumerate(plans, 1):
+        mesh = " ".join(str(v) for v in p.mesh_shape.values())
+        terms = ", ".join(f"{t.name} {t.value:.3g}" for t in p.estimate.time if t.value > 0)
+        lines.append(
+            f"{rank:>2}  {mesh:17} {p.options_text():42} {p.step_time_s:9.4g} "
+            f"{p.mfu:6.1%} {p.memory_bytes / 1e9:7.2f}  {terms}"
+        )
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """Runs `shardfuse plan` on parsed `args`; 0 on success, 2 on bad input, 3 when nothing fits."""
+    try:
+        model = load_model(args.model)
+        cluster = hardware.cluster(
+            args.device, nodes=args.nodes, devices_per_node=args.devices_per_node
+        )
+        overrides = {}
+        if args.efficiency is not None:
+            overrides["compute_efficiency"] = args.efficiency
+        if args.dtype == "float32":
+            assumptions = Assumptions.float32(**overrides)
+        else:
+            assumptions = Assumptions(**overrides)
+        plans = plan(
+            model,
+            cluster,
+            global_batch=args.batch,
+            seq_len=args.seq,
+            assumptions=assumptions,
+            top_k=args.top,
+            zero=args.zero,
+            remat=args.remat,
+            schedule=args.schedule,
+            cp_strategy=args.cp_strategy,
+        )
+    except PlanningError as error:
+        print(f"shardfuse plan: {error}", file=sys.stderr)
+        return EXIT_NO_PLAN
+    except (ValueError, TypeError, OSError) as error:
+        print(f"shardfuse plan: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([p.to_dict() for p in plans], indent=2))
+        return 0
+    print(
+        f"{model.name} ({model.num_params() / 1e9:.3g}B parameters) on {cluster.describe()}, "
+        f"global batch {args.batch} x {args.seq} tokens"
+    )
+    print(table(plans))
+    if args.explain:
+        print()
+        print(plans[0].explain())
+    return 0

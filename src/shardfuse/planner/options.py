@@ -1,0 +1,210 @@
+"""The knobs a plan sets (`Layout`) and the assumptions the cost model makes (`Assumptions`).
+
+A `Layout` is one point of the search space: the mesh sizes over the axes
+`pipeline, data, fsdp, sequence, model` (outermost to innermost) and the
+options of the layers, the pipeline and ZeRO. `Assumptions` are the numbers
+the cost model cannot know from the model and the hardware tables: the
+fraction of peak FLOP/s a matmul reaches, the precision, which collectives
+overlap with compute. Two presets: `Assumptions()` (shardfuse's layers:
+overlapped collective matmuls and ring attention, causal blocks skipped) and
+`Assumptions.megatron_2021()` (the setting of Narayanan et al. 2021: fp16
+mixed precision, no tensor-parallel overlap, no causal skipping).
+"""
+
+import dataclasses
+import functools
+
+MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost -> innermost
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")
+ZERO_STAGES = (0, 1, 2, 3)
+CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+def _choice(name, value, valid):
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} must be one of {valid}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One parallel layout: mesh sizes and the options of the layers, pipeline and ZeRO.
+
+    Attributes:
+      pipeline, data, fsdp, sequence, model: mesh axis sizes.
+      zero: ZeRO stage over the `fsdp` axis (0: replicated; 1: optimizer state,
+        2: + gradients, 3: + parameters sharded).
+      remat: activation checkpointing policy of each block ("none", "full",
+        "selective", "dots", "offload").
+      schedule: pipeline schedule ("gpipe", "1f1b", "interleaved", "zb-h1").
+      microbatch_size: sequences per microbatch per data replica.
+      num_microbatches: microbatches per step per replica (pipeline microbatches,
+        or gradient accumulation steps without a pipeline).
+      virtual_stages: model chunks per pipeline stage (interleaved schedule).
+      cp_strategy: context-parallel attention over `sequence` ("ring",
+        "all_gather", "ulysses", "ulysses_ring").
+
+    Example:
+      >>> from shardfuse.planner.options import Layout
+      >>> Layout(data=2, model=4).num_devices
+      8
+    """
+
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = 1
+    sequence: int = 1
+    model: int = 1
+    zero: int = 0
+    remat: str = "none"
+    schedule: str = "1f1b"
+    microbatch_size: int = 1
+    num_microbatches: int = 1
+    virtual_stages: int = 1
+    cp_strategy: str = "ring"
+
+    def __post_init__(self):
+        for name in (*MESH_AXES, "microbatch_size", "num_microbatches", "virtual_stages"):
+            _positive_int(name, getattr(self, name))
+        _choice("zero", self.zero, ZERO_STAGES)
+        _choice("remat", self.remat, REMAT_POLICIES)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("cp_strategy", self.cp_strategy, CP_STRATEGIES)
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
+                f"not {self.schedule!r}"
+            )
+
+    @functools.cached_property
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis name -> size, outermost first (`MESH_AXES` order)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    @functools.cached_property
+    def num_devices(self) -> int:
+        """The product of the mesh sizes."""
+        n = 1
+        for size in self.mesh_shape.values():
+            n *= size
+        return n
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: `data * fsdp` (each sees `global_batch / replicas` sequences)."""
+        return self.data * self.fsdp
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    """What the cost model assumes beyond the model and hardware tables.
+
+    Attributes:
+      compute_efficiency: fraction of the dense peak FLOP/s that the matmuls and
+        attention reach (one number for all; large-GEMM A100/H100 figures are
+        0.6-0.75 of peak; 0.7 reproduces Narayanan et al. 2021 Table 1 within 10%).
+      compute_dtype: the dtype whose peak is used ("bfloat16", "float16", "float32").
+      activation_bytes: bytes per activation element saved for the backward pass.
+      param_bytes, grad_bytes, optimizer_bytes: bytes per parameter of the
+        weights the step reads, of the gradients, and of the optimizer state
+        (Adam: two moments, plus an fp32 master copy in mixed precision).
+      grad_comm_bytes: bytes per element of gradient/parameter collectives.
+      causal_skip: the attention kernels skip fully masked blocks (flash
+        attention): causal attention costs about half.
+      tp_overlap: tensor-parallel all-gathers/reduce-scatters run as
+        collective matmul rings (hidden behind the matmuls as far as the ring
+        allows); False: exposed, as Megatron-LM 2021.
+      cp_overlap: ring attention hides its K/V transfers behind the blocks.
+      dp_overlap: fraction of the backward compute behind which the data/fsdp
+        gradient reductions and ZeRO-3 gathers can hide (0: none, 1: all).
+      pp_overlap: pipeline sends overlap the next microbatch's compute.
+      sequence_parallel: Megatron sequence parallelism (norms and residuals
+        sharded over `model` too); False: they are replicated over `model`.
+      flash_attention: attention keeps no `[s, s]` scores; False keeps
+        `attention_scores_bytes_per_key` bytes per head and key (Korthikanti et al.'s
+        5: fp16 softmax output, its dropout mask and dropout output).
+      attention_scores_bytes_per_key: see `flash_attention`.
+      embedding_sharded: embedding and output tables are split over `model`
+        (vocabulary-parallel); False: the input table is replicated.
+      logits_bytes: bytes per logit kept for the loss (float32 cross-entropy).
+      logits_copies: logit-sized buffers alive at once (logits, softmax, gradient).
+      donate: the step donates its parameters and optimizer state (outputs
+        reuse the input buffers); False adds a second copy of them (outputs).
+      offload_gb_per_s: host link bandwidth for remat="offload" (PCIe 5: 50 GB/s).
+      reserved_fraction: HBM kept free for the runtime, fragmentation and
+        workspace; a plan must fit in `(1 - reserved_fraction) * HBM`.
+
+    Example:
+      >>> from shardfuse.planner.options import Assumptions
+      >>> Assumptions.megatron_2021().tp_overlap
+      False
+    """
+
+    compute_efficiency: float = 0.7
+    compute_dtype: str = "bfloat16"
+    activation_bytes: int = 2
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    grad_comm_bytes: int = 2
+    causal_skip: bool = True
+    tp_overlap: bool = True
+    cp_overlap: bool = True
+    dp_overlap: float = 1.0
+    pp_overlap: bool = False
+    sequence_parallel: bool = True
+    flash_attention: bool = True
+    attention_scores_bytes_per_key: int = 5
+    embedding_sharded: bool = True
+    logits_bytes: int = 4
+    logits_copies: int = 2
+    donate: bool = True
+    offload_gb_per_s: float = 50.0
+    reserved_fraction: float = 0.1
+
+    def __post_init__(self):
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency={self.compute_efficiency!r} must be in (0, 1]")
+        if not 0 <= self.dp_overlap <= 1:
+            raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
+        if not 0 <= self.reserved_fraction < 1:
+            raise ValueError(f"reserved_fraction={self.reserved_fraction!r} must be in [0, 1)")
+
+    @classmethod
+    def megatron_2021(cls) -> "Assumptions":
+        """The setting of Narayanan et al. 2021 (Megatron-LM on Selene A100s).
+
+        fp16 mixed precision (fp16 weights, fp32 main gradients, fp32 master
+        weights and Adam moments: 2 + 4 + 12 bytes per parameter), gradients
+        all-reduced in fp16 after the backward pass (no overlap), tensor-parallel
+        all-reduces exposed, point-to-point pipeline sends exposed, attention
+        computed in full (no causal skipping), no flash attention.
+        """
+        return cls(
+            compute_dtype="float16",
+            causal_skip=False,
+            tp_overlap=False,
+            cp_overlap=False,
+            dp_overlap=0.0,
+            sequence_parallel=False,
+            flash_attention=False,
+        )
+
+    @classmethod
+    def float32(cls, **overrides) -> "Assumptions":
+        """Everything float32 with Adam (the 8-CPU-device tests): 4 + 4 + 8 bytes per parameter."""
+        kwargs = dict(
+            compute_dtype="float32",
+            activation_bytes=4,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8,
+            grad_comm_bytes=4,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)

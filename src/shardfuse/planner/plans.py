@@ -1,0 +1,231 @@
+"""`Plan`: a layout with its predicted cost, and the keyword arguments that run it.
+
+A plan is data: the mesh sizes and options (`Layout`), the estimate that
+ranked it (`Estimate`, every term named), and the inputs it was made for. It
+builds its `jax.sharding.Mesh` (`plan.mesh(devices)`) and hands the options to
+the layers, `sf.layers.Stack`, the pipeline and gradient accumulation as plain
+keyword dicts, so that a training script needs no hand-written glue.
+"""
+
+import dataclasses
+
+from shardfuse.hardware import Cluster
+from shardfuse.models import ModelShape
+from shardfuse.planner.cost import Estimate
+from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A parallel layout for `model` on `cluster`, with its predicted cost.
+
+    Attributes:
+      model, cluster: what it was planned for.
+      global_batch, seq_len: sequences per step and tokens per sequence.
+      layout: mesh sizes and options.
+      estimate: the predicted FLOPs, step time, memory and their terms.
+      assumptions: what the cost model assumed.
+
+    Example usage::
+
+      >>> import jax
+      >>> from shardfuse import hardware, models
+      >>> from shardfuse.planner import plan
+      >>> best = plan(models.get("llama3-8b"), hardware.cluster("h100"), global_batch=64,
+      ...             seq_len=8192)[0]
+      >>> sorted(best.mesh_shape) == sorted(("pipeline", "data", "fsdp", "sequence", "model"))
+      True
+      >>> best.memory_bytes < 80e9
+      True
+    """
+
+    model: ModelShape
+    cluster: Cluster
+    global_batch: int
+    seq_len: int
+    layout: Layout
+    estimate: Estimate
+    assumptions: Assumptions
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Axis name -> size, outermost (`pipeline`) to innermost (`model`)."""
+        return self.layout.mesh_shape
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted seconds per training step."""
+        return self.estimate.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Predicted model FLOPs utilisation."""
+        return self.estimate.mfu
+
+    @property
+    def memory_bytes(self) -> float:
+        """Predicted peak memory per device, bytes."""
+        return self.estimate.memory_bytes
+
+    def mesh(self, devices=None, *, axis_types=None):
+        """The `jax.sharding.Mesh` of this plan over `devices` (axes in `MESH_AXES` order).
+
+        Args:
+          devices: as many devices as the plan has (default `jax.devices()`).
+          axis_types: `jax.sharding.AxisType`s, one per axis (default Explicit).
+
+        Raises:
+          ValueError: the number of devices differs from the plan's.
+
+        Example usage::
+
+          >>> import jax
+          >>> from shardfuse import hardware, models
+          >>> from shardfuse.planner import plan
+          >>> tiny = models.ModelSpec("tiny", hidden=64, heads=4, kv_heads=2, head_dim=16,
+          ...                         ffn_hidden=128, num_layers=2, vocab_size=256)
+          >>> cpu = hardware.cluster("h100", devices_per_node=8)
+          >>> p = plan(tiny, cpu, global_batch=8, seq_len=64)[0]
+          >>> dict(p.mesh(jax.devices()[:8]).shape) == p.mesh_shape
+          True
+        """
+        import jax
+
+        devices = list(jax.devices() if devices is None else devices)
+        n = self.layout.num_devices
+        if len(devices) != n:
+            raise ValueError(f"devices has {len(devices)} devices, the plan needs {n}")
+        shape = tuple(self.mesh_shape[axis] for axis in MESH_AXES)
+        kwargs = {} if axis_types is None else {"axis_types": tuple(axis_types)}
+        return jax.make_mesh(shape, MESH_AXES, devices=devices, **kwargs)
+
+    def layer_kwargs(self) -> dict:
+        """Keyword arguments of `sf.layers.ParallelTransformerBlock` (and the other layers).
+
+        The axis names, Megatron sequence parallelism, the ring layout, and the
+        ZeRO options (`zero_kwargs`).
+        """
+        return dict(
+            model_axis="model",
+            sequence_axis="sequence",
+            data_axis="data",
+            sequence_parallel=True,
+            layout="zigzag",
+            **self.zero_kwargs(),
+        )
+
+    def zero_kwargs(self) -> dict:
+        """`{"zero": stage, "fsdp_axis": "fsdp"}`: the ZeRO options of layers and `sf.parallel`."""
+        return dict(zero=self.layout.zero, fsdp_axis="fsdp")
+
+    def remat_kwargs(self) -> dict:
+        """`{"remat": policy}` for `sf.layers.Stack`."""
+        return dict(remat=self.layout.remat)
+
+    def pipeline_kwargs(self) -> dict:
+        """Options of the pipeline: schedule, microbatches, virtual stages, axis.
+
+        Without a pipeline (`pipeline == 1`) the microbatches are gradient
+        accumulation steps: see `accumulate_kwargs`.
+        """
+        return dict(
+            schedule=self.layout.schedule,
+            num_microbatches=self.layout.num_microbatches,
+            virtual_stages=self.layout.virtual_stages,
+            axis="pipeline",
+        )
+
+    def accumulate_kwargs(self) -> dict:
+        """`{"num_microbatches": m}` for gradient accumulation (`sf.parallel.accumulate`)."""
+        return dict(num_microbatches=self.layout.num_microbatches)
+
+    def context_parallel_kwargs(self) -> dict:
+        """`{"strategy": ...}`: the context-parallel attention over `sequence`."""
+        return dict(strategy=self.layout.cp_strategy)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict: mesh, options, step time, MFU, memory and every term.
+
+        Example usage::
+
+          >>> import json
+          >>> from shardfuse import hardware, models
+          >>> from shardfuse.planner import plan
+          >>> d = plan(models.get("llama3-8b"), hardware.cluster("h100"), global_batch=64,
+          ...          seq_len=8192)[0].to_dict()
+          >>> sorted(d["mesh"]) == sorted(["pipeline", "data", "fsdp", "sequence", "model"])
+          True
+          >>> json.loads(json.dumps(d)) == d
+          True
+        """
+        e, layout = self.estimate, self.layout
+        options = {k: v for k, v in dataclasses.asdict(layout).items() if k not in MESH_AXES}
+        return dict(
+            model=self.model.name,
+            cluster=self.cluster.describe(),
+            devices=layout.num_devices,
+            global_batch=self.global_batch,
+            seq_len=self.seq_len,
+            mesh=dict(self.mesh_shape),
+            options=options,
+            step_time_s=e.step_time_s,
+            mfu=e.mfu,
+            tflops_per_device=e.tflops_per_device,
+            memory_bytes=e.memory_bytes,
+            memory_limit_bytes=e.memory_limit_bytes,
+            model_flops=e.model_flops,
+            hardware_flops=e.hardware_flops,
+            time_terms={t.name: t.value for t in e.time},
+            memory_terms={t.name: t.value for t in e.memory},
+        )
+
+    def summary(self) -> str:
+        """One line: mesh, options, step time, MFU, memory."""
+        mesh = " ".join(f"{k[0]}{v}" for k, v in self.mesh_shape.items() if v > 1) or "1 device"
+        return (
+            f"{mesh} | {self.options_text()} | {self.step_time_s:.3g} s | "
+            f"MFU {self.mfu:.1%} | {self.memory_bytes / 1e9:.1f} GB"
+        )
+
+    def options_text(self) -> str:
+        """The options that matter for this layout, compactly."""
+        lay = self.layout
+        parts = [
+            f"zero={lay.zero}",
+            f"remat={lay.remat}",
+            f"mb={lay.microbatch_size}x{lay.num_microbatches}",
+        ]
+        if lay.pipeline > 1:
+            sched = lay.schedule + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+            parts.append(sched)
+        if lay.sequence > 1:
+            parts.append(lay.cp_strategy)
+        return " ".join(parts)
+
+    def explain(self) -> str:
+        """Every term of the estimate, with its formula, as text.
+
+        Example usage::
+
+          >>> from shardfuse import hardware, models
+          >>> from shardfuse.planner import plan
+          >>> text = plan(models.get("llama3-8b"), hardware.cluster("h100"), global_batch=64,
+          ...             seq_len=8192)[0].explain()
+          >>> "compute" in text and "optimizer" in text
+          True
+        """
+        e = self.estimate
+        peak = self.cluster.device.peak_tflops(self.assumptions.compute_dtype)
+        lines = [
+            f"{self.model.name} on {self.cluster.describe()}, global batch {self.global_batch} "
+            f"x {self.seq_len} tokens",
+            f"mesh {self.mesh_shape}, {self.options_text()}",
+            f"model FLOPs/step {e.model_flops:.4g}, hardware FLOPs/step {e.hardware_flops:.4g} "
+            f"({e.tflops_per_device:.1f} TFLOP/s per device of {peak} peak, MFU {e.mfu:.1%})",
+            f"step time {e.step_time_s:.4g} s =",
+        ]
+        lines += [f"  {t.name:18} {t.value:10.4g} s   {t.formula}" for t in e.time]
+        limit = e.memory_limit_bytes / 1e9
+        lines.append(f"memory per device {e.memory_bytes / 1e9:.4g} GB (fits in {limit:.4g} GB) =")
+        lines += [f"  {t.name:18} {t.value / 1e9:10.4g} GB  {t.formula}" for t in e.memory]
+        return "\n".join(lines)

@@ -1,0 +1,17 @@
+"""The `Example usage::` blocks of the planner and data-module docstrings run (8 CPU devices)."""
+
+import doctest
+
+import pytest
+
+from shardfuse import hardware, models
+from shardfuse.planner import cli, cost, options, plans, search
+
+MODULES = [hardware, models, options, cost, plans, search, cli]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{module.__name__} has no examples"
+    assert result.failed == 0, f"{result.failed} failing examples in {module.__name__}"
