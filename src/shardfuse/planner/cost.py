@@ -41,7 +41,9 @@ and microbatch in the style of Korthikanti et al. 2022 (the tensors each
 block keeps for its backward pass, divided by T with sequence parallelism
 and by C), times the layers of a stage and the microbatches in flight
 (GPipe m, 1F1B and ZB-H1 min(m, P), interleaved min(m, P) (1 + (P - 1) / (P v)));
-one layer's working set when recomputing; the logits of one microbatch;
+one layer's working set in its backward pass (its activations, recomputed or
+kept, and their cotangents); with tensor parallelism the full-sequence
+buffers of the collective matmuls; the logits of one microbatch;
 ZeRO-3's gathered layers; the step's outputs when the inputs are not donated.
 """
 
@@ -57,6 +59,13 @@ from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 # dropout out, AV in).
 ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
+# Full-sequence [tokens, h] buffers of one layer's collective matmuls over `model`
+# alive at its backward pass: forward: the all-gathered inputs of the QKV and MLP-up
+# projections and the reduce-scatter partial sums of the output and MLP-down
+# projections (4); backward: the gathered output cotangents (2), the partial
+# input cotangents (2) and the re-gathered inputs for the weight gradients (2).
+# Ten matches the compiled programs of tests/planner/test_memory.py.
+COLLECTIVE_BUFFERS = 10
 # Pipeline bubble relative to GPipe/1F1B's (P - 1) / m, per schedule.
 _BUBBLE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": 1.0 / 3.0}
 
@@ -498,9 +507,25 @@ def _memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev
             f"layers x {in_flight:.3g} microbatches in flight (remat={layout.remat})",
         )
     )
-    if layout.remat != "none":
-        work = mb_tokens * (per_token["full_layer"] * act + per_token["lse"] * 4)
-        terms.append(Term("recompute", work, "one layer's activations while recomputing it"))
+    work = mb_tokens * (per_token["full_layer"] * act + per_token["lse"] * 4)
+    terms.append(
+        Term(
+            "layer_working_set",
+            work,
+            "one layer's activations (recomputed unless remat='none') and their cotangents "
+            "while it runs backward",
+        )
+    )
+    if T > 1:
+        ring = COLLECTIVE_BUFFERS * mb_tokens * model.hidden * act
+        terms.append(
+            Term(
+                "collective_buffers",
+                ring,
+                f"{COLLECTIVE_BUFFERS} [{mb_tokens:g}, {model.hidden}] buffers of one layer's "
+                "collective matmuls (gathered inputs, partial sums; forward and backward)",
+            )
+        )
     terms.append(
         Term(
             "logits",

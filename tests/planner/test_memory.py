@@ -1,0 +1,118 @@
+"""Predicted per-device memory vs the compiled program's, on 8 CPU devices.
+
+The model and training step are those of `examples/plan_and_train.py` (a
+small Llama-style LM of `sf.layers.ParallelTransformerBlock`s under
+`lax.scan` with the plan's remat policy, Adam, gradient accumulation over the
+plan's microbatches). For every configuration of the grid (mesh shapes over
+data, sequence and model; ZeRO-3 over fsdp; remat policies; microbatches)
+the planner's predicted memory per device (`Plan.memory_bytes`, with the
+CPU run's assumptions: float32, outputs not donated) must be within 15% of
+the compiled step's `memory_analysis()` (arguments + outputs + temp), and
+the ranking of the configurations by memory must agree (Spearman >= 0.9).
+Compiling is slow on CPU (tens of seconds per configuration on a loaded
+2-core machine), so the default suite checks one configuration and the grid
+runs under `-m slow`.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plan_and_train.py"
+_spec = importlib.util.spec_from_file_location("plan_and_train", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+
+BATCH, SEQ = 16, 128
+TOLERANCE = 0.15
+# (data, fsdp, sequence, model, zero, remat, microbatches)
+GRID = [
+    (8, 1, 1, 1, 0, "none", 1),
+    (8, 1, 1, 1, 0, "full", 1),
+    (4, 1, 1, 2, 0, "none", 1),
+    (4, 1, 1, 2, 0, "full", 1),
+    (2, 1, 2, 2, 0, "none", 1),
+    (2, 1, 2, 2, 0, "full", 1),
+    (1, 1, 2, 4, 0, "none", 1),
+    (1, 1, 2, 4, 0, "full", 1),
+    (2, 1, 1, 4, 0, "none", 1),
+    (2, 1, 1, 4, 0, "full", 1),
+    (1, 1, 1, 8, 0, "none", 1),
+    (1, 1, 1, 8, 0, "full", 1),
+    (4, 1, 2, 1, 0, "none", 1),
+    (4, 1, 2, 1, 0, "full", 1),
+    (2, 1, 2, 2, 0, "selective", 1),
+    (2, 1, 2, 2, 0, "dots", 1),
+    (8, 1, 1, 1, 0, "selective", 1),
+    (1, 1, 1, 8, 0, "dots", 1),
+    (2, 1, 2, 2, 0, "none", 2),
+    (8, 1, 1, 1, 0, "none", 2),
+    (2, 1, 1, 4, 0, "none", 2),
+    (4, 1, 1, 2, 0, "full", 2),
+    (2, 4, 1, 1, 3, "none", 1),
+    (1, 4, 1, 2, 3, "full", 1),
+]
+DEFAULT = (8, 1, 1, 1, 0, "full", 1)
+
+
+def _plan(config):
+    data, fsdp, sequence, model, zero, remat, micro = config
+    mesh = dict(pipeline=1, data=data, fsdp=fsdp, sequence=sequence, model=model)
+    return example.plan_for_cpu(global_batch=BATCH, seq_len=SEQ, mesh=mesh, zero=zero,
+                                remat=remat, microbatch_size=BATCH // (data * fsdp * micro),
+                                top_k=1)[0]  # fmt: skip
+
+
+def _compiled_bytes(plan):
+    """arguments + outputs + temp of the compiled training step, per device."""
+    mesh = plan.mesh(jax.devices()[:8])
+    lm = example.LM(example.TINY, plan, mesh, rngs=nnx.Rngs(0))
+    params, opt_state, step = example.make_step(lm, plan, optax.adam(1e-3))
+    batch_axes = lm.blocks[0].io_spec()[0]
+    tokens = jax.device_put(jnp.zeros((BATCH, SEQ), jnp.int32),
+                            NamedSharding(mesh, P(batch_axes, "sequence")))  # fmt: skip
+    with jax.set_mesh(mesh):
+        analysis = step.lower(params, opt_state, tokens, tokens).compile().memory_analysis()
+    return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes)  # fmt: skip
+
+
+def _spearman(a, b):
+    rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731  (no ties in practice)
+    return float(np.corrcoef(rank(np.asarray(a)), rank(np.asarray(b)))[0, 1])
+
+
+def test_one_configuration_within_tolerance():
+    plan = _plan(DEFAULT)
+    measured = _compiled_bytes(plan)
+    assert plan.memory_bytes == pytest.approx(measured, rel=TOLERANCE), (
+        f"predicted {plan.memory_bytes:.0f} B, compiled {measured} B"
+    )
+
+
+@pytest.mark.slow
+def test_memory_grid_within_tolerance_and_ranked():
+    assert len(GRID) >= 20
+    rows, predicted, measured = [], [], []
+    for config in GRID:
+        plan = _plan(config)
+        compiled = _compiled_bytes(plan)
+        predicted.append(plan.memory_bytes)
+        measured.append(compiled)
+        ratio = plan.memory_bytes / compiled
+        rows.append(f"{str(config):40} predicted {plan.memory_bytes / 1e6:7.3f} MB  "
+                    f"compiled {compiled / 1e6:7.3f} MB  ratio {ratio:.3f}")  # fmt: skip
+    rho = _spearman(predicted, measured)
+    table = "\n".join(rows) + f"\nSpearman {rho:.3f}"
+    print(table)
+    bad = [row for row in rows if abs(float(row.split("ratio ")[1]) - 1) > TOLERANCE]
+    assert not bad, "outside 15%:\n" + "\n".join(bad) + "\n" + table
+    assert rho >= 0.9, table
