@@ -133,6 +133,8 @@ class Pipeline(nnx.Module):
         if io_spec is None:
             io_spec = stack.blocks.io_spec() if hasattr(stack.blocks, "io_spec") else P()
         self.io_spec = io_spec
+        # Tests: NaN in every ring buffer and every transfer no action sends.
+        self.poison_buffers = False
         if pipeline_axis in _spec_axes(io_spec):
             raise ValueError(f"io_spec={io_spec} must not use the pipeline axis {pipeline_axis!r}")
 
@@ -228,6 +230,7 @@ class Pipeline(nnx.Module):
             stack_graphdef=graphdef,
             layer_specs=_spec_tree(self.stack.layer_specs()),
             apply_layers=self.stack.apply_layers,
+            poison=self.poison_buffers,
             **head,
         )
 
@@ -250,7 +253,6 @@ class _Config:
         fields.setdefault("head_specs", None)
         fields.setdefault("loss_fn", None)
         fields.setdefault("targets_spec", None)
-        fields.setdefault("poison", False)
         self.__dict__.update(fields)
         self._key = tuple((k, v if _hashable(v) else id(v)) for k, v in sorted(fields.items()))
 

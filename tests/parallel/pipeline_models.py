@@ -1,0 +1,196 @@
+"""Models and the oracle of the pipeline tests.
+
+`mlp_case`: a residual-MLP stack on a pipeline-only mesh (cheap to compile:
+the schedule grid). `lm_case`: an embedding, a `Stack` of
+`ParallelTransformerBlock`s, a norm and a tensor-parallel vocabulary head on
+a composed mesh, its oracle the same parameters on a 1-device mesh.
+Both compare the loss and EVERY gradient leaf (stack, head, embedding).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardfuse as sf
+from shardfuse.layers.stack import Stack
+from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
+
+RTOL, ATOL = 1e-5, 4e-5
+FEATURES, VOCAB = 8, 16
+
+
+class ResidualMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(FEATURES, 16, rngs=rngs)
+        self.down = nnx.Linear(16, FEATURES, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jnp.tanh(self.up(x)))
+
+
+class MLPModel(nnx.Module):
+    """Embedding, pipelined stack of residual MLPs, tied or untied unembedding."""
+
+    def __init__(self, mesh, *, schedule, m, v, layers, tied=False):
+        self.embed = nnx.Param(jax.random.normal(jax.random.key(5), (VOCAB, FEATURES)))
+        stack = Stack(ResidualMLP, layers, mesh=mesh, layer_axis="pipeline", rngs=nnx.Rngs(0))
+        self.pipe = Pipeline(
+            stack, mesh=mesh, schedule=schedule, num_microbatches=m, virtual_stages=v, io_spec=P()
+        )
+        self.head = TiedHead(self.embed) if tied else nnx.Linear(FEATURES, VOCAB, rngs=nnx.Rngs(1))
+
+
+class TiedHead(nnx.Module):
+    def __init__(self, embed):
+        self.embed = embed
+
+    def __call__(self, y):
+        return y @ self.embed[...].T
+
+
+def mlp_batch(m, seq=4):
+    batch = 2 * m
+    tokens = jax.random.randint(jax.random.key(3), (batch, seq), 0, VOCAB)
+    targets = jax.random.randint(jax.random.key(4), (batch, seq), 0, VOCAB)
+    weights = (jax.random.uniform(jax.random.key(6), (batch, seq)) > 0.2).astype(jnp.float32)
+    return tokens, targets, weights
+
+
+def pipelined_loss(model, tokens, targets, weights, **kwargs):
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    return model.pipe.loss(x, targets, head=model.head, weights=weights, **kwargs)
+
+
+def plain_loss(model, tokens, targets, weights):
+    """The oracle: the same parameters, no pipeline (the stack as a scan)."""
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    s, w = cross_entropy(model.head(model.pipe.stack(x)), targets, weights)
+    return s / w
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+    actual = nnx.to_pure_dict(nnx.State(dict(actual.items())))
+    expected = nnx.to_pure_dict(nnx.State(dict(expected.items())))
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree_util.tree_flatten_with_path(expected)[0]
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_e]
+    assert flat_a, "no gradient leaves"
+    for (path, a), (_, e) in zip(flat_a, flat_e, strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert np.all(np.isfinite(a)) and np.all(np.isfinite(e)), jax.tree_util.keystr(path)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def check_mlp_case(schedule, p, m, v=1, *, tied=False, layers=None, poison=False, forward=True):
+    """Pipelined loss and gradients == the plain model's, on a pipeline-only mesh of size p."""
+    mesh = jax.make_mesh((p,), ("pipeline",), devices=jax.devices()[:p])
+    model = MLPModel(mesh, schedule=schedule, m=m, v=v, layers=layers or p * v, tied=tied)
+    tokens, targets, weights = mlp_batch(m)
+    if poison:
+        _poison(model.pipe)
+    loss, grads = nnx.jit(nnx.value_and_grad(pipelined_loss))(model, tokens, targets, weights)
+    expected_loss, expected = nnx.jit(nnx.value_and_grad(plain_loss))(
+        model, tokens, targets, weights
+    )
+    np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, expected)
+    if forward:
+        x = jnp.take(model.embed[...], tokens, axis=0)
+        np.testing.assert_allclose(model.pipe.forward(x), model.pipe.stack(x), rtol=RTOL, atol=ATOL)
+    return model
+
+
+def _poison(pipe):
+    """Makes the pipeline fill its buffers and every unused transfer with NaN."""
+    pipe.poison_buffers = True
+
+
+class Head(nnx.Module):
+    def __init__(self, mesh, sequence_axis, data_axis):
+        self.norm = sf.layers.Norm(FEATURES * 2, mesh=mesh, rngs=nnx.Rngs(1))
+        self.out = sf.layers.ColumnParallelLinear(
+            FEATURES * 2,
+            VOCAB * 2,
+            mesh=mesh,
+            sequence_parallel=True,
+            gather_output=True,
+            use_bias=False,
+            sequence_axis=sequence_axis,
+            data_axis=data_axis,
+            rngs=nnx.Rngs(2),
+        )
+
+    def __call__(self, y):
+        return self.out(self.norm(y))
+
+
+class LM(nnx.Module):
+    """Embedding, `Stack` of transformer blocks (in a Pipeline), norm and vocabulary head."""
+
+    def __init__(self, mesh, *, schedule="1f1b", m=2, v=1, layers=2, tied=False):
+        names = mesh.axis_names
+        sequence = "sequence" if "sequence" in names else None
+        data = "data" if "data" in names else None
+        features = FEATURES * 2
+
+        def block(rngs):
+            return sf.layers.ParallelTransformerBlock(
+                features,
+                4,
+                32,
+                mesh=mesh,
+                layout="contiguous",
+                sequence_axis=sequence,
+                data_axis=data,
+                rngs=rngs,
+            )
+
+        embed = jax.random.normal(jax.random.key(5), (VOCAB * 2, features)) * 0.1
+        self.embed = nnx.Param(jax.device_put(embed, NamedSharding(mesh, P())))
+        stack = Stack(block, layers, mesh=mesh, layer_axis="pipeline", rngs=nnx.Rngs(0))
+        self.pipe = Pipeline(
+            stack, mesh=mesh, schedule=schedule, num_microbatches=m, virtual_stages=v
+        )
+        self.head = Head(mesh, sequence, data)
+        self.targets_spec = P(data, sequence)
+
+    def loss(self, tokens, targets):
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        return self.pipe.loss(x, targets, head=self.head, targets_spec=self.targets_spec)
+
+    def plain_loss(self, tokens, targets):
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        s, w = cross_entropy(self.head(self.pipe.stack(x)), targets, jnp.ones(targets.shape))
+        return s / w
+
+
+def one_device_copy(model, shape, names, **kwargs):
+    """The same model and parameters on a 1-device mesh (the oracle)."""
+    mesh1 = jax.make_mesh(
+        (1,) * len(shape),
+        names,
+        devices=jax.devices()[:1],
+        axis_types=(AxisType.Auto,) * len(names),
+    )
+    reference = LM(mesh1, **kwargs)
+    nnx.update(reference, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+    return reference
+
+
+def check_lm_case(shape, names, *, explicit=True, schedule="1f1b", m=2, v=1):
+    types = None if explicit else (AxisType.Auto,) * len(shape)
+    mesh = jax.make_mesh(shape, names, axis_types=types)
+    p = mesh.shape["pipeline"]
+    kwargs = dict(schedule=schedule, m=m, v=v, layers=p * v)
+    model = LM(mesh, **kwargs)
+    reference = one_device_copy(model, shape, names, **kwargs)
+    batch = m * dict(zip(names, shape, strict=True)).get("data", 1)
+    tokens = jax.random.randint(jax.random.key(3), (batch, 8), 0, VOCAB * 2)
+    targets = jax.random.randint(jax.random.key(4), (batch, 8), 0, VOCAB * 2)
+    loss, grads = nnx.jit(nnx.value_and_grad(LM.loss))(model, tokens, targets)
+    expected_loss, expected = nnx.jit(nnx.value_and_grad(LM.plain_loss))(reference, tokens, targets)
+    np.testing.assert_allclose(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, expected)
