@@ -57,7 +57,7 @@ def test_stack_equals_loop_over_blocks(explicit, layer_axis, remat):
     got = nnx.to_pure_dict(grad_stack)["blocks"]
     for i, layer in enumerate(grad_layers):
         for a, b in zip(
-            jax.tree.leaves(jax.tree.map(lambda g: np.asarray(g)[i], got)),
+            jax.tree.leaves(jax.tree.map(lambda g, i=i: np.asarray(g)[i], got)),
             jax.tree.leaves(nnx.to_pure_dict(layer) if isinstance(layer, nnx.State) else layer),
             strict=True,
         ):

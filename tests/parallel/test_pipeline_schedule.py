@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from shardfuse.parallel.pipeline.schedule import (
-    B,
-    F,
     IDLE,
     SCHEDULES,
+    B,
+    F,
     W,
     closed_form_bubble,
     schedule_table,
