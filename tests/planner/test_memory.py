@@ -110,9 +110,19 @@ def test_memory_grid_within_tolerance_and_ranked():
         ratio = plan.memory_bytes / compiled
         rows.append(f"{str(config):40} predicted {plan.memory_bytes / 1e6:7.3f} MB  "
                     f"compiled {compiled / 1e6:7.3f} MB  ratio {ratio:.3f}")  # fmt: skip
+        print(rows[-1], flush=True)  # progress: compiling the grid takes minutes
     rho = _spearman(predicted, measured)
     table = "\n".join(rows) + f"\nSpearman {rho:.3f}"
     print(table)
     bad = [row for row in rows if abs(float(row.split("ratio ")[1]) - 1) > TOLERANCE]
     assert not bad, "outside 15%:\n" + "\n".join(bad) + "\n" + table
     assert rho >= 0.9, table
+
+
+@pytest.mark.slow
+def test_the_example_trains_from_its_plan():
+    """examples/plan_and_train.py: the best plan's mesh and options train the model."""
+    best = example.plan_for_cpu()[0]
+    losses = example.train(best, steps=15, log=lambda line: None)
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0] - 1.0, losses

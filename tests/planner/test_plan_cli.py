@@ -42,8 +42,11 @@ def test_plan_keyword_arguments():
     kwargs = p.layer_kwargs()
     assert kwargs["model_axis"] == "model" and kwargs["sequence_axis"] == "sequence"
     assert kwargs["data_axis"] == "data" and kwargs["zero"] == 3
-    assert p.pipeline_kwargs()["num_microbatches"] == p.layout.num_microbatches
-    assert p.accumulate_kwargs() == {"num_microbatches": p.layout.num_microbatches}
+    assert p.pipeline_kwargs() == dict(schedule=p.layout.schedule, pipeline_axis="pipeline",
+                                       num_microbatches=p.layout.num_microbatches,
+                                       virtual_stages=p.layout.virtual_stages)  # fmt: skip
+    assert p.accumulate_kwargs() == dict(num_microbatches=p.layout.num_microbatches,
+                                         data_axis="data", zero=3, fsdp_axis="fsdp")  # fmt: skip
     assert p.context_parallel_kwargs() == {"strategy": p.layout.cp_strategy}
 
 

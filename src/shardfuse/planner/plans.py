@@ -123,7 +123,7 @@ class Plan:
         return dict(remat=self.layout.remat)
 
     def pipeline_kwargs(self) -> dict:
-        """Options of the pipeline: schedule, microbatches, virtual stages, axis.
+        """Keyword arguments of `sf.parallel.Pipeline`: schedule, microbatches, virtual stages.
 
         Without a pipeline (`pipeline == 1`) the microbatches are gradient
         accumulation steps: see `accumulate_kwargs`.
@@ -132,12 +132,13 @@ class Plan:
             schedule=self.layout.schedule,
             num_microbatches=self.layout.num_microbatches,
             virtual_stages=self.layout.virtual_stages,
-            axis="pipeline",
+            pipeline_axis="pipeline",
         )
 
     def accumulate_kwargs(self) -> dict:
-        """`{"num_microbatches": m}` for gradient accumulation (`sf.parallel.accumulate`)."""
-        return dict(num_microbatches=self.layout.num_microbatches)
+        """Keyword arguments of `sf.parallel.accumulate` (gradient accumulation, ZeRO)."""
+        return dict(num_microbatches=self.layout.num_microbatches, data_axis="data",
+                    **self.zero_kwargs())  # fmt: skip
 
     def context_parallel_kwargs(self) -> dict:
         """`{"strategy": ...}`: the context-parallel attention over `sequence`."""
