@@ -17,8 +17,9 @@ TESTING.md tolerances).
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
@@ -53,6 +54,12 @@ def _specs(case: RingCase):
             P("data", "sequence"),
             P("data", "model", "sequence"),
         )
+    if case.mesh == "2d":  # (sequence N, model 2): heads sharded too, 2 N devices
+        devices = np.array(jax.devices()[: 2 * case.N]).reshape(case.N, 2)
+        mesh = Mesh(devices, ("sequence", "model"))
+        heads = P(None, "sequence", "model")
+        kv_heads = P(None, "sequence", "model" if case.K % 2 == 0 else None)
+        return mesh, heads, kv_heads, P(None, "sequence"), P(None, "model", "sequence")
     seq = P(None, "sequence")
     if case.mesh == "explicit":  # what jax.make_mesh gives
         mesh = jax.make_mesh((case.N,), ("sequence",), devices=jax.devices()[: case.N])
@@ -71,7 +78,9 @@ def fused_fn(case: RingCase, kwargs, *, implementation=FUSED):
         """Ring order, on the mesh (an Explicit mesh's shard_map wants its in_specs)."""
         if x is None:
             return None
-        return jax.device_put(sf.to_ring_layout(x, n, layout, axis=axis), NamedSharding(mesh, spec))
+        # On the mesh first: to_ring_layout keeps x's sharding (and its transpose, the
+        # cotangent's), where a reorder before the device_put would not on an Explicit mesh.
+        return sf.to_ring_layout(jax.device_put(x, NamedSharding(mesh, spec)), n, layout, axis=axis)
 
     def shard(q, k, v, q_seg, kv_seg):
         return sf.collectives.ring_attention(
