@@ -112,7 +112,8 @@ def token_loss(model, batch):
     logits = model(batch["tokens"]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
-    return jnp.sum(losses * mask), jnp.sum(mask)
+    # where, not a product: a padded position's loss (any target) must not reach the sum
+    return jnp.sum(jnp.where(mask > 0, losses, 0.0)), jnp.sum(mask)
 
 
 def make_batch(rng, batch, seq_len, vocab):

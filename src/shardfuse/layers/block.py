@@ -40,6 +40,9 @@ def normalize(kind: str, x, scale, bias, eps: float):
 class Norm(nnx.Module):
     """RMSNorm (`scale` `[F]`) or LayerNorm (`scale` and `bias` `[F]`), replicated `P()`.
 
+    With `fsdp_axis` (ZeRO-3) the parameters are sharded `P(fsdp_axis)` and
+    gathered where used per shard.
+
     Per token: `x` `[..., F]` keeps its sharding (no communication). Integer or
     bool `x` raises TypeError; empty inputs give empty outputs.
 
@@ -49,6 +52,8 @@ class Norm(nnx.Module):
       eps: added to the mean square.
       mesh: the mesh the parameters are replicated over.
       param_dtype: storage dtype of `scale` (and `bias`).
+      fsdp_axis: None (replicated), or the mesh axis to shard them over (zero=3;
+        F divisible by its size).
       rngs: `nnx.Rngs`.
 
     Example usage::
@@ -69,23 +74,40 @@ class Norm(nnx.Module):
         eps: float = 1e-6,
         mesh,
         param_dtype=jnp.float32,
+        fsdp_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         if kind not in NORMS:
             raise ValueError(f"kind={kind!r} must be one of {NORMS}")
-        self.kind, self.eps = kind, float(eps)
+        self.kind, self.eps, self.mesh = kind, float(eps), mesh
+        stage = 0 if fsdp_axis is None else 3
+        self.zero = fsdp.zero_options(
+            mesh, zero=stage, fsdp_axis=fsdp_axis, reshard_after_forward=True, reduce_dtype=None
+        )
+        fsdp.check_kernel("features", features, mesh, self.zero)
+        self.spec = P(self.zero.param_axis)
         make = _sharding.param_maker(rngs, param_dtype, mesh)
-        self.scale = make(nnx.initializers.ones_init(), (features,), P())
+        self.scale = make(nnx.initializers.ones_init(), (features,), self.spec)
         layernorm = kind == "layernorm"
-        self.bias = make(nnx.initializers.zeros_init(), (features,), P()) if layernorm else None
+        self.bias = (
+            make(nnx.initializers.zeros_init(), (features,), self.spec) if layernorm else None
+        )
 
     def params(self):
+        """`[scale, bias]` (bias None for RMSNorm), as stored (this device's shards per shard)."""
         return [self.scale[...], None if self.bias is None else self.bias[...]]
+
+    def gathered(self, scale, bias):
+        """Per shard: `scale` and `bias` whole (all-gathered over `fsdp_axis` when sharded)."""
+        gather = lambda v: None if v is None else fsdp.gather(self.zero, v, 0, v.dtype)  # noqa: E731
+        return gather(scale), gather(bias)
 
     def __call__(self, x):
         """Normalizes `x` `[..., F]` over its last axis; same shape, dtype and sharding."""
         _sharding.check_activations(x)
         scale, bias = self.params()
+        if _sharding.in_manual_region(self.mesh):
+            scale, bias = self.gathered(scale, bias)
         return normalize(self.kind, x, scale, bias, self.eps)
 
 
@@ -212,14 +234,21 @@ class ParallelTransformerBlock(nnx.Module):
             **common,
         )
         self.mlp = ParallelMLP(features, hidden_features, activation=activation, **common)
-        norm_kwargs = dict(kind=norm, eps=norm_eps, mesh=mesh, param_dtype=param_dtype, rngs=rngs)
+        norm_kwargs = dict(
+            kind=norm,
+            eps=norm_eps,
+            mesh=mesh,
+            param_dtype=param_dtype,
+            fsdp_axis=self.attention.zero.param_axis,  # zero=3: norms sharded too
+            rngs=rngs,
+        )
         self.norm_1 = Norm(features, **norm_kwargs)
         self.norm_2 = Norm(features, **norm_kwargs)
         self.features = features
 
     def local(self, x, positions, segment_ids, norm_params, attention_params, mlp_params):
         """Per-shard block (inside `jax.shard_map`)."""
-        (s1, b1), (s2, b2) = norm_params
+        (s1, b1), (s2, b2) = (self.norm_1.gathered(*p) for p in norm_params)
         h = normalize(self.norm_1.kind, x, s1, b1, self.norm_1.eps)
         h = x + self.attention.local(h, positions, segment_ids, *attention_params)
         y = normalize(self.norm_2.kind, h, s2, b2, self.norm_2.eps)
@@ -249,7 +278,7 @@ class ParallelTransformerBlock(nnx.Module):
         attention_values, attention_specs = attention.local_params(dtype)
         mlp_values, mlp_specs = self.mlp.local_params(dtype)
         norm_values = [self.norm_1.params(), self.norm_2.params()]
-        norm_specs = [[P(), P()], [P(), P()]]
+        norm_specs = [[self.norm_1.spec] * 2, [self.norm_2.spec] * 2]
         local = remat_lib.checkpoint(self.local, self.remat, zero=attention.zero)
         return _sharding.shard_map_call(
             local,

@@ -73,11 +73,12 @@ def _spec_axes(spec) -> set:
 def _layer_param_ids(model) -> set:
     """ids of the `nnx.Param`s owned by shardfuse layers (they gather their own zero=3 shards)."""
     from shardfuse.layers.attention import ParallelSelfAttention
+    from shardfuse.layers.block import Norm
     from shardfuse.layers.linear import _ParallelLinear
 
     ids = set()
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, _ParallelLinear | ParallelSelfAttention):
+        if isinstance(node, _ParallelLinear | ParallelSelfAttention | Norm):
             for _, variable in nnx.iter_graph(node):
                 if isinstance(variable, nnx.Variable):
                     ids.add(id(variable))
@@ -245,6 +246,14 @@ def accumulate(
     return run
 
 
+def _aval_axes(aval) -> frozenset:
+    """The manual axes an abstract value varies over (jax 0.10 and 0.11 spellings)."""
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
 def _restore(params, grads):
     """`grads` (pure) as an `nnx.State` of the same variable types as `params`."""
     flat = []
@@ -290,7 +299,7 @@ def _per_shard(
             return g
         return lax.psum_scatter(g, fsdp_axis, scatter_dimension=dim, tiled=True)
 
-    def microstep(acc, mb):
+    def micro_grads(params, mb):
         # Tie the parameters to this microbatch: XLA may then not hoist the zero=3
         # gathers out of the loop (which would keep every gathered weight alive).
         params_now, mb = lax.optimization_barrier((params, mb))
@@ -304,18 +313,24 @@ def _per_shard(
         (s, n), g = jax.value_and_grad(loss, has_aux=True)(p)
         g = jax.tree.map(lambda x: x.astype(reduce_dtype), g)
         g = jax.tree.map(scatter, g, param_specs, grad_specs, is_leaf=None)
-        acc = jax.tree.map(lambda a, x: a + to_varying(x, varying_axes(a)), acc, g)
-        return acc, (s.astype(reduce_dtype), n.astype(reduce_dtype))
+        return g, s.astype(reduce_dtype), n.astype(reduce_dtype)
 
-    def zeros_like_grad(x, param_spec, grad_spec):
-        shape = list(x.shape)
-        dim = _scattered_dim(param_spec, grad_spec, x.ndim)
-        if dim is not None:
-            shape[dim] //= lax.axis_size(fsdp_axis)
-        axes = (reduce_axes - _spec_axes(param_spec)) | varying_axes(x) | _spec_axes(grad_spec)
-        return to_varying(jnp.zeros(shape, reduce_dtype), frozenset(axes))
+    def microstep(acc, mb):
+        g, s, n = micro_grads(params, mb)
+        return jax.tree.map(lambda a, x: a + x, acc, g), (s, n)
 
-    acc = jax.tree.map(zeros_like_grad, params, param_specs, grad_specs)
+    # The buffer's type (shape, and the axes it varies over) is that of one microbatch's
+    # gradients: traced abstractly here, never computed.
+    first = jax.tree.map(lambda x: x[0], micro)
+    avals = jax.make_jaxpr(micro_grads)(params, first).out_avals
+    grad_tree = jax.tree.structure(jax.eval_shape(lambda: params))
+    acc = jax.tree.unflatten(
+        grad_tree,
+        [
+            to_varying(jnp.zeros(a.shape, a.dtype), _aval_axes(a))
+            for a in avals[: grad_tree.num_leaves]
+        ],
+    )
     acc, (sums, counts) = lax.scan(microstep, acc, micro)
     s, n = jnp.sum(sums), jnp.sum(counts)
     loss_axes = varying_axes(s)

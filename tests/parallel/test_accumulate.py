@@ -1,0 +1,135 @@
+"""`accumulate`: token-weighted gradients over microbatches equal the large batch; one reduction.
+
+Oracle: the same tiny LM (same seed, so the same values: see test_init) on
+one device, the whole padded batch at once, loss = sum of token losses /
+number of real tokens. Microbatches hold unequal token counts (random
+padding), so a per-microbatch mean would fail. Structure: collectives of the
+compiled step counted per mesh axis, a scan's body once per microbatch
+(`hlo_collectives.count`).
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardfuse.demos.tiny_lm import token_loss
+from shardfuse.layers import ParallelMLP
+from shardfuse.parallel.accumulate import accumulate
+from tests.parallel import hlo_collectives
+from tests.parallel.memory_cases import (
+    assert_trees_close,
+    batch_spec,
+    for_mesh,
+    make_lm,
+    mesh_of,
+    one_device_mesh,
+    padded_batch,
+    reference_grads,
+)
+
+
+def _compiled(model, batch, mesh, zero, microbatches, **kwargs):
+    """The jitted accumulate step, compiled once: (run(model, batch), its HLO text)."""
+    fn = accumulate(token_loss, microbatches, mesh=mesh, zero=zero, batch_spec=batch_spec(mesh))
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda state, batch: fn(nnx.merge(graphdef, state), batch))
+    compiled = step.lower(state, batch).compile()
+    return (lambda: compiled(state, batch)), compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    batch = padded_batch(0)
+    model = make_lm(one_device_mesh())
+    return batch, reference_grads(model, batch)
+
+
+@pytest.mark.parametrize(
+    "zero, mesh_name",
+    [
+        (3, "data2-fsdp4"),
+        pytest.param(0, "data2-fsdp4", marks=pytest.mark.slow),
+        pytest.param(0, "fsdp2-seq2-model2", marks=pytest.mark.slow),
+        pytest.param(3, "fsdp2-seq2-model2", marks=pytest.mark.slow),
+    ],
+)
+def test_unequal_microbatches_equal_large_batch_and_reduce_once(zero, mesh_name, oracle):
+    batch, (want_loss, want) = oracle
+    mesh = mesh_of(mesh_name)
+    model = make_lm(mesh, zero)
+    run, hlo = _compiled(model, for_mesh(batch, mesh), mesh, zero, 4)
+    loss, grads = run()
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert_trees_close(nnx.State(grads), want, rtol=1e-5, atol=1e-6)
+
+    counts = hlo_collectives.count(hlo, mesh, scalars=False)
+    batch_axes = [a for a in ("data", "fsdp", "sequence") if a in mesh.axis_names]
+    if zero == 0:  # every gradient all-reduce once per step: none in the scan (x4)
+        reduce_all = sum(
+            n
+            for (k, axes), n in counts.items()
+            if k == "all-reduce" and set(axes) & set(batch_axes)
+        )
+        assert 1 <= reduce_all <= len(jax.tree.leaves(grads)), counts
+    else:  # fsdp: reduce-scatters, never an all-reduce of gradients
+        assert hlo_collectives.total(counts, "all-reduce", "fsdp") == 0, counts
+        assert hlo_collectives.total(counts, "reduce-scatter", "fsdp") % 4 == 0, counts
+    for axis in set(batch_axes) - {"fsdp"}:  # data / sequence: once per step, not per microbatch
+        assert hlo_collectives.total(counts, "all-reduce", axis) <= len(jax.tree.leaves(grads))
+    for (kind, axes), n in counts.items():
+        if kind == "all-reduce" and "fsdp" not in axes and set(axes) & set(batch_axes):
+            assert n < 4, (kind, axes, n)  # would be a multiple of 4 inside the scan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_gradient_reductions_do_not_grow_with_microbatches(zero):
+    mesh = mesh_of("data2-fsdp4")
+    model = make_lm(mesh, zero)
+    batch = padded_batch(1)
+
+    def reductions(m):
+        counts = hlo_collectives.count(
+            _compiled(model, batch, mesh, zero, m)[1], mesh, scalars=False
+        )
+        return {key: n for key, n in counts.items() if key[0] in ("all-reduce", "reduce-scatter")}
+
+    one, four = reductions(1), reductions(4)
+    data_all_reduce = lambda c: sum(n for (k, a), n in c.items() if k == "all-reduce")  # noqa: E731
+    assert data_all_reduce(four) == data_all_reduce(one) >= 1
+    if zero >= 2:  # a sharded buffer holds reduced shards: one reduce-scatter per microbatch
+        assert hlo_collectives.total(four, "reduce-scatter", "fsdp") == 4 * (
+            hlo_collectives.total(one, "reduce-scatter", "fsdp")
+        )
+        assert hlo_collectives.total(four, "all-reduce", "fsdp") == 0
+    else:
+        assert four == one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_gathers_each_weight_at_most_twice_per_microbatch(reshard):
+    mesh = mesh_of("data2-fsdp4")
+    model = make_lm(mesh, 3, reshard_after_forward=reshard)
+    gathered = 4 * len(model.blocks) + 2  # fused qkv, o, up, down per block; embedding, head
+    for m in (1, 4):
+        hlo = _compiled(model, padded_batch(2), mesh, 3, m)[1]
+        gathers = hlo_collectives.total(hlo_collectives.count(hlo, mesh), "all-gather", "fsdp")
+        assert gathered * m <= gathers <= (2 if reshard else 1) * gathered * m
+
+
+def test_bad_input():
+    mesh = mesh_of("data2-fsdp4")
+    model = ParallelMLP(8, 16, mesh=mesh, rngs=nnx.Rngs(0))
+    batch = padded_batch(0, batch=8)
+    with pytest.raises(ValueError, match=r"num_microbatches=4 x 8 batch shards"):
+        accumulate(token_loss, 4, mesh=mesh)(model, batch)
+    with pytest.raises(ValueError, match=r"num_microbatches=0 must be >= 1"):
+        accumulate(token_loss, 0, mesh=mesh)
+    with pytest.raises(ValueError, match=r"zero=4 must be one of \(0, 1, 2, 3\)"):
+        accumulate(token_loss, 1, mesh=mesh, zero=4)
+    with pytest.raises(ValueError, match=r"fsdp_axis='shard' is not an axis of the mesh"):
+        accumulate(token_loss, 1, mesh=mesh, fsdp_axis="shard")
+    with pytest.raises(TypeError, match=r"num_microbatches=2.0 must be an int"):
+        accumulate(token_loss, 2.0, mesh=mesh)
