@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 import shardfuse as sf
 from shardfuse import models
 from shardfuse.collectives.collective_matmul.cost_model import Hardware
-from shardfuse.collectives.ring_attention import ring_attention_plan, strategy
+from shardfuse.collectives.ring_attention import ContextParallelPlan, ring_attention_plan, strategy
 from tests.collectives.ring_attention.test_ring_structure import collectives_in
 
 UNIT_SWITCH = Hardware("unit switch", tflops=1.0, link_gb_per_s=1.0, egress_gb_per_s=1.0)
@@ -93,12 +93,14 @@ def test_rule_picks_the_fastest_applicable():
 
 @pytest.mark.parametrize("hardware", ["h100-sxm", "tpu-v5p"])
 def test_predicted_winners_8k_to_1m(hardware):
-    """The README's table: all_gather (less latency) wins short sequences, the overlapped
-    ring long ones; the crossovers are where the winner changes."""
+    """The README's table: a strategy with fewer, larger messages (all_gather, or Ulysses on
+    NVLink) wins short sequences, the overlapped ring long ones; the crossovers are where the
+    winner changes."""
     lens = [8192 << i for i in range(8)]
     rows = strategy.predicted_winners(models.get("llama3-8b"), hardware=hardware, seq_lens=lens)
     assert [r["seq_len"] for r in rows] == lens
-    assert rows[0]["winner"] == "all_gather" and rows[-1]["winner"] == "ring"
+    short = "ulysses" if hardware == "h100-sxm" else "all_gather"
+    assert rows[0]["winner"] == short and rows[-1]["winner"] == "ring"
     for row in rows:
         assert row["winner"] == min(("ring", "all_gather", "ulysses"), key=row.get)
     changes = strategy.crossovers(rows)
@@ -126,7 +128,7 @@ def _traced_strategy(q, k, mesh, axis="sequence", **kwargs):
 @pytest.mark.parametrize("kind", ["explicit", "auto"])
 @pytest.mark.parametrize(
     "T, H, expected",
-    [(8192, 32, "all_gather"), (131072, 32, "ring"), (16384, 4, "all_gather")],
+    [(8192, 32, "ulysses"), (131072, 32, "ring"), (16384, 4, "all_gather")],
 )  # the last: Ulysses is predicted fastest, but 4 heads cannot split over 8 devices
 def test_strategy_none_runs_the_plan(kind, T, H, expected, caplog):
     """Traced only (ShapeDtypeStructs): the collectives show which strategy ran. On CPU
@@ -206,7 +208,7 @@ def test_plan_on_explicit_mesh_matches_auto():
     plans = [ring_attention_plan(q, q, mesh=_mesh((8,), ("sequence",), kind)) for kind in
              ("explicit", "auto")]  # fmt: skip
     assert plans[0] == plans[1]
-    assert isinstance(plans[0], strategy.ContextParallelPlan)
+    assert isinstance(plans[0], ContextParallelPlan)
     assert plans[0].strategy in ("ring", "all_gather", "ulysses")
 
 
@@ -221,3 +223,17 @@ def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0, f"{module.__name__} has no examples"
     assert result.failed == 0, f"{result.failed} failing examples in {module.__name__}"
+
+
+def test_latency_is_the_links():
+    """Without latency_us, each collective costs the link's latency_us of shardfuse.hardware."""
+    link = sf.hardware.device("tpu-v5p").link
+    assert strategy.resolve_hardware("tpu-v5p").step_latency_us == link.latency_us
+    sizes = dict(batch=1, seq_len=2048, heads=8, kv_heads=2, head_dim=64, sequence_size=4)
+    implicit = strategy.strategy_costs(**sizes, hardware="tpu-v5p")
+    explicit = strategy.strategy_costs(**sizes, hardware="tpu-v5p", latency_us=link.latency_us)
+    none = strategy.strategy_costs(**sizes, hardware="tpu-v5p", latency_us=0.0)
+    assert implicit == explicit
+    # all_gather: one gather of K and of V (2 collectives) in each direction.
+    extra = implicit[1].total_s - none[1].total_s
+    assert extra == pytest.approx(4 * link.latency_us * 1e-6)

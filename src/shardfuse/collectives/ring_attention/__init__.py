@@ -16,8 +16,8 @@ from shardfuse.collectives.ring_attention.layouts import (
     ring_positions,
     to_ring_layout,
 )
-from shardfuse.collectives.ring_attention.plan import ring_attention_plan
-from shardfuse.collectives.ring_attention.strategy import ContextParallelPlan, StrategyCost
+from shardfuse.collectives.ring_attention.plan import ContextParallelPlan, ring_attention_plan
+from shardfuse.collectives.ring_attention.strategy import StrategyCost
 
 __all__ = [
     "LAYOUTS",

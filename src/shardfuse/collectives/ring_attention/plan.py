@@ -4,20 +4,129 @@
 `strategy=None` by the cost rule of `strategy.py`, and fixes the padded
 lengths; the resulting `Plan` is hashable, the jit cache key of the global
 wrapper (`sharded.py`). `ring_attention_plan` shows what `strategy=None`
-would choose for given inputs, with every strategy's prediction.
+would choose for given inputs, with every strategy's prediction
+(`ContextParallelPlan`, from `plan_for_call`).
 """
 
 import dataclasses
 import logging
+import math
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
 
 from shardfuse.collectives import sharding
+from shardfuse.collectives.collective_matmul.cost_model import Hardware
 from shardfuse.collectives.ring_attention import blocks, layouts
 from shardfuse.collectives.ring_attention import strategy as strategy_rule
 from shardfuse.kernels.attention import base
+
+RULE = (
+    "strategy=None: the applicable strategy with the smallest predicted forward + backward "
+    "time per device (ties: ring, all_gather, ulysses, ulysses_ring); ulysses needs the heads "
+    "per device to divide by the sequence axis size; a tuple of two sequence axes runs "
+    "ulysses_ring"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelPlan:
+    """What `strategy=None` chooses and why: the choice and every strategy's prediction.
+
+    Attributes:
+      strategy: the choice.
+      costs: one `StrategyCost` per strategy considered (applicable or not).
+      hardware: the figures used.
+      rule: the rule, in words.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from shardfuse.collectives.ring_attention import ring_attention_plan
+      >>> q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
+      >>> k = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+      >>> plan = ring_attention_plan(q, k, mesh=jax.make_mesh((8,), ("sequence",)),
+      ...                            causal=True, hardware="h100-sxm")
+      >>> plan.strategy, plan.cost("ulysses").ulysses_size
+      ('ulysses', 8)
+    """
+
+    strategy: str
+    costs: tuple
+    hardware: Hardware
+    rule: str = RULE
+
+    def cost(self, strategy: str) -> strategy_rule.StrategyCost:
+        """The `StrategyCost` of `strategy` (KeyError if it was not considered)."""
+        for cost in self.costs:
+            if cost.strategy == strategy:
+                return cost
+        raise KeyError(strategy)
+
+    def __str__(self) -> str:
+        lines = [f"context parallel on {self.hardware.name}: {self.strategy}", self.rule]
+        for c in self.costs:
+            note = "" if c.applicable else f"  (not applicable: {c.why_not})"
+            lines.append(
+                f"  {c.strategy:12} u{c.ulysses_size} x r{c.ring_size}  "
+                f"fwd {c.forward_s * 1e6:10.1f} us  bwd {c.backward_s * 1e6:10.1f} us  "
+                f"sent {c.bytes_sent / 1e6:9.2f} MB{note}"
+            )
+        return "\n".join(lines)
+
+
+def _plan_for(costs, hardware, allowed) -> ContextParallelPlan:
+    """A `ContextParallelPlan` from `strategy_costs` output: the choice among `allowed`;
+    the strategies outside `allowed` are marked not applicable (needing another mesh)."""
+    marked = tuple(
+        c
+        if c.strategy in allowed or not c.applicable
+        else dataclasses.replace(c, applicable=False, why_not=_needs(c.strategy))
+        for c in costs
+    )
+    return ContextParallelPlan(
+        strategy_rule.choose(marked, allowed), marked, strategy_rule.resolve_hardware(hardware)
+    )
+
+
+def _needs(strategy: str) -> str:
+    if strategy == "ulysses_ring":
+        return "needs sequence_axis=(ulysses_axis, ring_axis)"
+    return "needs a single sequence axis (sequence_axis a str)"
+
+
+def plan_for_call(
+    q_shape, k_shape, dtype_bytes: int, *, seq_sizes, batch_size: int = 1, head_size: int = 1,
+    kv_replicated: bool = False, causal: bool = False, hardware=None,
+    latency_us: float | None = None,
+) -> ContextParallelPlan:  # fmt: skip
+    """The plan of one `sf.ring_attention` call: global shapes, the sizes of its sequence
+    axes (one axis: ring / all_gather / ulysses; two, (ulysses, ring): ulysses_ring), and the
+    data / model axis sizes that split batch and heads.
+
+    Example usage::
+
+      >>> from shardfuse.collectives.ring_attention.plan import plan_for_call
+      >>> plan = plan_for_call((1, 4096, 8, 64), (1, 4096, 2, 64), 2, seq_sizes=(4, 2),
+      ...                      hardware="tpu-v5p")
+      >>> plan.strategy, plan.cost("ulysses_ring").ring_size
+      ('ulysses_ring', 2)
+    """
+    B, T, H, D = q_shape
+    S, K = k_shape[1], k_shape[2]
+    n = math.prod(seq_sizes)
+    two_axes = len(seq_sizes) == 2
+    costs = strategy_rule.strategy_costs(
+        batch=max(B // batch_size, 1), seq_len=max(T, 1), kv_seq_len=max(S, 1),
+        heads=H // head_size, kv_heads=K if kv_replicated else K // head_size,
+        head_dim=max(D, 1), sequence_size=n, ulysses_size=seq_sizes[0] if two_axes else None,
+        dtype_bytes=dtype_bytes, causal=causal, hardware=hardware,
+        latency_us=latency_us,
+    )  # fmt: skip
+    allowed = ("ulysses_ring",) if two_axes else ("ring", "all_gather", "ulysses")
+    return _plan_for(costs, hardware, allowed)
+
 
 STRATEGIES = strategy_rule.STRATEGIES  # ("ring", "all_gather", "ulysses", "ulysses_ring")
 _LOG = logging.getLogger("shardfuse")
@@ -95,7 +204,7 @@ def _check_sequence_axis(seq_axis, strategy):
 
 def make_plan(
     q, k, config, *, mesh, seq_axis, batch_axis, head_axis, layout, strategy, impl,
-    hardware=None, latency_us=strategy_rule.DEFAULT_LATENCY_US, explain=False,
+    hardware=None, latency_us=None, explain=False,
 ):  # fmt: skip
     """The `Plan` of one `sf.ring_attention` call (see `Plan` for an example).
 
@@ -138,7 +247,7 @@ def make_plan(
             )
         kv_head_axes = None  # MQA: every head shard reads the one kv head
     if strategy is None or explain:
-        choice = strategy_rule.plan_for_call(
+        choice = plan_for_call(
             q.shape, k.shape, jnp.dtype(q.dtype).itemsize,
             seq_sizes=tuple(mesh.shape[a] for a in seq_axes), batch_size=batch_size,
             head_size=head_size, kv_replicated=kv_head_axes is None, causal=config.causal,
@@ -184,8 +293,8 @@ def make_plan(
 
 def ring_attention_plan(
     q, k, v=None, *, mesh, sequence_axis="sequence", data_axis=None, model_axis=None,
-    causal: bool = False, hardware=None, latency_us: float = strategy_rule.DEFAULT_LATENCY_US,
-) -> strategy_rule.ContextParallelPlan:  # fmt: skip
+    causal: bool = False, hardware=None, latency_us: float | None = None,
+) -> ContextParallelPlan:  # fmt: skip
     """What `sf.ring_attention(q, k, v, strategy=None, ...)` chooses, with every prediction.
 
     The rule (`strategy.py`): per device, predicted forward + backward time of
@@ -200,7 +309,7 @@ def ring_attention_plan(
       hardware: None (this chip; where `shardfuse.hardware` does not know it,
         e.g. CPU, the H100 SXM figures), a `shardfuse.hardware` key ("tpu-v5p"),
         "h100_nvlink" / "tpu_v5p_ici", or a `collective_matmul.cost_model.Hardware`.
-      latency_us: fixed cost of one collective, microseconds.
+      latency_us: fixed cost of one collective, µs; None: the link's (`shardfuse.hardware`).
 
     Returns:
       A `ContextParallelPlan`: `.strategy` (the choice), `.costs` (one

@@ -10,8 +10,9 @@ factors: the shape of the trade-off, not a measurement.
 
 Per device, with N devices on the sequence axis, `t_f` the forward attention
 FLOPs / N at peak (causal: the visible pairs only) and `t_b = 2.5 t_f`
-(FlashAttention-2 backward: five matmuls to the forward's two); `lat` a fixed
-cost per collective (default 10 µs, an assumption):
+(FlashAttention-2 backward: five matmuls to the forward's two); `lat` the fixed
+cost of one collective, the link's `latency_us` in `shardfuse.hardware` (3 µs
+for NVLink and ICI):
 
 - ring: N steps, step s computing while the next K/V shard travels to the
   neighbour over one link (`ring.py`: one direction):
@@ -43,17 +44,9 @@ from shardfuse.collectives.collective_matmul.cost_model import PRESETS, Hardware
 from shardfuse.collectives.ring_attention.ulysses import kv_heads_after_expansion
 
 STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
-DEFAULT_LATENCY_US = 10.0
 FALLBACK_DEVICE = "h100-sxm"  # the figures strategy=None uses where the chip is unknown (CPU)
 BACKWARD_FLOPS_RATIO = 2.5
 LSE_BYTES = 4
-
-RULE = (
-    "strategy=None: the applicable strategy with the smallest predicted forward + backward "
-    "time per device (ties: ring, all_gather, ulysses, ulysses_ring); ulysses needs the heads "
-    "per device to divide by the sequence axis size; a tuple of two sequence axes runs "
-    "ulysses_ring"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,55 +87,12 @@ class StrategyCost:
         return self.forward_s + self.backward_s
 
 
-@dataclasses.dataclass(frozen=True)
-class ContextParallelPlan:
-    """What `strategy=None` chooses and why: the choice and every strategy's prediction.
-
-    Attributes:
-      strategy: the choice.
-      costs: one `StrategyCost` per strategy considered (applicable or not).
-      hardware: the figures used.
-      rule: the rule, in words.
-
-    Example usage::
-
-      >>> import jax, jax.numpy as jnp
-      >>> from shardfuse.collectives.ring_attention import ring_attention_plan
-      >>> q = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
-      >>> k = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
-      >>> plan = ring_attention_plan(q, k, mesh=jax.make_mesh((8,), ("sequence",)),
-      ...                            causal=True, hardware="h100-sxm")
-      >>> plan.strategy, plan.cost("ulysses").ulysses_size
-      ('all_gather', 8)
-    """
-
-    strategy: str
-    costs: tuple
-    hardware: Hardware
-    rule: str = RULE
-
-    def cost(self, strategy: str) -> StrategyCost:
-        """The `StrategyCost` of `strategy` (KeyError if it was not considered)."""
-        for cost in self.costs:
-            if cost.strategy == strategy:
-                return cost
-        raise KeyError(strategy)
-
-    def __str__(self) -> str:
-        lines = [f"context parallel on {self.hardware.name}: {self.strategy}", self.rule]
-        for c in self.costs:
-            note = "" if c.applicable else f"  (not applicable: {c.why_not})"
-            lines.append(
-                f"  {c.strategy:12} u{c.ulysses_size} x r{c.ring_size}  "
-                f"fwd {c.forward_s * 1e6:10.1f} us  bwd {c.backward_s * 1e6:10.1f} us  "
-                f"sent {c.bytes_sent / 1e6:9.2f} MB{note}"
-            )
-        return "\n".join(lines)
-
-
 def resolve_hardware(hardware=None, dtype: str = "bfloat16") -> Hardware:
     """A cost-model `Hardware` from None (this chip, or H100 SXM where unknown), a
     `shardfuse.hardware` key or `Device`, a cost-model preset name, or a `Hardware`.
+
+    From `shardfuse.hardware` the `step_latency_us` is the link's `latency_us`; a
+    `Hardware` or a preset keeps its own.
 
     Raises:
       ValueError: an unknown name, or a chip without link figures.
@@ -168,7 +118,8 @@ def resolve_hardware(hardware=None, dtype: str = "bfloat16") -> Hardware:
             f"{hw.names()}, one of {sorted(PRESETS)} or a cost_model.Hardware"
         )
     peak_dtype = dtype if device.peak_tflops(dtype) is not None else "bfloat16"
-    return Hardware.from_device(device, peak_dtype)
+    figures = Hardware.from_device(device, peak_dtype)
+    return dataclasses.replace(figures, step_latency_us=device.link.latency_us)
 
 
 def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
@@ -224,7 +175,7 @@ def strategy_costs(
     dtype_bytes: int = 2,
     causal: bool = True,
     hardware=None,
-    latency_us: float = DEFAULT_LATENCY_US,
+    latency_us: float | None = None,
 ) -> tuple:
     """Predicted per-device costs of every strategy for one attention call (sizes per
     data / model shard: `heads` and `kv_heads` are those on one device before context parallelism).
@@ -239,7 +190,7 @@ def strategy_costs(
       dtype_bytes: bytes per element of q, k, v (2: bfloat16).
       causal: only the causal pairs are computed.
       hardware: as `resolve_hardware`.
-      latency_us: fixed cost of one collective.
+      latency_us: fixed cost of one collective, µs; None: the hardware's `step_latency_us`.
 
     Returns:
       A tuple of `StrategyCost`: ring, all_gather, ulysses, then ulysses_ring if asked.
@@ -271,7 +222,9 @@ def strategy_costs(
     ):
         raise ValueError(f"ulysses_size={ulysses_size!r} must be a divisor of sequence_size={n}")
     hardware = resolve_hardware(hardware)
-    latency = latency_us * 1e-6
+    if latency_us is None:
+        latency_us = hardware.step_latency_us
+    latency = _check_latency(latency_us) * 1e-6
     B, T, S, H, K, D, e = batch, seq_len, kv_seq_len, heads, kv_heads, head_dim, dtype_bytes
     t_f = 4 * B * H * D * visible_pairs(T, S, causal) / n / (hardware.tflops * 1e12)
     t_b = BACKWARD_FLOPS_RATIO * t_f
@@ -372,31 +325,13 @@ def crossovers(rows) -> list[tuple[int, str, str]]:
       >>> rows = strategy.predicted_winners(models.get("llama3-8b"), hardware="h100-sxm",
       ...     seq_lens=[8192, 16384])
       >>> strategy.crossovers(rows)
-      [(16384, 'all_gather', 'ring')]
+      [(16384, 'ulysses', 'ring')]
     """
     return [
         (b["seq_len"], a["winner"], b["winner"])
         for a, b in zip(rows, rows[1:], strict=False)
         if a["winner"] != b["winner"]
     ]
-
-
-def _plan_for(costs, hardware, allowed) -> ContextParallelPlan:
-    """A `ContextParallelPlan` from `strategy_costs` output: the choice among `allowed`;
-    the strategies outside `allowed` are marked not applicable (needing another mesh)."""
-    marked = tuple(
-        c
-        if c.strategy in allowed or not c.applicable
-        else dataclasses.replace(c, applicable=False, why_not=_needs(c.strategy))
-        for c in costs
-    )
-    return ContextParallelPlan(choose(marked, allowed), marked, resolve_hardware(hardware))
-
-
-def _needs(strategy: str) -> str:
-    if strategy == "ulysses_ring":
-        return "needs sequence_axis=(ulysses_axis, ring_axis)"
-    return "needs a single sequence axis (sequence_axis a str)"
 
 
 def _check_latency(latency_us) -> float:
@@ -406,38 +341,6 @@ def _check_latency(latency_us) -> float:
     if not (math.isfinite(latency_us) and latency_us >= 0):
         raise ValueError(f"latency_us={latency_us!r} must be a finite number >= 0")
     return float(latency_us)
-
-
-def plan_for_call(
-    q_shape, k_shape, dtype_bytes: int, *, seq_sizes, batch_size: int = 1, head_size: int = 1,
-    kv_replicated: bool = False, causal: bool = False, hardware=None,
-    latency_us: float = DEFAULT_LATENCY_US,
-) -> ContextParallelPlan:  # fmt: skip
-    """The plan of one `sf.ring_attention` call: global shapes, the sizes of its sequence
-    axes (one axis: ring / all_gather / ulysses; two, (ulysses, ring): ulysses_ring), and the
-    data / model axis sizes that split batch and heads.
-
-    Example usage::
-
-      >>> from shardfuse.collectives.ring_attention.strategy import plan_for_call
-      >>> plan = plan_for_call((1, 4096, 8, 64), (1, 4096, 2, 64), 2, seq_sizes=(4, 2),
-      ...                      hardware="tpu-v5p")
-      >>> plan.strategy, plan.cost("ulysses_ring").ring_size
-      ('ulysses_ring', 2)
-    """
-    B, T, H, D = q_shape
-    S, K = k_shape[1], k_shape[2]
-    n = math.prod(seq_sizes)
-    two_axes = len(seq_sizes) == 2
-    costs = strategy_costs(
-        batch=max(B // batch_size, 1), seq_len=max(T, 1), kv_seq_len=max(S, 1),
-        heads=H // head_size, kv_heads=K if kv_replicated else K // head_size,
-        head_dim=max(D, 1), sequence_size=n, ulysses_size=seq_sizes[0] if two_axes else None,
-        dtype_bytes=dtype_bytes, causal=causal, hardware=hardware,
-        latency_us=_check_latency(latency_us),
-    )  # fmt: skip
-    allowed = ("ulysses_ring",) if two_axes else ("ring", "all_gather", "ulysses")
-    return _plan_for(costs, hardware, allowed)
 
 
 def main() -> None:
