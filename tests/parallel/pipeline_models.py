@@ -176,7 +176,8 @@ def one_device_copy(model, shape, names, **kwargs):
         axis_types=(AxisType.Auto,) * len(names),
     )
     reference = LM(mesh1, **kwargs)
-    nnx.update(reference, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+    values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    nnx.update(reference, jax.tree.map(np.asarray, values))
     return reference
 
 
