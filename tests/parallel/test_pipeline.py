@@ -111,3 +111,45 @@ def test_interleaved_more_layers_per_chunk():
 )
 def test_composed_mesh_matches_one_device(shape, names, explicit, schedule, m, v):
     check_lm_case(shape, names, explicit=explicit, schedule=schedule, m=m, v=v)
+
+
+def test_bad_input_named_before_tracing():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardfuse.layers.stack import Stack
+    from shardfuse.parallel.pipeline.api import Pipeline
+    from tests.parallel.pipeline_models import ResidualMLP
+
+    mesh = jax.make_mesh((2,), ("pipeline",), devices=jax.devices()[:2])
+    stack = Stack(ResidualMLP, 4, mesh=mesh, layer_axis="pipeline", rngs=nnx.Rngs(0))
+    no_pipeline = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    cases = [
+        (dict(mesh=no_pipeline, num_microbatches=2), r"pipeline_axis='pipeline' is not an axis"),
+        (dict(mesh=mesh, num_microbatches=1), r"num_microbatches=1 must be >= .* p=2"),
+        (
+            dict(mesh=mesh, num_microbatches=3, schedule="interleaved", virtual_stages=2),
+            r"num_microbatches=3 must be a multiple of .* p=2",
+        ),
+        (
+            dict(mesh=mesh, num_microbatches=4, schedule="interleaved", virtual_stages=4),
+            r"num_layers=4 must be divisible by p \* virtual_stages = 2 \* 4 = 8",
+        ),
+        (dict(mesh=mesh, num_microbatches=2, schedule="zero"), "schedule='zero' must be one of"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            Pipeline(stack, **kwargs)
+    pipe = Pipeline(stack, mesh=mesh, num_microbatches=4, io_spec=jax.P())
+    x = jnp.ones((6, 4, 8))
+    with pytest.raises(ValueError, match=r"batch size 6 .* divisible by num_microbatches=4"):
+        pipe.forward(x)
+    with pytest.raises(TypeError, match="floating-point activations"):
+        pipe.forward(jnp.ones((4, 4, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"targets has shape \(4, 5\)"):
+        pipe.loss(
+            jnp.ones((4, 4, 8)),
+            jnp.ones((4, 5), jnp.int32),
+            head=nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
+        )
