@@ -72,6 +72,7 @@ def _temp(schedule, m):
     return _compiled(schedule, m)[0].memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_1f1b_memory_and_compile_time_flat_in_m():
     small, large = _temp("1f1b", 8), _temp("1f1b", 32)
     assert large < 1.10 * small, (small, large)
