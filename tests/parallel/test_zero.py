@@ -140,7 +140,7 @@ def test_zero_bad_input():
     ):
         ColumnParallelLinear(6, 32, mesh=mesh, zero=3, rngs=nnx.Rngs(0))
     with pytest.raises(
-        ValueError, match=r"features=36 must be divisible by the size 4 of fsdp_axis"
+        ValueError, match=r"features=18 must be divisible by the size 4 of fsdp_axis"
     ):
         ParallelTransformerBlock(18, 1, 64, mesh=mesh, zero=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"fsdp_axis='shards' is not an axis of the mesh"):
