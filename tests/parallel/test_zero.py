@@ -13,6 +13,7 @@ import jax
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardfuse.demos.tiny_lm import token_loss
 from shardfuse.layers import ColumnParallelLinear, ParallelTransformerBlock
@@ -146,8 +147,5 @@ def test_zero_bad_input():
     with pytest.raises(ValueError, match=r"fsdp_axis='shards' is not an axis of the mesh"):
         ColumnParallelLinear(16, 32, mesh=mesh, zero=3, fsdp_axis="shards", rngs=nnx.Rngs(0))
     # an array no dimension of which the axis divides stays replicated (optimizer state)
-    assert shard_spec(jax.sharding.PartitionSpec(), (6, 3), mesh, "fsdp") == (None, None)
-    assert shard_spec(jax.sharding.PartitionSpec(None, "data"), (6, 8), mesh, "fsdp") == (
-        None,
-        ("data", "fsdp"),
-    )
+    assert shard_spec(P(), (6, 3), mesh, "fsdp") == P(None, None)
+    assert shard_spec(P(None, "data"), (6, 8), mesh, "fsdp") == P(None, ("data", "fsdp"))
