@@ -60,12 +60,19 @@ from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
 # Full-sequence [tokens, h] buffers of one layer's collective matmuls over `model`
-# alive at its backward pass: forward: the all-gathered inputs of the QKV and MLP-up
-# projections and the reduce-scatter partial sums of the output and MLP-down
-# projections (4); backward: the gathered output cotangents (2), the partial
-# input cotangents (2) and the re-gathered inputs for the weight gradients (2).
-# Ten matches the compiled programs of tests/planner/test_memory.py.
-COLLECTIVE_BUFFERS = 10
+# alive at its backward pass (the all-gathered inputs of the QKV and MLP-up
+# projections, the reduce-scatter partial sums of the output and MLP-down
+# projections, their cotangents and the re-gathered inputs of the weight
+# gradients), as buffers of the full sequence: `4 + 12 / T`. Fitted to the
+# compiled programs of tests/planner/test_memory.py (about 10 at T = 2, 9-10 at
+# T = 4, 6 at T = 8: the ring chunks, 1 / T of a buffer each, shrink with T).
+
+
+def collective_buffers(model_size: int) -> float:
+    """Full-sequence `[tokens, h]` buffers of one layer's collective matmuls at `model_size`."""
+    return 4 + 12 / model_size if model_size > 1 else 0.0
+
+
 # Pipeline bubble relative to GPipe/1F1B's (P - 1) / m, per schedule.
 _BUBBLE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": 1.0 / 3.0}
 
@@ -517,12 +524,13 @@ def _memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev
         )
     )
     if T > 1:
-        ring = COLLECTIVE_BUFFERS * mb_tokens * model.hidden * act
+        buffers = collective_buffers(T)
+        ring = buffers * mb_tokens * model.hidden * act
         terms.append(
             Term(
                 "collective_buffers",
                 ring,
-                f"{COLLECTIVE_BUFFERS} [{mb_tokens:g}, {model.hidden}] buffers of one layer's "
+                f"{buffers:.3g} [{mb_tokens:g}, {model.hidden}] buffers of one layer's "
                 "collective matmuls (gathered inputs, partial sums; forward and backward)",
             )
         )
