@@ -5,9 +5,9 @@ import doctest
 import pytest
 
 from shardfuse import hardware, models
-from shardfuse.planner import cli, cost, options, plans, search
+from shardfuse.planner import cli, constraints, cost, memory, options, plans, search
 
-MODULES = [hardware, models, options, cost, plans, search, cli]
+MODULES = [hardware, models, options, cost, memory, constraints, plans, search, cli]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -16,7 +16,8 @@ Example usage::
   64
 """
 
-from shardfuse.planner.cost import Estimate, Term, estimate, layout_constraints
+from shardfuse.planner.constraints import layout_constraints
+from shardfuse.planner.cost import Estimate, estimate
 from shardfuse.planner.options import (
     CP_STRATEGIES,
     MESH_AXES,
@@ -28,6 +29,7 @@ from shardfuse.planner.options import (
 )
 from shardfuse.planner.plans import Plan
 from shardfuse.planner.search import PlanningError, mesh_shapes, plan
+from shardfuse.planner.terms import Term
 
 __all__ = [
     "CP_STRATEGIES",

@@ -51,7 +51,13 @@ import dataclasses
 
 from shardfuse.hardware import Cluster
 from shardfuse.models import ModelShape
+from shardfuse.planner.memory import (
+    memory_terms,
+    params_per_device,
+    saved_elements_per_token,
+)
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.terms import Term
 
 # Elementwise traffic per token and layer, in h-sized tensors read or written (two
 # norms: 2 x (h in, h out); two residual adds: 2 x (2h in, h out)), and per
@@ -59,31 +65,8 @@ from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 # dropout out, AV in).
 ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
-# Full-sequence [tokens, h] buffers of one layer's collective matmuls over `model`
-# alive at its backward pass (the all-gathered inputs of the QKV and MLP-up
-# projections, the reduce-scatter partial sums of the output and MLP-down
-# projections, their cotangents and the re-gathered inputs of the weight
-# gradients), as buffers of the full sequence: `4 + 12 / T`. Fitted to the
-# compiled programs of tests/planner/test_memory.py (about 10 at T = 2, 9-10 at
-# T = 4, 6 at T = 8: the ring chunks, 1 / T of a buffer each, shrink with T).
-
-
-def collective_buffers(model_size: int) -> float:
-    """Full-sequence `[tokens, h]` buffers of one layer's collective matmuls at `model_size`."""
-    return 4 + 12 / model_size if model_size > 1 else 0.0
-
-
 # Pipeline bubble relative to GPipe/1F1B's (P - 1) / m, per schedule.
 _BUBBLE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": 1.0 / 3.0}
-
-
-@dataclasses.dataclass(frozen=True)
-class Term:
-    """One named number of an estimate: `value` in seconds, bytes or FLOPs, and how it arises."""
-
-    name: str
-    value: float
-    formula: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,45 +153,6 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
         return (s + 1) / 2
     # sum_i min(i + 1, W) / s
     return (window * (window + 1) / 2 + (s - window) * window) / s
-
-
-def saved_elements_per_token(model: ModelShape, layout: Layout, a: Assumptions) -> dict:
-    """Elements each block keeps per token for its backward pass, per device, by policy.
-
-    Returns `{"full_layer": ..., "saved": ..., "lse": ...}`: a whole layer's
-    saved tensors (the "none" policy, also the recompute working set), what
-    `layout.remat` keeps, and the float32 row statistics of flash attention.
-    """
-    t = layout.model
-    h, d, f = model.hidden, model.head_dim, model.ffn_hidden
-    heads = model.heads / t
-    kv_heads = max(model.kv_heads / t, 1.0)
-    token_split = t if a.sequence_parallel else 1
-    swiglu = model.activation == "swiglu"
-    # "none": what autodiff keeps, counted in shardfuse's layers with
-    # `jax.ad_checkpoint.print_saved_residuals`: six h-sized tensors per token
-    # (block input, norms' inputs and outputs, residual), q, k, v, the attention
-    # output twice (kernel layout and o-proj input), and six f-sized SwiGLU
-    # intermediates; a GELU MLP keeps its two (Korthikanti et al. 2022).
-    residual = 6 * h / token_split
-    qkv = (heads + 2 * kv_heads) * d
-    out = 2 * heads * d
-    mlp = (6 if swiglu else 2) * f / t
-    up = (2 if swiglu else 1) * f / t  # the MLP up-projection's output
-    scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key
-    full = residual + qkv + out + mlp
-    policy = layout.remat
-    if policy == "none":
-        saved = full
-    elif policy in ("selective", "dots"):
-        # `shardfuse.layers.remat`: the linear projections' outputs that the backward
-        # pass needs (q, k/v, attention out, MLP up) and the block input; "dots" also
-        # the attention core's output.
-        saved = 2 * h / token_split + qkv + up + (heads * d if policy == "dots" else 0.0)
-        scores = 0.0
-    else:  # "full", "offload": the layer input only (offload: the rest goes to the host)
-        saved, scores = h / token_split, 0.0
-    return {"full_layer": full, "saved": saved, "lse": heads, "scores": scores}
 
 
 def estimate(
@@ -341,7 +285,7 @@ def estimate(
                 f"2 x {v} chunks x {m} microbatches ppermute of {send / 1e6:.3g} MB on {name}",
             )
         )
-    params_dev = _params_per_device(model, layout, a)
+    params_dev = params_per_device(model, layout, a)
     if D * F > 1:
         g = params_dev * a.grad_comm_bytes
         bw_d, lat_d, name_d = axis_link(cluster, layout, "data")
@@ -419,7 +363,7 @@ def estimate(
     step_time = sum(t.value for t in time_terms)
 
     # ---- memory ----
-    memory = _memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev)
+    memory = memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev)
     memory_bytes = sum(t.value for t in memory)
     limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
     return Estimate(
@@ -433,161 +377,3 @@ def estimate(
         tflops_per_device=hardware_flops / n / step_time / 1e12,
         memory_limit_bytes=limit,
     )
-
-
-def _params_per_device(model, layout, a):
-    """Parameters one device holds before ZeRO: a stage's layers over T, the embedding tables."""
-    T, P, h, V = layout.model, layout.pipeline, model.hidden, model.vocab_size
-    layer = (model.layer_params() - 2 * h) / T + 2 * h
-    table_in = V * h / (T if a.embedding_sharded else 1)
-    table_out = V * h / T
-    if P == 1:
-        tables = table_in + (0 if model.tied_embeddings else table_out)
-    else:  # first stage: input table, last stage: output table (tied: a copy on each)
-        tables = max(table_in, table_out)
-    return model.num_layers / P * layer + tables + h
-
-
-def state_bytes(model: ModelShape, layout: Layout, a: Assumptions) -> float:
-    """Parameters + gradients + optimizer state per device: the memory no microbatching reduces.
-
-    Example:
-      >>> from shardfuse import models
-      >>> from shardfuse.planner.cost import state_bytes
-      >>> from shardfuse.planner.options import Assumptions, Layout
-      >>> states = state_bytes(models.get("llama3-8b"), Layout(fsdp=8, zero=3), Assumptions())
-      >>> round(states / 1e9, 2)
-      18.07
-    """
-    params = _params_per_device(model, layout, a)
-    F, z = layout.fsdp, layout.zero
-    return params * (
-        a.param_bytes / (F if z >= 3 else 1)
-        + a.grad_bytes / (F if z >= 2 else 1)
-        + a.optimizer_bytes / (F if z >= 1 else 1)
-    )
-
-
-def _memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev):
-    F, P, T, m, v = layout.fsdp, layout.pipeline, layout.model, layout.num_microbatches, 1
-    z = layout.zero
-    act = a.activation_bytes
-    v = layout.virtual_stages
-    shard = lambda stage: F if z >= stage else 1  # noqa: E731
-    params = params_dev * a.param_bytes / shard(3)
-    terms = [
-        Term("parameters", params, f"{params_dev:.4g} params x {a.param_bytes} B / {shard(3)}"),
-        Term(
-            "gradients",
-            params_dev * a.grad_bytes / shard(2),
-            f"{params_dev:.4g} x {a.grad_bytes} B / {shard(2)}",
-        ),
-        Term(
-            "optimizer",
-            params_dev * a.optimizer_bytes / shard(1),
-            f"{params_dev:.4g} x {a.optimizer_bytes} B / {shard(1)} (ZeRO-{z} over fsdp={F})",
-        ),
-    ]
-    if z == 3 and F > 1:
-        layer = model.layer_params() / T * a.param_bytes
-        terms.append(Term("zero3_gathered", 2 * layer, "two gathered layers (one prefetched)"))
-    if P == 1:
-        in_flight = 1.0
-    elif layout.schedule == "gpipe":
-        in_flight = float(m)
-    else:
-        in_flight = float(min(m, P))
-        if layout.schedule == "interleaved":
-            in_flight *= 1 + (P - 1) / (P * v)
-    saved = per_token["saved"] * act + per_token["scores"]
-    if layout.remat in ("none", "dots"):
-        saved += per_token["lse"] * 4
-    stage0 = mb_tokens * saved * layers_dev * in_flight
-    logits = mb_tokens * model.vocab_size / T * a.logits_bytes * a.logits_copies
-    last = mb_tokens * saved * layers_dev + logits
-    activations = max(stage0, last) - logits if P > 1 else stage0
-    terms.append(
-        Term(
-            "activations",
-            activations,
-            f"{mb_tokens:g} tokens x {saved / act:.4g} elements x {act} B x {layers_dev:g} "
-            f"layers x {in_flight:.3g} microbatches in flight (remat={layout.remat})",
-        )
-    )
-    work = mb_tokens * (per_token["full_layer"] * act + per_token["lse"] * 4)
-    terms.append(
-        Term(
-            "layer_working_set",
-            work,
-            "one layer's activations (recomputed unless remat='none') and their cotangents "
-            "while it runs backward",
-        )
-    )
-    if T > 1:
-        buffers = collective_buffers(T)
-        ring = buffers * mb_tokens * model.hidden * act
-        terms.append(
-            Term(
-                "collective_buffers",
-                ring,
-                f"{buffers:.3g} [{mb_tokens:g}, {model.hidden}] buffers of one layer's "
-                "collective matmuls (gathered inputs, partial sums; forward and backward)",
-            )
-        )
-    terms.append(
-        Term(
-            "logits",
-            logits,
-            f"{mb_tokens:g} tokens x {model.vocab_size}/{T} vocab x {a.logits_bytes} B x "
-            f"{a.logits_copies} copies",
-        )
-    )
-    if not a.donate:
-        outputs = params + params_dev * a.optimizer_bytes / shard(1)
-        terms.append(Term("outputs", outputs, "new parameters and optimizer state (not donated)"))
-    return terms
-
-
-def layout_constraints(model: ModelShape, layout: Layout, *, global_batch: int, seq_len: int):
-    """The divisibility rules `layout` breaks (empty when valid), as messages.
-
-    Example:
-      >>> from shardfuse import models
-      >>> from shardfuse.planner.cost import layout_constraints
-      >>> from shardfuse.planner.options import Layout
-      >>> errors = layout_constraints(models.get("llama3-8b"), Layout(model=3), global_batch=8,
-      ...                             seq_len=64)
-      >>> errors[0]
-      'heads=32 % model=3 != 0'
-    """
-    P, D, F, C, T = (layout.pipeline, layout.data, layout.fsdp, layout.sequence, layout.model)
-    v, mb, m = layout.virtual_stages, layout.microbatch_size, layout.num_microbatches
-    errors = []
-    if model.heads % T:
-        errors.append(f"heads={model.heads} % model={T} != 0")
-    if model.ffn_hidden % T:
-        errors.append(f"ffn_hidden={model.ffn_hidden} % model={T} != 0")
-    if model.kv_heads % T and T % model.kv_heads:
-        errors.append(f"kv_heads={model.kv_heads} and model={T}: neither divides the other")
-    ring = 2 * C if C > 1 and layout.cp_strategy != "ulysses" else C
-    if seq_len % (ring * T):
-        errors.append(f"seq_len={seq_len} % (sequence chunks={ring} x model={T}) != 0")
-    if C > 1 and layout.cp_strategy == "ulysses":
-        kv = max(model.kv_heads // T, 1)
-        if (model.heads // T) % C or kv % C:
-            errors.append(f"ulysses: heads per device {model.heads // T} and kv {kv} % {C}")
-    if model.num_layers % (P * v):
-        errors.append(f"num_layers={model.num_layers} % (pipeline={P} x virtual={v}) != 0")
-    if global_batch != D * F * mb * m:
-        errors.append(
-            f"global_batch={global_batch} != data x fsdp x microbatch_size x microbatches"
-        )
-    if P > 1 and m < P:
-        errors.append(f"num_microbatches={m} < pipeline={P}")
-    if layout.schedule == "interleaved" and m % P:
-        errors.append(f"interleaved: num_microbatches={m} % pipeline={P} != 0")
-    if layout.zero == 3 and (model.hidden % F or model.ffn_hidden % F):
-        errors.append(f"zero=3: hidden={model.hidden} and ffn_hidden % fsdp={F} != 0")
-    if (F > 1) != (layout.zero > 0):
-        errors.append(f"zero={layout.zero} with fsdp={F}: ZeRO needs fsdp > 1 and fsdp > 1 ZeRO")
-    return errors

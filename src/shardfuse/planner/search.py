@@ -20,7 +20,9 @@ from shardfuse.hardware import Cluster
 from shardfuse.hardware import cluster as make_cluster
 from shardfuse.models import ModelShape
 from shardfuse.models import get as get_model
-from shardfuse.planner.cost import estimate, layout_constraints, state_bytes
+from shardfuse.planner.constraints import layout_constraints
+from shardfuse.planner.cost import estimate
+from shardfuse.planner.memory import state_bytes
 from shardfuse.planner.options import (
     CP_STRATEGIES,
     MESH_AXES,

@@ -1,0 +1,12 @@
+"""`Term`: one named number of an estimate, with the formula it comes from."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One named number of an estimate: `value` in seconds, bytes or FLOPs, and how it arises."""
+
+    name: str
+    value: float
+    formula: str
