@@ -8,6 +8,8 @@ that every tagged tensor has its own last dimension (F=32, q=H*D=24,
 kv=2*K*D=12, attention core [H=4, D=6], MLP up=2*48=96, activation 48).
 """
 
+import doctest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from shardfuse.layers import ParallelTransformerBlock, remat
+from shardfuse.layers import ParallelTransformerBlock, fsdp, remat
 from shardfuse.layers.fsdp import FSDP_GATHER
 
 L, B, T, F = 2, 2, 8, 32
@@ -138,3 +140,9 @@ def test_unknown_policy_and_offload_without_host_memory(monkeypatch, one_device)
     monkeypatch.setattr(remat, "offload_supported", lambda device=None: (False, "tpu lacks it"))
     with pytest.raises(NotImplementedError, match="host memory, but the tpu lacks it"):
         remat.checkpoint(jnp.sin, "offload")
+
+
+@pytest.mark.parametrize("module", [remat, fsdp], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -9,6 +9,8 @@ replicated totals divided by the fsdp size, for exactly the state the stage
 shards.
 """
 
+import doctest
+
 import jax
 import optax
 import pytest
@@ -17,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.demos.tiny_lm import token_loss
 from shardfuse.layers import ColumnParallelLinear, ParallelTransformerBlock
+from shardfuse.parallel import accumulate as accumulate_module
+from shardfuse.parallel import zero as zero_module
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.zero import ZeroOptimizer, shard_spec
 from tests.parallel.memory_cases import (
@@ -154,3 +158,10 @@ def test_zero_bad_input():
     # an array no dimension of which the axis divides stays replicated (optimizer state)
     assert shard_spec(P(), (6, 3), mesh, "fsdp") == P(None, None)
     assert shard_spec(P(None, "data"), (6, 8), mesh, "fsdp") == P(None, ("data", "fsdp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", [zero_module, accumulate_module], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result

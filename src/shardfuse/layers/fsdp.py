@@ -77,6 +77,16 @@ def zero_options(mesh, *, zero, fsdp_axis, reshard_after_forward, reduce_dtype) 
 
     Raises:
       ValueError: `zero` not in 0..3, or `fsdp_axis` not an axis of the mesh.
+
+    Example usage::
+
+      >>> import jax
+      >>> from shardfuse.layers import fsdp
+      >>> mesh = jax.make_mesh((4, 2), ("fsdp", "model"))
+      >>> options = fsdp.zero_options(mesh, zero=3, fsdp_axis="fsdp",
+      ...                             reshard_after_forward=True, reduce_dtype="float32")
+      >>> options.param_axis, fsdp.kernel_spec(jax.P(None, "model"), options, 0)
+      ('fsdp', P('fsdp', 'model'))
     """
     stage = check_zero(zero)
     if fsdp_axis is not None and fsdp_axis not in mesh.axis_names:
@@ -124,6 +134,17 @@ def gather(options: ZeroOptions, shard, dim: int, dtype):
     the gathered kernel is reduce-scattered back to the shard in
     `options.reduce_dtype` and returned in the shard's dtype. The gathered
     value carries the checkpoint name `FSDP_GATHER`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from shardfuse.layers import fsdp
+      >>> mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> options = fsdp.ZeroOptions(3, "fsdp")
+      >>> whole = jax.shard_map(lambda w: fsdp.gather(options, w, 0, jnp.float32), mesh=mesh,
+      ...                       in_specs=jax.P("fsdp"), out_specs=jax.P("fsdp"))
+      >>> whole(jnp.arange(8.0)).shape  # each of the 4 devices holds all 8 rows
+      (32,)
     """
     dtype = jnp.dtype(dtype)
     if options.param_axis is None:
