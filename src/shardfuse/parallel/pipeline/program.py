@@ -1,0 +1,279 @@
+"""The pipelined programs behind `Pipeline`: stage layout, the shard_map, the custom_vjp.
+
+`_run` lays the stacked parameters out by stage (`[L, ...]` ->
+`[p, v, L/(p v), ...]`, pipeline-sharded; for v = 1 no parameter moves),
+splits the batch into microbatches (microbatch i = rows i, i + m, ...), runs
+`executor.run_schedule` inside one `jax.shard_map` over every mesh axis
+(with every axis Auto: `run_on_mesh`), reduces what the stages hold
+(loss and token count over every axis they vary over, head and input
+gradients over the pipeline axis) and divides by the token count.
+`pipelined_loss` is the `jax.custom_vjp` of `Pipeline.loss`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.sharding import run_on_mesh
+from shardfuse.kernels.vma import varying_axes
+from shardfuse.parallel.pipeline import executor
+from shardfuse.parallel.pipeline.schedule import schedule_table
+
+
+def cross_entropy(logits, targets, weights):
+    """Token-weighted softmax cross entropy: `(sum(w * ce), sum(w))` in float32.
+
+    `logits` `[..., V]`, integer `targets` `[...]`, `weights` `[...]`.
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> total, count = cross_entropy(jnp.zeros((2, 4)), jnp.array([1, 2]), jnp.ones(2))
+      >>> round(float(total / count), 4), float(count)
+      (1.3863, 2.0)
+    """
+    logits = logits.astype(jnp.float32)
+    label = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ce = jax.nn.logsumexp(logits, axis=-1) - label
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(ce * weights), jnp.sum(weights)
+
+
+def spec_axes(spec) -> tuple:
+    names = []
+    for entry in spec:
+        names += [entry] if isinstance(entry, str) else list(entry or ())
+    return tuple(names)
+
+
+def pure(module):
+    graphdef, state = nnx.split(module)
+    return graphdef, jax.tree.map(
+        lambda v: v[...], state, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )
+
+
+def spec_tree(specs):
+    """A pytree of PartitionSpecs (P() where none is set) from `nnx.get_partition_spec`."""
+
+    def spec(v):
+        value = v.get_value() if isinstance(v, nnx.Variable) else v
+        return value if isinstance(value, P) else P()
+
+    return jax.tree.map(spec, specs, is_leaf=lambda v: isinstance(v, nnx.Variable | P) or v is None)
+
+
+class Config:
+    """Static settings of one pipelined program (hashable by identity of its fields)."""
+
+    def __init__(self, **fields):
+        fields.setdefault("head_graphdef", None)
+        fields.setdefault("head_specs", None)
+        fields.setdefault("loss_fn", None)
+        fields.setdefault("targets_spec", None)
+        self.__dict__.update(fields)
+        self._key = tuple((k, v if _hashable(v) else id(v)) for k, v in sorted(fields.items()))
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, Config) and self._key == other._key
+
+
+def _hashable(value):
+    try:
+        hash(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _to_stages(config, tree, specs):
+    """Stacked `[L, ...]` leaves -> `[p, v, L/(p v), ...]`, pipeline-sharded on axis 0."""
+    p, v = config.p, config.v
+
+    def reorder(a, spec):
+        local = a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:]).swapaxes(0, 1)
+        return local, P(config.pipeline_axis, None, None, *tuple(spec)[1:])
+
+    pairs = jax.tree.map(reorder, tree, specs)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], P)  # noqa: E731
+    return (
+        jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair),
+        jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair),
+    )
+
+
+def _from_stages(config, tree):
+    return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), tree)
+
+
+def _microbatches(x, m):
+    """`[B, ...]` -> `[m, B/m, ...]`, microbatch i = rows i, i + m, ..."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _unmicrobatch(x):
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _constrain(tree, mesh, specs):
+    return jax.tree.map(
+        lambda a, s: lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, s)),
+        tree,
+        specs,
+    )
+
+
+def _stage_fn(config):
+    def stage(chunk_state, x):
+        return config.apply_layers(chunk_state, x)
+
+    return stage
+
+
+def _run(config, forward_only, stack_values, head_values, x, targets, weights):
+    """The pipelined program (traced under jit): outputs for forward-only or training."""
+    table = schedule_table(config.schedule, config.p, config.m, config.v, forward_only=forward_only)
+    x_spec = P(None, *config.io_spec)
+    out_specs = (
+        x_spec if forward_only else (P(), P(), _stage_out_specs(config), config.head_specs, x_spec)
+    )
+
+    def program(mesh, stack_values, head_values, x, targets, weights):
+        stages, stage_specs = _to_stages(config, stack_values, config.layer_specs)
+        stages = _constrain(stages, mesh, stage_specs)
+        x = _constrain(_microbatches(x, config.m), mesh, x_spec)
+        t_spec = P(None, *config.targets_spec) if config.targets_spec is not None else P()
+        in_specs = [stage_specs, x_spec]
+        args = [stages, x]
+        if not forward_only:
+            targets = _constrain(_microbatches(targets, config.m), mesh, t_spec)
+            weights = _constrain(_microbatches(weights, config.m), mesh, t_spec)
+            in_specs += [config.head_specs, t_spec, t_spec]
+            args += [head_values, targets, weights]
+
+        def body(stages, x, head_values=None, targets=None, weights=None):
+            stages = jax.tree.map(lambda a: a[0], stages)
+            head_fn = None if forward_only else _head_fn(config)
+            result = executor.run_schedule(
+                table,
+                stage_fn=_stage_fn(config),
+                head_fn=head_fn,
+                pipeline_axis=config.pipeline_axis,
+                stage_params=stages,
+                head_params=head_values,
+                x=x,
+                targets=targets,
+                weights=weights,
+                poison=config.poison,
+            )
+            if forward_only:
+                return lax.psum(result, config.pipeline_axis)
+            loss_sum, weight_sum, stage_grads, head_grads, dx = result
+            loss_sum = lax.psum(loss_sum, tuple(sorted(varying_axes(loss_sum))))
+            weight_sum = lax.psum(weight_sum, tuple(sorted(varying_axes(weight_sum))))
+            head_grads = jax.tree.map(lambda g: lax.psum(g, config.pipeline_axis), head_grads)
+            dx = lax.psum(dx, config.pipeline_axis)
+            stage_grads = jax.tree.map(lambda g: g[None], stage_grads)
+            return loss_sum, weight_sum, stage_grads, head_grads, dx
+
+        body_specs = out_specs
+        if not forward_only:
+            body_specs = (P(), P(), stage_specs, config.head_specs, x_spec)
+        outputs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=body_specs)(
+            *args
+        )
+        if forward_only:
+            return _unmicrobatch(outputs)
+        loss_sum, weight_sum, stage_grads, head_grads, dx = outputs
+        scale = 1.0 / weight_sum
+        stage_grads = jax.tree.map(
+            lambda g: (g * scale).astype(g.dtype), _from_stages(config, stage_grads)
+        )
+        head_grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), head_grads)
+        dx = (_unmicrobatch(dx) * scale).astype(dx.dtype)
+        return loss_sum * scale, stage_grads, head_grads, dx
+
+    final_specs = (
+        P(*config.io_spec)
+        if forward_only
+        else (P(), config.layer_specs, config.head_specs, P(*config.io_spec))
+    )
+    return run_on_mesh(program, config.mesh, final_specs)(
+        stack_values, head_values, x, targets, weights
+    )
+
+
+def _stage_out_specs(config):
+    return jax.tree.map(
+        lambda s: P(config.pipeline_axis, None, None, *tuple(s)[1:]), config.layer_specs
+    )
+
+
+def _head_fn(config):
+    """`head_fn(head_values, y, targets, weights) -> (loss_sum, weight_sum)` per shard.
+
+    Only the first device along the mesh axes the targets are not split over
+    counts (the others hold copies of the same tokens' loss).
+    """
+    token_axes = set(spec_axes(config.targets_spec))
+    replica_axes = [
+        a for a in config.mesh.axis_names if a != config.pipeline_axis and a not in token_axes
+    ]
+
+    def head_fn(head_values, y, targets, weights):
+        head = nnx.merge(config.head_graphdef, head_values)
+        loss_sum, weight_sum = config.loss_fn(head(y), targets, weights)
+        first = jnp.asarray(True)
+        for axis in replica_axes:
+            first = first & (lax.axis_index(axis) == 0)
+        zero = jnp.zeros((), jnp.float32)
+        return (
+            jnp.where(first, loss_sum.astype(jnp.float32), zero),
+            jnp.where(first, weight_sum.astype(jnp.float32), zero),
+        )
+
+    return head_fn
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def forward_program(config, stack_values, x):
+    return _run(config, True, stack_values, None, x, None, None)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _train_program(config, stack_values, head_values, x, targets, weights):
+    return _run(config, False, stack_values, head_values, x, targets, weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def pipelined_loss(config, stack_values, head_values, x, targets, weights):
+    return _train_program(config, stack_values, head_values, x, targets, weights)[0]
+
+
+def _fwd(config, stack_values, head_values, x, targets, weights):
+    loss, stage_grads, head_grads, dx = _train_program(
+        config, stack_values, head_values, x, targets, weights
+    )
+    return loss, (stage_grads, head_grads, dx)
+
+
+def _bwd(config, residuals, cotangent):
+    stage_grads, head_grads, dx = residuals
+    scale = lambda g: (g * cotangent).astype(g.dtype)  # noqa: E731
+    return (
+        jax.tree.map(scale, stage_grads),
+        jax.tree.map(scale, head_grads),
+        scale(dx),
+        None,
+        None,
+    )
+
+
+pipelined_loss.defvjp(_fwd, _bwd)
