@@ -12,6 +12,7 @@ shards.
 import doctest
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
@@ -165,3 +166,37 @@ def test_zero_bad_input():
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+def test_zero3_mixed_precision_gathers_in_dtype_reduces_in_float32():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    for reduce_dtype, reduced in ((jnp.float32, "f32"), (None, "bf16")):
+        layer = ColumnParallelLinear(
+            16,
+            32,
+            mesh=mesh,
+            zero=3,
+            dtype=jnp.bfloat16,
+            reduce_dtype=reduce_dtype,
+            rngs=nnx.Rngs(0),
+        )
+        assert layer.kernel[...].dtype == jnp.float32  # param_dtype storage
+        x = jnp.ones((8, 4, 16), jnp.float32)
+        graphdef, state = nnx.split(layer)
+
+        def loss(state, x, graphdef=graphdef):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x).astype(jnp.float32)))
+
+        grad = jax.jit(jax.grad(loss))
+        # the program as JAX emits it (XLA:CPU then widens bf16 collectives to f32 itself)
+        text = grad.lower(state, x).as_text()
+        gathers = [line for line in text.splitlines() if "stablehlo.all_gather" in line]
+        lines = text.splitlines()
+        scatters = [  # a reduce_scatter's types follow its reduction region: "}) : (...) -> ..."
+            next(rest for rest in lines[i:] if rest.lstrip().startswith("}) :"))
+            for i, line in enumerate(lines)
+            if "stablehlo.reduce_scatter" in line
+        ]
+        assert gathers and all(line.rstrip().endswith("bf16>") for line in gathers), gathers
+        assert scatters and all(line.rstrip().endswith(f"x{reduced}>") for line in scatters)
+        assert grad(state, x)["kernel"][...].dtype == jnp.float32
