@@ -35,6 +35,21 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (fsdp)")
+    p.add_argument(
+        "--remat",
+        default="none",
+        choices=("none", "full", "selective", "dots", "offload"),
+        help="activation checkpointing policy of each layer",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="gradient accumulation microbatches; pipeline microbatches with a pipeline axis",
+    )
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    p.add_argument("--virtual-stages", type=int, default=1, help="interleaved: chunks per stage")
     p.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
     p.add_argument("--text-file", default=None, help="UTF-8 text (default: the shipped corpus)")
     p.add_argument("--seed", type=int, default=0)
@@ -84,6 +99,11 @@ def main(argv=None):
         log_json=args.log_json,
         device=args.device,
         spread_processes=args.spread_processes,
+        zero=args.zero,
+        remat=args.remat,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
     )
     trainer = Trainer(config, log=lambda line: print(line, flush=True))
     losses = trainer.run()

@@ -1,8 +1,10 @@
-"""Command line: `shardfuse info | demo | bench`.
+"""Command line: `shardfuse info | demo | bench | pipeline | plan`.
 
 shardfuse info            versions, devices, usable implementations and why not
 shardfuse demo            every op against its reference on 8 CPU devices
 shardfuse bench           the benchmark suites of bench/: table, JSON, compare, plot
+shardfuse pipeline        a pipeline schedule as a grid: ticks, bubble, in-flight microbatches
+shardfuse plan            the best parallel layouts for a model on a cluster (cost model)
 """
 
 import argparse
@@ -28,6 +30,15 @@ def main(argv=None) -> int:
     from shardfuse.bench import cli as bench_cli
 
     bench_cli.add_arguments(commands.add_parser("bench", help="run the benchmark suites"))
+    from shardfuse.parallel.pipeline import cli as pipeline_cli
+    from shardfuse.planner import cli as plan_cli
+
+    pipeline_cli.add_arguments(
+        commands.add_parser("pipeline", help="show a pipeline schedule: grid, bubble, memory")
+    )
+    plan_cli.add_arguments(
+        commands.add_parser("plan", help="rank parallel layouts for a model on a cluster")
+    )
     args = parser.parse_args(argv)
     if args.cpu_devices < 1:
         parser.error(f"--cpu-devices={args.cpu_devices} must be >= 1")
@@ -43,9 +54,10 @@ def main(argv=None) -> int:
         from shardfuse import demos
 
         demos.run(seq_len=args.seq_len)
-    elif args.command == "bench":
+    elif args.command in ("bench", "pipeline", "plan"):
+        cli = {"bench": bench_cli, "pipeline": pipeline_cli, "plan": plan_cli}[args.command]
         try:
-            return bench_cli.main(args)
+            return cli.main(args)
         except (ValueError, FileNotFoundError) as e:
             parser.error(str(e))
     return 0

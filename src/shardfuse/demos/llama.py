@@ -18,7 +18,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.kernels.vma import to_varying
 from shardfuse.layers import ColumnParallelLinear, Norm, ParallelTransformerBlock
+from shardfuse.layers._sharding import in_manual_region, place, sharded_param
+from shardfuse.layers.stack import Stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +62,43 @@ class LlamaConfig:
         return 6.0 * matmul + attention
 
 
+class LMHead(nnx.Module):
+    """Final RMSNorm and column-parallel unembedding: `[B, T, F]` -> logits `[B, T, vocab]`."""
+
+    def __init__(self, features: int, vocab: int, *, mesh, layer_kwargs, rngs: nnx.Rngs):
+        self.norm = Norm(features, mesh=mesh, rngs=rngs)
+        self.unembed = ColumnParallelLinear(
+            features,
+            vocab,
+            mesh=mesh,
+            sequence_parallel=True,
+            gather_output=True,
+            use_bias=False,
+            **layer_kwargs,
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return self.unembed(self.norm(x))
+
+
 class LlamaLM(nnx.Module):
-    """Embedding, `ParallelTransformerBlock`s, final RMSNorm, column-parallel unembedding.
+    """Embedding, a `Stack` of `ParallelTransformerBlock`s, final RMSNorm, unembedding.
+
+    Runs on any mesh over `pipeline, data, fsdp, sequence, model` (absent
+    axes are size 1): batch over `(data, fsdp)`, ring attention over
+    `sequence` (tokens in the zigzag ring layout), tensor and sequence
+    parallelism over `model`, ZeRO stage `zero` over `fsdp` (zero=3: the
+    embedding's vocabulary dimension too), the stacked layers over
+    `pipeline` when `pipelined` (run them with `sf.parallel.pipeline`). Works
+    normally and per shard (inside `sf.parallel.accumulate`'s region).
 
     Args:
       config: a `LlamaConfig`.
-      mesh: the mesh; its axes among `data, sequence, model` are used by the
-        layers (absent axes are size 1).
-      block_kwargs: extra keyword arguments of every `ParallelTransformerBlock`.
+      mesh: the mesh.
+      zero: ZeRO stage 0..3 of the layers.
+      remat: activation checkpointing policy of each layer (`shardfuse.layers.remat`).
+      pipelined: stack the layers over the `pipeline` axis.
       rngs: `nnx.Rngs`.
 
     Example usage::
@@ -80,56 +112,82 @@ class LlamaLM(nnx.Module):
       (2, 16, 256)
     """
 
-    def __init__(self, config: LlamaConfig, *, mesh, block_kwargs=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        mesh,
+        zero: int = 0,
+        remat: str = "none",
+        pipelined: bool = False,
+        rngs: nnx.Rngs,
+    ):
         self.config, self.mesh = config, mesh
         axes = set(mesh.axis_names)
-        self.model_axis = "model" if "model" in axes else None
-        common = dict(
-            mesh=mesh,
-            model_axis=self.model_axis,
+        fsdp = "fsdp" if zero == 3 and "fsdp" in axes else None
+        self.embed = sharded_param(
+            nnx.initializers.normal(0.02),
+            rngs.params(),
+            (config.vocab, config.features),
+            jnp.float32,
+            mesh,
+            P(fsdp, None),
+        )
+        layer_kwargs = dict(
+            model_axis="model" if "model" in axes else None,
             sequence_axis="sequence" if "sequence" in axes else None,
             data_axis="data" if "data" in axes else None,
+            zero=zero,
         )
-        init = nnx.initializers.normal(0.02)
-        self.embed = nnx.Param(
-            jax.jit(
-                lambda key: init(key, (config.vocab, config.features)),
-                out_shardings=NamedSharding(mesh, P()),
-            )(rngs.params())
-        )
-        self.blocks = nnx.List(
-            [
-                ParallelTransformerBlock(
-                    config.features,
-                    config.heads,
-                    config.hidden,
-                    num_kv_heads=config.kv_heads,
-                    rope_theta=config.rope_theta,
-                    activation="swiglu",
-                    **common,
-                    **(block_kwargs or {}),
-                    rngs=rngs,
-                )
-                for _ in range(config.layers)
-            ]
-        )
-        self.norm = Norm(config.features, mesh=mesh, rngs=rngs)
-        self.head = ColumnParallelLinear(
-            config.features,
-            config.vocab,
-            **common,
-            sequence_parallel=True,
-            gather_output=True,
-            use_bias=False,
+
+        def block(rngs):
+            return ParallelTransformerBlock(
+                config.features,
+                config.heads,
+                config.hidden,
+                num_kv_heads=config.kv_heads,
+                rope_theta=config.rope_theta,
+                activation="swiglu",
+                mesh=mesh,
+                **layer_kwargs,
+                rngs=rngs,
+            )
+
+        self.blocks = Stack(
+            block,
+            config.layers,
+            mesh=mesh,
+            layer_axis="pipeline" if pipelined else None,
+            remat=remat,
             rngs=rngs,
         )
+        self.head = LMHead(
+            config.features, config.vocab, mesh=mesh, layer_kwargs=layer_kwargs, rngs=rngs
+        )
+
+    def embed_tokens(self, tokens):
+        """tokens int `[B, T]` -> `[B, T, F]` (per shard: this device's sequence part)."""
+        if in_manual_region(self.mesh):
+            x = jnp.take(self.embed[...], tokens, axis=0)
+            x = _model_shard_of_sequence(x, self.mesh)
+            # Typed as the blocks' shard_map would type their input (the gradient of the
+            # embedding is then summed over the model axis where the sequence is split).
+            return to_varying(x, frozenset(self.mesh.axis_names) - {"pipeline"})
+        x = embed_lookup(self.embed[...], tokens, self.mesh)
+        return place(x, self.mesh, self.blocks.blocks.io_spec())  # the blocks' layout
 
     def __call__(self, tokens):
         """tokens int `[B, T]` (ring layout order over `sequence`) -> logits `[B, T, vocab]`."""
-        x = embed_lookup(self.embed[...], tokens, self.mesh)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.blocks(self.embed_tokens(tokens)))
+
+
+def _model_shard_of_sequence(x, mesh):
+    """Per shard, sequence parallelism: this model shard's part of `x` `[b, t, F]` along t."""
+    if "model" not in mesh.axis_names or mesh.shape["model"] == 1:
+        return x
+    part = x.shape[1] // mesh.shape["model"]
+    start = jax.lax.axis_index("model") * part
+    return jax.lax.dynamic_slice_in_dim(x, start, part, axis=1)
 
 
 def embed_lookup(table, tokens, mesh):

@@ -26,9 +26,11 @@ from shardfuse import hardware
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.demos.data import CORPUS, SyntheticTokens, TextTokens
 from shardfuse.demos.llama import LlamaConfig, LlamaLM, token_loss
-from shardfuse.layers import place_on_mesh
 from shardfuse.parallel import distributed
+from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.checkpoint import Checkpointer
+from shardfuse.parallel.pipeline.api import Pipeline
+from shardfuse.parallel.zero import ZeroOptimizer
 
 AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost to innermost
 
@@ -52,6 +54,11 @@ class TrainConfig:
     log_json: str | None = None
     device: str | None = None  # sf.hardware name for the MFU estimate (default: detected)
     spread_processes: bool = False  # every mesh axis crosses processes (distributed.spread_devices)
+    zero: int = 0  # ZeRO stage over the fsdp axis
+    remat: str = "none"  # activation checkpointing policy of each layer
+    microbatches: int = 1  # gradient accumulation (no pipeline) or pipeline microbatches
+    schedule: str = "1f1b"  # pipeline schedule (when the pipeline axis is > 1)
+    virtual_stages: int = 1  # interleaved schedule: model chunks per stage
 
     def mesh_shape(self, device_count: int) -> tuple:
         """Sizes of `AXES`, checked against the device count."""
@@ -121,11 +128,17 @@ class Trainer:
             self.mesh = jax.make_mesh(shape, AXES)
         self.batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
         self.ring = self.mesh.shape["sequence"]
-        if self.mesh.shape["pipeline"] > 1 or self.mesh.shape["fsdp"] > 1:
-            raise NotImplementedError("pipeline and fsdp axes > 1 land with sf.parallel")
-        self.model = LlamaLM(config.model, mesh=self.mesh, rngs=nnx.Rngs(config.seed))
+        self.pipelined = self.mesh.shape["pipeline"] > 1
+        self.model = LlamaLM(
+            config.model,
+            mesh=self.mesh,
+            zero=config.zero,
+            remat=config.remat,
+            pipelined=self.pipelined,
+            rngs=nnx.Rngs(config.seed),
+        )
         tx = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
-        self.optimizer = place_on_mesh(nnx.Optimizer(self.model, tx, wrt=nnx.Param), self.mesh)
+        self.optimizer = ZeroOptimizer(self.model, tx, mesh=self.mesh, zero=config.zero)
         self.stream = _stream(config)
         self.step = 0
         self.checkpointer = None
@@ -158,12 +171,40 @@ class Trainer:
         if self.ring > 1:  # ring (zigzag) order along T; the loss does not care about order
             tokens = to_ring_layout(tokens, self.ring, "zigzag")
             targets = to_ring_layout(targets, self.ring, "zigzag")
+        c = self.config
+        if self.pipelined:
 
-        def loss_fn(model):
-            total, count = token_loss(model(tokens), targets)
-            return total / count
+            def pipelined_loss(model):
+                # Built from the model being differentiated (not one closed over).
+                pipe = Pipeline(
+                    model.blocks,
+                    mesh=self.mesh,
+                    schedule=c.schedule,
+                    num_microbatches=c.microbatches,
+                    virtual_stages=c.virtual_stages,
+                )
+                # The head gathers the sequence over "model": its logits hold the
+                # tokens of a whole sequence shard.
+                return pipe.loss(
+                    model.embed_tokens(tokens),
+                    targets,
+                    head=model.head,
+                    targets_spec=P(("data", "fsdp"), "sequence"),
+                )
 
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
+            loss, grads = nnx.value_and_grad(pipelined_loss)(model)
+        else:
+
+            def per_shard_loss(model, batch):
+                return token_loss(model(batch["tokens"]), batch["targets"])
+
+            loss, grads = accumulate(
+                per_shard_loss,
+                c.microbatches,
+                mesh=self.mesh,
+                zero=c.zero,
+                batch_spec=P(("data", "fsdp"), "sequence"),
+            )(model, {"tokens": tokens, "targets": targets})
         optimizer.update(model, grads)
         return loss
 

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_axes
+from shardfuse.kernels.vma import to_varying
 
 DEFAULT_DATA_AXIS = "data"
 DEFAULT_SEQUENCE_AXIS = "sequence"
@@ -166,7 +167,9 @@ def shard_map_call(local, mesh, args, in_specs, out_specs):
     shards and `local(*args)` runs directly.
     """
     if in_manual_region(mesh):
-        return local(*args)
+        # As shard_map would type them: each input varies over the axes its spec names
+        # (an axis of size 1 included, e.g. a "sequence" axis the caller did not split).
+        return local(*(_as_sharded(a, s) for a, s in zip(args, in_specs, strict=True)))
 
     def put(value, spec):
         if value is None:
@@ -177,6 +180,18 @@ def shard_map_call(local, mesh, args, in_specs, out_specs):
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)
     return fn(*(put(a, s) for a, s in zip(args, in_specs, strict=True)))
+
+
+def _as_sharded(value, spec):
+    """`value` (an array, None, or a list matching a list of specs) varying over `spec`'s axes."""
+    if value is None:
+        return None
+    if not isinstance(spec, P):
+        return [_as_sharded(v, s) for v, s in zip(value, spec, strict=True)]
+    axes = set()
+    for entry in spec:
+        axes.update((entry,) if isinstance(entry, str) else entry or ())
+    return to_varying(value, frozenset(axes))
 
 
 def compute_dtype(dtype, *arrays):
