@@ -68,7 +68,11 @@ def spec_tree(specs):
 
 
 class Config:
-    """Static settings of one pipelined program (hashable by identity of its fields)."""
+    """Static settings of one pipelined program, hashable: the `jax.jit` cache key.
+
+    Pytrees of PartitionSpecs count by value (so that repeated eager calls
+    reuse the compiled program); other unhashable fields by identity.
+    """
 
     def __init__(self, **fields):
         fields.setdefault("head_graphdef", None)
@@ -76,7 +80,7 @@ class Config:
         fields.setdefault("loss_fn", None)
         fields.setdefault("targets_spec", None)
         self.__dict__.update(fields)
-        self._key = tuple((k, v if _hashable(v) else id(v)) for k, v in sorted(fields.items()))
+        self._key = tuple((k, _frozen(v)) for k, v in sorted(fields.items()))
 
     def __hash__(self):
         return hash(self._key)
@@ -91,6 +95,16 @@ def _hashable(value):
         return True
     except TypeError:
         return False
+
+
+def _frozen(value):
+    """`value` if hashable; a pytree of specs as (treedef, leaves); else its id."""
+    if _hashable(value):
+        return value
+    leaves, treedef = jax.tree.flatten(value, is_leaf=lambda x: isinstance(x, P))
+    if all(isinstance(leaf, P) for leaf in leaves):
+        return (treedef, tuple(leaves))
+    return id(value)
 
 
 def _to_stages(config, tree, specs):
