@@ -312,3 +312,34 @@ def test_docstring_examples():
 def test_ring_size_one():
     """A ring of one device: no DMA, the kernels reduce to flash attention."""
     check_fused(case(N=1, layout="contiguous", causal=True, T=16, S=16, H=2, K=1))
+
+
+@pytest.mark.slow
+def test_global_ring_attention_runs_the_fused_ring():
+    """`sf.ring_attention(implementation="pallas_tpu_fused")`: padded zigzag, forward and grad."""
+    mesh = jax.make_mesh((4,), ("sequence",))
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 30, 2, 64), jnp.float32) for key in keys)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v) ** 2)
+
+    fused = lambda q, k, v: sf.ring_attention(  # noqa: E731
+        q, k, v, mesh=mesh, causal=True, implementation="pallas_tpu_fused"
+    )
+    reference = lambda q, k, v: sf.attention_reference(q, k, v, causal=True)  # noqa: E731
+    assert_close(fused(q, k, v), reference(q, k, v))
+    got = jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_global_ring_attention_refuses_the_fused_ring_for_other_strategies():
+    mesh = jax.make_mesh((4,), ("sequence",))
+    q = jnp.ones((1, 32, 2, 64), jnp.float32)
+    for strategy in ("all_gather", "ulysses"):
+        with pytest.raises(ValueError, match="strategy='ring' only"):
+            sf.ring_attention(
+                q, q, q, mesh=mesh, strategy=strategy, implementation="pallas_tpu_fused"
+            )

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from shardfuse.collectives import sharding
 from shardfuse.collectives.collective_matmul.cost_model import Hardware
-from shardfuse.collectives.ring_attention import blocks, layouts
+from shardfuse.collectives.ring_attention import api, layouts
 from shardfuse.collectives.ring_attention import strategy as strategy_rule
+from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.attention import base
 
 RULE = (
@@ -224,7 +225,7 @@ def make_plan(
         mesh, sequence_axis=seq_axis, data_axis=batch_axis, model_axis=head_axis
     )
     layouts.check_layout(layout)
-    blocks.candidates(impl)
+    ring_only = set(api.RING_ATTENTION.candidates(impl)) - set(attention_api.ATTENTION.names)
     if isinstance(impl, list):
         impl = tuple(impl)  # hashable: the plan is a jit cache key
     batch_axes, head_axes = axes["data_axis"], axes["model_axis"]
@@ -257,6 +258,12 @@ def make_plan(
             return choice
         strategy = choice.strategy
         _LOG.debug("sf.ring_attention(strategy=None) -> %s\n%s", strategy, choice)
+    if strategy != "ring" and ring_only:
+        raise ValueError(
+            f"implementation={impl!r}: {sorted(ring_only)} run the whole ring in one kernel "
+            f"(strategy='ring' only); strategy={strategy!r} runs a per-block attention "
+            f"implementation, one of {attention_api.ATTENTION.names}"
+        )
     if strategy in ("ulysses", "ulysses_ring"):
         ulysses_size = mesh.shape[seq_axes[0]]
         if (H // head_size) % ulysses_size:
