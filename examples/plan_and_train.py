@@ -114,7 +114,12 @@ def make_step(lm: LM, the_plan, tx):
         if micro == 1:
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
         else:
-            split = lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:])  # noqa: E731
+
+            def split(a):  # [B, T] -> [micro, B / micro, T]: microbatch i = rows j * micro + i
+                batch, length = a.shape  # (strided, so every device keeps its own rows)
+                rows = P(io_spec[0], None, "sequence")
+                a = a.reshape(batch // micro, micro, length, out_sharding=rows)
+                return jnp.swapaxes(a, 0, 1)
 
             def accumulate(carry, batch):
                 loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
