@@ -8,13 +8,15 @@ Example:
   (1, 64, 4, 32)
 """
 
-from shardfuse import collectives, hardware, kernels, layers, models
+from shardfuse import collectives, hardware, kernels, layers, models, parallel, planner
 from shardfuse._info import info
 from shardfuse._version import __version__ as __version__
 from shardfuse.collectives.ring_attention import from_ring_layout, ring_positions, to_ring_layout
+from shardfuse.collectives.ring_attention.plan import ring_attention_plan
 from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
 from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
+from shardfuse.planner import plan
 
 __all__ = [
     "BlockSizes",
@@ -29,7 +31,11 @@ __all__ = [
     "layers",
     "matmul",
     "models",
+    "parallel",
+    "plan",
+    "planner",
     "ring_attention",
+    "ring_attention_plan",
     "ring_positions",
     "to_ring_layout",
 ]

@@ -14,12 +14,13 @@ parallel), `sequence_axis` (context parallel), `data_axis` (batch);
 compiles once.
 """
 
-from shardfuse.layers import reference
-from shardfuse.layers._sharding import place_on_mesh
+from shardfuse.layers import reference, remat
+from shardfuse.layers._sharding import in_manual_region, place_on_mesh
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shardfuse.layers.mlp import ParallelMLP
+from shardfuse.layers.stack import Stack
 
 __all__ = [
     "ColumnParallelLinear",
@@ -28,6 +29,9 @@ __all__ = [
     "ParallelSelfAttention",
     "ParallelTransformerBlock",
     "RowParallelLinear",
+    "Stack",
+    "in_manual_region",
     "place_on_mesh",
     "reference",
+    "remat",
 ]

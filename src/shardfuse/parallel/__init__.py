@@ -1,7 +1,35 @@
 """Whole-model parallelism over NNX models built from `shardfuse.layers`.
 
-Pipeline schedules, ZeRO/FSDP, gradient accumulation, checkpointing and
-multi-host helpers. Data flows one way: planner -> parallel -> layers; this
-package composes layers into models and training steps and knows nothing of
-kernels.
+- `Pipeline` (`pipeline/`): a `shardfuse.layers.Stack` split into stages over
+  the `pipeline` axis, run by "gpipe", "1f1b", "interleaved" or "zb-h1" in one
+  jitted program; `schedule_table` is the schedule as data.
+- `ZeroOptimizer`, `init` (`zero.py`): ZeRO-1/2/3 optimizer state sharded over
+  `fsdp`, models and optimizers born sharded; `zero=` on the layers shards
+  parameters (ZeRO-3).
+- `accumulate` (`accumulate.py`): token-weighted gradient accumulation over
+  microbatches, reduced once per step.
+- `Checkpointer` (`checkpoint.py`): orbax checkpoints, restored onto any mesh.
+- `distributed`: `jax.distributed.initialize` from flags or environment, and
+  per-process batch loading.
+
+Data flows one way: planner -> parallel -> layers; this package composes
+layers into models and training steps and knows nothing of kernels.
 """
+
+from shardfuse.parallel import distributed
+from shardfuse.parallel.accumulate import accumulate
+from shardfuse.parallel.checkpoint import Checkpointer
+from shardfuse.parallel.pipeline import SCHEDULES, Pipeline, ScheduleTable, schedule_table
+from shardfuse.parallel.zero import ZeroOptimizer, init
+
+__all__ = [
+    "SCHEDULES",
+    "Checkpointer",
+    "Pipeline",
+    "ScheduleTable",
+    "ZeroOptimizer",
+    "accumulate",
+    "distributed",
+    "init",
+    "schedule_table",
+]
