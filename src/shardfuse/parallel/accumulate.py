@@ -282,7 +282,6 @@ def _per_shard(
     """The body of the full-manual region: scan over microbatches, then one reduction."""
     m = num_microbatches
     micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
-    is_spec = _is_spec
 
     def vary(x, spec):  # partial gradients per device: no reduction over the batch axes
         return to_varying(x, frozenset(reduce_axes - _spec_axes(spec)) | varying_axes(x))
@@ -323,7 +322,7 @@ def _per_shard(
     # gradients: traced abstractly here, never computed.
     first = jax.tree.map(lambda x: x[0], micro)
     avals = jax.make_jaxpr(micro_grads)(params, first).out_avals
-    grad_tree = jax.tree.structure(jax.eval_shape(lambda: params))
+    grad_tree = jax.tree.structure(params)
     acc = jax.tree.unflatten(
         grad_tree,
         [
@@ -345,5 +344,4 @@ def _per_shard(
         return g / total_n
 
     grads = jax.tree.map(finish, acc, grad_specs, is_leaf=None)
-    del is_spec
     return total_s / total_n, grads
