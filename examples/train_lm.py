@@ -24,7 +24,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--mesh", default="data=2,sequence=2,model=2", help="AXIS=SIZE,... (default %(default)s)"
     )
-    p.add_argument("--plan", action="store_true", help="take the mesh and options from sf.plan")
+    p.add_argument(
+        "--plan", action="store_true", help="take the mesh and options from sf.plan (not --mesh)"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -105,6 +107,14 @@ def main(argv=None):
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
     )
+    if args.plan:
+        import jax
+
+        from shardfuse.demos.train_lm import planned
+
+        config, best = planned(config, jax.device_count())
+        if distributed.is_primary():
+            print(f"plan: {best.summary()}", flush=True)
     trainer = Trainer(config, log=lambda line: print(line, flush=True))
     losses = trainer.run()
     if losses and distributed.is_primary():

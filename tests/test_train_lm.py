@@ -22,14 +22,21 @@ def _params(model):
 
 
 @pytest.mark.parametrize(
-    "mesh",
+    "mesh, options",
     [
-        pytest.param("data=8", id="data"),
-        pytest.param("data=2,sequence=2,model=2", id="data-sequence-model"),
+        pytest.param("data=8", {}, id="data"),
+        pytest.param("fsdp=8", dict(zero=3), id="fsdp-zero3"),
+        pytest.param("pipeline=2,model=4", dict(microbatches=2), id="pipeline-model"),
+        pytest.param("data=2,sequence=2,model=2", {}, id="data-sequence-model"),
+        pytest.param(
+            "pipeline=2,data=1,fsdp=2,sequence=1,model=2",
+            dict(zero=3, microbatches=2, schedule="zb-h1", remat="selective"),
+            id="five-axes",
+        ),
     ],
 )
-def test_example_loss_falls(mesh):
-    losses = Trainer(_config(parse_mesh(mesh)), log=lambda line: None).run()
+def test_example_loss_falls(mesh, options):
+    losses = Trainer(_config(parse_mesh(mesh), **options), log=lambda line: None).run()
     assert len(losses) == 6 and np.all(np.isfinite(losses)), losses
     assert losses[-1] < 0.9 * losses[0], losses
 
@@ -45,8 +52,14 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
     saved.config.steps = 3
     (want,) = saved.run()
 
-    restored = Trainer(
-        _config({"data": 4, "sequence": 2}, steps=3, checkpoint_dir=str(tmp_path)),
+    restored = Trainer(  # saved on data 2 x model 4, restored on fsdp 4 x pipeline 2
+        _config(
+            {"fsdp": 4, "pipeline": 2},
+            steps=3,
+            checkpoint_dir=str(tmp_path),
+            zero=3,
+            microbatches=2,
+        ),
         log=lambda line: None,
     )
     assert restored.step == 2
@@ -54,7 +67,8 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
     assert got_params.keys() == at_step_2.keys()
     for name, value in at_step_2.items():
         np.testing.assert_array_equal(got_params[name], value, err_msg=name)
-    assert restored.model.head.kernel.sharding.mesh.shape["data"] == 4
+    kernel = restored.model.head.unembed.kernel[...]
+    assert kernel.sharding.spec[0] == "fsdp" and kernel.sharding.mesh.shape["fsdp"] == 4
     (got,) = restored.run()
     assert abs(got - want) <= 1e-6, (got, want)
 

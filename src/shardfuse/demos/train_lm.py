@@ -87,6 +87,48 @@ def parse_mesh(text: str) -> dict:
     return sizes
 
 
+def planned(config: TrainConfig, device_count: int, *, chip: str = "h100") -> tuple:
+    """`(config, plan)`: `config` with the mesh and options of `sf.plan`'s best plan.
+
+    The model is planned as it runs here (float32, Adam, embedding replicated)
+    for one node of `device_count` devices of `chip` (CPUs have no entry in
+    `sf.hardware`: the chip only changes the ranking, not what runs), with
+    ring attention over the sequence axis (what the blocks run).
+    """
+    from shardfuse import models, planner  # the planner sits above this example's layers
+
+    m = config.model
+    spec = models.ModelSpec(
+        "train_lm",
+        hidden=m.features,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        head_dim=m.features // m.heads,
+        ffn_hidden=m.hidden,
+        num_layers=m.layers,
+        vocab_size=m.vocab,
+    )
+    best = planner.plan(
+        spec,
+        hardware.cluster(config.device or chip, devices_per_node=device_count),
+        global_batch=config.global_batch,
+        seq_len=config.seq_len,
+        assumptions=planner.Assumptions.float32(embedding_sharded=False, donate=False),
+        cp_strategy="ring",
+    )[0]
+    layout = best.layout
+    new = dataclasses.replace(
+        config,
+        mesh=dict(best.mesh_shape),
+        zero=layout.zero,
+        remat=layout.remat,
+        schedule=layout.schedule,
+        microbatches=layout.num_microbatches,
+        virtual_stages=layout.virtual_stages,
+    )
+    return new, best
+
+
 def _stream(config: TrainConfig):
     if config.data == "synthetic":
         return SyntheticTokens(config.model.vocab, config.seq_len, config.seed)
