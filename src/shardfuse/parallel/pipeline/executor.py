@@ -17,13 +17,15 @@ its action `(kind, microbatch, chunk)` from the table's row `t`:
   gradient is accumulated too.
 - W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier.
 
-Every tick each device evaluates the stage VJP once and keeps from it what
-its action needs (`jnp.where`, never a multiply by 0: NaN in unused buffers
-or bubble ticks never reaches a result). Branching per device (`lax.cond`)
-would be cheaper, but the stage's own collectives (tensor, sequence and data
-parallel layers) must be executed by every device at the same point, which
-divergent branches break; so every tick costs one stage forward and backward
-and the schedules differ in their number of ticks (the IR's bubble).
+A tick computes only what its action needs (`lax.switch` on the action:
+F = stage forward and, on the last stage, the head; B = the stage VJP; W =
+the weight VJP) when neither the stage nor the head communicates. When they
+do (tensor, sequence or data parallel layers inside the stage), every device
+must run the same collectives in the same order, which per-device branches
+break (the CPU runtime hangs): every tick then evaluates the whole stage VJP
+and the head, and keeps what its action needs. Either way the results are
+selected with `jnp.where`, never multiplied by 0: NaN in unused buffers or
+bubble ticks never reaches a result.
 
 Stage inputs and output gradients wait in ring buffers of
 `table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`):
@@ -103,6 +105,84 @@ def _put2(buffer, first, second, value, keep):
     return lax.dynamic_update_index_in_dim(buffer, _put(inner, second, value, keep), first, 0)
 
 
+_COLLECTIVES = ("psum", "all_gather", "ppermute", "all_to_all", "reduce_scatter", "pmax", "pmin")
+
+
+def _has_collectives(jaxpr) -> bool:
+    """Whether a (closed) jaxpr, sub-jaxprs included, communicates across devices."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if any(name in eqn.primitive.name for name in _COLLECTIVES):
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    if _has_collectives(sub):
+                        return True
+    return False
+
+
+def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split):
+    """One tick's stage work: `(y, d_params, d_x, loss_sum, weight_sum, d_head, d_y)`.
+
+    Without collectives in the stage or the head, a `lax.switch` on the action
+    computes only what it needs (F: the stage forward and the head; B: the
+    stage VJP, recomputing the forward, input gradient only when the backward
+    is split; W: the weight VJP) and zeros for the rest. With collectives
+    (tensor, sequence, data parallel stages), every device must run the same
+    ops in the same order: every tick then evaluates the whole VJP and the
+    head, and the caller keeps what the action needs (`jnp.where`).
+    """
+
+    def uniform(params, x_in, cotangent, targets, weights):
+        y, stage_vjp = jax.vjp(stage_fn, params, x_in)
+        d_params, d_x = stage_vjp(to_varying(cotangent, varying_axes(y)))
+        (loss_sum, weight_sum), head_vjp = jax.vjp(
+            lambda hp, y: head_fn(hp, y, targets, weights), head_params, y
+        )
+        d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
+        return y, d_params, d_x, loss_sum, weight_sum, d_head, d_y
+
+    if _has_collectives(jax.make_jaxpr(uniform)(*operands)):
+        return uniform(*operands)
+    template = jax.eval_shape(uniform, *operands)
+
+    def typed(tree):
+        return jax.tree.map(
+            lambda a, t: to_varying(a.astype(t.dtype), _varying_of(t)), tree, template
+        )
+
+    zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)
+
+    def idle(params, x_in, cotangent, targets, weights):
+        return typed(zeros)
+
+    def forward(params, x_in, cotangent, targets, weights):
+        y = stage_fn(params, x_in)
+        (loss_sum, weight_sum), head_vjp = jax.vjp(
+            lambda hp, y: head_fn(hp, y, targets, weights), head_params, y
+        )
+        d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
+        return typed((y, zeros[1], zeros[2], loss_sum, weight_sum, d_head, d_y))
+
+    def backward(params, x_in, cotangent, targets, weights):
+        if split:  # input gradient only; the weight gradient is a later W
+            y, input_vjp = jax.vjp(lambda x: stage_fn(params, x), x_in)
+            (d_x,) = input_vjp(to_varying(cotangent, varying_axes(y)))
+            d_params = zeros[1]
+        else:
+            y, stage_vjp = jax.vjp(stage_fn, params, x_in)
+            d_params, d_x = stage_vjp(to_varying(cotangent, varying_axes(y)))
+        return typed((zeros[0], d_params, d_x, *zeros[3:]))
+
+    def weight(params, x_in, cotangent, targets, weights):
+        y, weight_vjp = jax.vjp(lambda p: stage_fn(p, x_in), params)
+        (d_params,) = weight_vjp(to_varying(cotangent, varying_axes(y)))
+        return typed((zeros[0], d_params, *zeros[2:]))
+
+    return lax.switch(kind, (idle, forward, backward, weight), *operands)
+
+
 def run_schedule(
     table,
     *,
@@ -178,12 +258,10 @@ def run_schedule(
         else:
             carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
             cotangent = carry["grads_in"][c, slot]
-            y, stage_vjp = jax.vjp(stage_fn, params, x_in)
-            d_params, d_x = stage_vjp(to_varying(cotangent, varying_axes(y)))
-            (loss_sum, weight_sum), head_vjp = jax.vjp(
-                lambda hp, y: head_fn(hp, y, _take(targets, i), _take(weights, i)), head_params, y
+            operands = (params, x_in, cotangent, _take(targets, i), _take(weights, i))
+            y, d_params, d_x, loss_sum, weight_sum, d_head, d_y = _tick_compute(
+                kind, operands, stage_fn, head_fn, head_params, split
             )
-            d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
             head_tick = is_f & last
             carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y.astype(y.dtype), head_tick)
             carry["loss"] = jnp.where(head_tick, carry["loss"] + loss_sum, carry["loss"])
