@@ -91,15 +91,30 @@ def reference_none(one_device):
     return kept, jax.jit(jax.grad(_loss(graphdef), argnums=(0, 1)))(state, x)
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        pytest.param("full", marks=pytest.mark.slow),
-        "selective",
-        pytest.param("dots", marks=pytest.mark.slow),
-        pytest.param("offload", marks=pytest.mark.slow),
-    ],
-)
+def _abstract_stack(policy, mesh):
+    """`(graphdef, state, x)` as shapes only: the residuals are traced, nothing compiled."""
+    block = nnx.eval_shape(
+        lambda: ParallelTransformerBlock(
+            F, 4, 48, num_kv_heads=1, head_dim=6, mesh=mesh, remat=policy, rngs=nnx.Rngs(0)
+        )
+    )
+    graphdef, state = nnx.split(block)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((L, *a.shape), a.dtype), state)
+    return graphdef, state, jax.ShapeDtypeStruct((B, T, F), jnp.float32)
+
+
+@pytest.mark.parametrize("policy", list(EXPECTED))
+def test_policy_saves_what_it_promises_inside_scan(policy, one_device):
+    graphdef, state, x = _abstract_stack(policy, one_device)
+    saved = _activations(_loss(graphdef), state, x)
+    assert {(m.replace("any", "device"), s) for m, s in saved} == EXPECTED[policy], saved
+    graphdef, state, x = _abstract_stack("none", one_device)
+    kept = _activations(_loss(graphdef), state, x)
+    assert _device(X, CORE, (48,)) <= kept and len(kept) > len(EXPECTED[policy])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", list(EXPECTED))
 def test_saved_residuals_inside_scan_and_gradients_equal_none(policy, one_device, reference_none):
     x = jax.random.normal(jax.random.key(0), (B, T, F))
     graphdef, state = _stacked(policy, one_device)
