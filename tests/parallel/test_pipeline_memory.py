@@ -74,11 +74,11 @@ def _temp(schedule, m):
     return _compiled(schedule, m)[0].memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.slow
 def _input_gradient_growth(m_small, m_large):
     return (m_large - m_small) * MICROBATCH * SEQ * FEATURES * 4
 
 
+@pytest.mark.slow
 def test_1f1b_memory_and_compile_time_flat_in_m():
     small, large = _temp("1f1b", 8), _temp("1f1b", 32)
     assert large < 1.10 * small, (small, large)
