@@ -10,6 +10,7 @@ shards.
 """
 
 import doctest
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.demos.tiny_lm import token_loss
 from shardfuse.layers import ColumnParallelLinear, ParallelTransformerBlock
-from shardfuse.parallel import accumulate as accumulate_module
-from shardfuse.parallel import zero as zero_module
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.zero import ZeroOptimizer, shard_spec
-from tests.parallel.memory_cases import (
+
+# the modules themselves (sf.parallel exports a function named accumulate)
+accumulate_module = importlib.import_module("shardfuse.parallel.accumulate")
+zero_module = importlib.import_module("shardfuse.parallel.zero")
+from tests.parallel.memory_cases import (  # noqa: E402
     assert_trees_close,
     batch_spec,
     for_mesh,
