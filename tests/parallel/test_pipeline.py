@@ -65,7 +65,6 @@ def test_interleaved_more_layers_per_chunk():
             2,
             1,
             id="pipeline-model-2x2",
-            marks=pytest.mark.slow,
         ),
         pytest.param(
             (4, 2),
