@@ -19,8 +19,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.kernels.vma import to_varying
-from shardfuse.layers import ColumnParallelLinear, Norm, ParallelTransformerBlock
-from shardfuse.layers._sharding import in_manual_region, place, sharded_param
+from shardfuse.layers import (
+    ColumnParallelLinear,
+    Norm,
+    ParallelTransformerBlock,
+    in_manual_region,
+    place,
+    sharded_param,
+)
 from shardfuse.layers.stack import Stack
 
 

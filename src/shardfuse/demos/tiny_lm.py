@@ -18,8 +18,14 @@ import optax
 from flax import nnx
 
 from shardfuse.collectives.ring_attention import to_ring_layout
-from shardfuse.layers import ColumnParallelLinear, Norm, ParallelTransformerBlock, place_on_mesh
-from shardfuse.layers._sharding import in_manual_region, sharded_param
+from shardfuse.layers import (
+    ColumnParallelLinear,
+    Norm,
+    ParallelTransformerBlock,
+    in_manual_region,
+    place_on_mesh,
+    sharded_param,
+)
 from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS
 
 

@@ -15,7 +15,7 @@ compiles once.
 """
 
 from shardfuse.layers import reference, remat
-from shardfuse.layers._sharding import in_manual_region, place_on_mesh
+from shardfuse.layers._sharding import in_manual_region, place, place_on_mesh, sharded_param
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -31,7 +31,9 @@ __all__ = [
     "RowParallelLinear",
     "Stack",
     "in_manual_region",
+    "place",
     "place_on_mesh",
     "reference",
     "remat",
+    "sharded_param",
 ]
