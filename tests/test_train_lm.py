@@ -97,6 +97,7 @@ def test_token_streams_are_per_row_and_deterministic(tmp_path):
         TextTokens(tiny, 16)
 
 
+@pytest.mark.slow
 def test_text_data_trains():
     losses = Trainer(
         _config(

@@ -122,7 +122,14 @@ ATTENTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(ATTENTION_CASES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        "3d-kv-split-zigzag-segments",
+        pytest.param("3d-mqa-contiguous-positions", marks=pytest.mark.slow),
+        pytest.param("1d-tp4-window", marks=pytest.mark.slow),
+    ],
+)
 def test_self_attention(name):
     case = ATTENTION_CASES[name]
     mesh = case["mesh"]()
@@ -180,6 +187,7 @@ def _block(mesh, dtype=None):
     )
 
 
+@pytest.mark.slow  # the block is also checked per shard (test_manual_region) and in test_api
 def test_transformer_block_gqa_causal_ring():
     mesh = mesh_3d()
     block = _block(mesh)
@@ -202,6 +210,7 @@ def test_transformer_block_bfloat16():
     )
 
 
+@pytest.mark.slow  # training end to end: tests/test_train_lm.py, tests/test_examples.py
 def test_training_with_optax_matches_reference_and_learns():
     mesh = mesh_3d()
     block = _block(mesh)

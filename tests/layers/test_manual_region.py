@@ -44,7 +44,7 @@ _PM = ((2, 4), ("pipeline", "model"), {})
     "explicit, shape, names, kwargs",
     [
         pytest.param(True, *_DSM, id="data-sequence-model-explicit"),
-        pytest.param(False, *_PM, id="pipeline-model-auto"),
+        pytest.param(False, *_PM, id="pipeline-model-auto", marks=pytest.mark.slow),
         pytest.param(False, *_DSM, id="data-sequence-model-auto", marks=pytest.mark.slow),
         pytest.param(True, *_PM, id="pipeline-model-explicit", marks=pytest.mark.slow),
     ],

@@ -257,7 +257,7 @@ def test_inputs_sharded_any_way(mesh_kind):
     "mesh_kind, t",
     [
         ("explicit", 28),
-        ("auto", 30),
+        pytest.param("auto", 30, marks=pytest.mark.slow),
         pytest.param("explicit", 30, marks=pytest.mark.slow),
         pytest.param("auto", 28, marks=pytest.mark.slow),
     ],
