@@ -25,8 +25,13 @@ def _params(model):
     "mesh, options",
     [
         pytest.param("data=8", {}, id="data"),
-        pytest.param("fsdp=8", dict(zero=3), id="fsdp-zero3"),
-        pytest.param("pipeline=2,model=4", dict(microbatches=2), id="pipeline-model"),
+        pytest.param("fsdp=8", dict(zero=3), id="fsdp-zero3", marks=pytest.mark.slow),
+        pytest.param(
+            "pipeline=2,model=4",
+            dict(microbatches=2),
+            id="pipeline-model",
+            marks=pytest.mark.slow,
+        ),
         pytest.param("data=2,sequence=2,model=2", {}, id="data-sequence-model"),
         pytest.param(
             "pipeline=2,data=1,fsdp=2,sequence=1,model=2",

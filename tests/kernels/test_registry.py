@@ -151,6 +151,7 @@ def test_collective_sequence_falls_through_a_refusing_backend():
     np.testing.assert_allclose(out, A @ B)
 
 
+@pytest.mark.slow
 def test_ring_attention_takes_sequences(monkeypatch):
     mesh = Mesh(np.array(jax.devices()[:2]), ("sequence",))
     q = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))

@@ -77,7 +77,7 @@ def _check(
     return y
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", [pytest.param("gelu", marks=pytest.mark.slow), "swiglu"])
 def test_mlp(activation):
     mesh = mesh_3d()
     mlp = sf.layers.ParallelMLP(
@@ -94,6 +94,7 @@ def test_mlp(activation):
     assert_sharded_as(y, mesh, P("data", ("sequence", "model"), None))
 
 
+@pytest.mark.slow
 def test_mlp_bfloat16():
     mlp = sf.layers.ParallelMLP(
         16, 32, activation="swiglu", mesh=mesh_1d(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)

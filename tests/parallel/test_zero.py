@@ -86,10 +86,7 @@ CASES = [(zero, mesh) for mesh in ("data2-fsdp4", "fsdp2-seq2-model2") for zero 
 
 @pytest.mark.parametrize(
     "zero, mesh_name, explicit",
-    [
-        pytest.param(z, m, True, marks=() if (z, m) == (3, "data2-fsdp4") else pytest.mark.slow)
-        for z, m in CASES
-    ]
+    [pytest.param(z, m, True, marks=pytest.mark.slow) for z, m in CASES]
     + [pytest.param(3, "fsdp2-seq2-model2", False, marks=pytest.mark.slow)],
 )
 def test_adamw_steps_match_reference(zero, mesh_name, explicit, reference):

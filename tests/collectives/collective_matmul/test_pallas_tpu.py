@@ -129,7 +129,11 @@ def test_forward_and_gradients(case):
 
 
 @pytest.mark.parametrize(
-    "op", [pytest.param("all_gather_matmul", marks=pytest.mark.slow), "matmul_reduce_scatter"]
+    "op",
+    [
+        pytest.param("all_gather_matmul", marks=pytest.mark.slow),
+        pytest.param("matmul_reduce_scatter", marks=pytest.mark.slow),
+    ],
 )
 def test_bfloat16(op):
     case = Case(op, 2, bidirectional=True, dtype="bfloat16", m=4, c=16, f=16)

@@ -85,6 +85,7 @@ SLOW_CASES = [
 ]
 
 
+@pytest.mark.slow  # test_race_free checks the same numerics in the default suite
 @pytest.mark.parametrize("c", FAST_CASES, ids=lambda c: c.id)
 def test_fused_ring_matches_reference(c):
     check_fused(c)

@@ -195,7 +195,8 @@ def _backend_cases():
     """Every backend on the richest case; the interpreted ones on the plain case with -m slow."""
     for implementation in BACKENDS:
         for case in CASES:
-            marks = [pytest.mark.slow] if implementation != "xla" and case is CASES[0] else []
+            slow = implementation == "triton" or (implementation != "xla" and case is CASES[0])
+            marks = [pytest.mark.slow] if slow else []
             yield pytest.param(
                 implementation, case, marks=marks, id=f"{implementation}-{case.name}"
             )

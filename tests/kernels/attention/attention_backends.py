@@ -174,7 +174,6 @@ _XLA_DEFAULT = (
     "masked_rows_40x24",
     "window_segments_48x80",
     "causal_segments_97x113",
-    "bf16_window_softcap_segments_gqa8_2",
     "f16_causal_65",
 )
 XLA = Xla(
@@ -192,7 +191,6 @@ PALLAS_TPU = PallasTpu(
     dtypes=("float32", "bfloat16"),
     default=(
         "causal_mqa_97x257_d128",
-        "window_softcap_gqa8_2_shuffled_256",
         "dense_full_blocks_256",
         "bf16_causal_gqa_256",
     ),

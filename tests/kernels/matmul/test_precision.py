@@ -69,6 +69,7 @@ def test_collective_precision_forward_and_backward(op, implementation):
     assert dot_precisions(jax.grad(lambda x, w: f(x, w).sum(), (0, 1)), A, B) == {"DEFAULT"}
 
 
+@pytest.mark.slow
 def test_layers_pass_precision():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",))
     for precision, expected in ((None, {"HIGHEST"}), ("high", {"HIGH"})):
