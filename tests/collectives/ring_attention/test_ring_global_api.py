@@ -256,7 +256,7 @@ def test_inputs_sharded_any_way(mesh_kind):
 @pytest.mark.parametrize(
     "mesh_kind, t",
     [
-        ("explicit", 28),
+        pytest.param("explicit", 28, marks=pytest.mark.slow),
         pytest.param("auto", 30, marks=pytest.mark.slow),
         pytest.param("explicit", 30, marks=pytest.mark.slow),
         pytest.param("auto", 28, marks=pytest.mark.slow),

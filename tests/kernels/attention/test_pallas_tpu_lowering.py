@@ -66,6 +66,7 @@ def test_lowers_for_tpu_forward_and_backward(name):
                 assert kernel_name in text
 
 
+@pytest.mark.slow
 def test_matches_jax_pallas_tpu_flash_attention():
     """Same results as JAX's TPU flash attention (interpret mode) where both apply:
     MHA, T == S block multiples, causal with segment ids, float32."""
