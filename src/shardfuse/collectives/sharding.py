@@ -78,6 +78,21 @@ def check_mesh_axes(mesh, **axes) -> dict:
     return out
 
 
+def is_spec(x) -> bool:
+    """True for a PartitionSpec or None (a pytree leaf of a tree of specs)."""
+    return isinstance(x, P) or x is None
+
+
+def entry_axes(entry) -> tuple:
+    """Mesh axes of one PartitionSpec entry: None -> (), "a" -> ("a",), ("a", "b") -> itself."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_axes(spec) -> tuple:
+    """Every mesh axis a PartitionSpec names, in order."""
+    return tuple(name for entry in spec for name in entry_axes(entry))
+
+
 def axes_size(mesh, names) -> int:
     """Product of the sizes of mesh axes `names` (a tuple, or None: 1)."""
     return math.prod(mesh.shape[a] for a in names or ())

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_axes
+from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_axes, spec_axes
 from shardfuse.kernels.vma import to_varying
 
 DEFAULT_DATA_AXIS = "data"
@@ -188,10 +188,7 @@ def _as_sharded(value, spec):
         return None
     if not isinstance(spec, P):
         return [_as_sharded(v, s) for v, s in zip(value, spec, strict=True)]
-    axes = set()
-    for entry in spec:
-        axes.update((entry,) if isinstance(entry, str) else entry or ())
-    return to_varying(value, frozenset(axes))
+    return to_varying(value, frozenset(spec_axes(spec)))
 
 
 def compute_dtype(dtype, *arrays):

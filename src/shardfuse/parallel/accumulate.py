@@ -40,6 +40,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import entry_axes, is_spec, spec_axes
 from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
@@ -48,26 +49,14 @@ from shardfuse.parallel import zero as zero_lib
 DEFAULT_DATA_AXIS = "data"
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, P) or x is None
-
-
-def _axes(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _scattered_dim(param_spec, grad_spec, ndim: int):
     """The dimension the gradient buffer is sharded on beyond the parameter (ZeRO-2), or None."""
     param = list(param_spec) + [None] * (ndim - len(param_spec))
     grad = list(grad_spec) + [None] * (ndim - len(grad_spec))
     for dim, (a, b) in enumerate(zip(param, grad, strict=True)):
-        if _axes(a) != _axes(b):
+        if entry_axes(a) != entry_axes(b):
             return dim
     return None
-
-
-def _spec_axes(spec) -> set:
-    return {name for entry in spec for name in _axes(entry)}
 
 
 def _layer_param_ids(model) -> set:
@@ -95,8 +84,8 @@ def _plain_gather_dims(model, state, mesh, fsdp_axis):
             return -1
         spec = variable.get_metadata().get("out_sharding") or P()
         for dim, entry in enumerate(spec):
-            if fsdp_axis in _axes(entry):
-                if _axes(entry) != (fsdp_axis,):
+            if fsdp_axis in entry_axes(entry):
+                if entry_axes(entry) != (fsdp_axis,):
                     raise NotImplementedError(
                         f"parameter {'.'.join(map(str, path))} has spec {spec}: accumulate "
                         f"gathers plain parameters sharded over {fsdp_axis!r} alone on a dimension"
@@ -112,12 +101,12 @@ def _plain_gather_dims(model, state, mesh, fsdp_axis):
 def check_batch(batch, batch_specs, mesh, num_microbatches: int):
     """ValueError unless every batch leaf's leading size divides into microbatches per shard."""
     leaves = jax.tree.leaves(batch)
-    specs = jax.tree.leaves(batch_specs, is_leaf=_is_spec)
+    specs = jax.tree.leaves(batch_specs, is_leaf=is_spec)
     if not leaves:
         raise ValueError("batch is empty: accumulate needs at least one array")
     for x, spec in zip(leaves, specs, strict=True):
         shards = 1
-        for name in _axes(spec[0] if len(spec) else None):
+        for name in entry_axes(spec[0] if len(spec) else None):
             shards *= mesh.shape[name]
         size = x.shape[0] if x.ndim else 0
         if size == 0 or size % (shards * num_microbatches):
@@ -222,8 +211,8 @@ def accumulate(
         rest_specs = zero_lib.param_specs(rest)
         gather_dims = _plain_gather_dims(model, params, mesh, fsdp_axis if zero == 3 else None)
         reduce_axes = set()
-        for spec in jax.tree.leaves(batch_specs, is_leaf=_is_spec):
-            reduce_axes |= _spec_axes(spec)
+        for spec in jax.tree.leaves(batch_specs, is_leaf=is_spec):
+            reduce_axes |= set(spec_axes(spec))
         body = functools.partial(
             _per_shard,
             loss_fn=loss_fn,
@@ -284,7 +273,7 @@ def _per_shard(
     micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
     def vary(x, spec):  # partial gradients per device: no reduction over the batch axes
-        return to_varying(x, frozenset(reduce_axes - _spec_axes(spec)) | varying_axes(x))
+        return to_varying(x, frozenset(reduce_axes - set(spec_axes(spec))) | varying_axes(x))
 
     def gather(x, dim):  # a plain parameter sharded over fsdp: gathered on entry (ZeRO-3)
         if dim < 0:
@@ -339,7 +328,7 @@ def _per_shard(
     total_n = lax.psum(n, tuple(sorted(count_axes))) if count_axes else n
 
     def finish(g, grad_spec):
-        axes = tuple(sorted(varying_axes(g) - _spec_axes(grad_spec)))
+        axes = tuple(sorted(varying_axes(g) - set(spec_axes(grad_spec))))
         g = lax.psum(g, axes) if axes else g
         return g / total_n
 

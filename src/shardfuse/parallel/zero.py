@@ -36,12 +36,9 @@ from flax.nnx.training.optimizer import OptState, to_opt_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import entry_axes, is_spec
 from shardfuse.layers import _sharding
 from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P) or x is None
 
 
 def fsdp_axis_of(mesh, fsdp_axis):
@@ -55,10 +52,6 @@ def fsdp_axis_of(mesh, fsdp_axis):
     )
 
 
-def _axes(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def shard_spec(spec, shape, mesh, axis) -> P:
     """`spec` with mesh axis `axis` added on the first dimension of `shape` it divides.
 
@@ -67,14 +60,14 @@ def shard_spec(spec, shape, mesh, axis) -> P:
     """
     spec = P() if spec is None else spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if axis is None or mesh.shape[axis] == 1 or any(axis in _axes(e) for e in entries):
+    if axis is None or mesh.shape[axis] == 1 or any(axis in entry_axes(e) for e in entries):
         return P(*entries)
     for dim, (size, entry) in enumerate(zip(shape, entries, strict=True)):
         shards = 1
-        for name in _axes(entry):
+        for name in entry_axes(entry):
             shards *= mesh.shape[name]
         if size % (shards * mesh.shape[axis]) == 0:
-            entries[dim] = axis if entry is None else (*_axes(entry), axis)
+            entries[dim] = axis if entry is None else (*entry_axes(entry), axis)
             return P(*entries)
     return P(*entries)
 
@@ -85,7 +78,7 @@ def param_specs(state):
     Returns a pure pytree (the `nnx.as_pure` structure of `state`) of PartitionSpecs.
     """
     specs = nnx.as_pure(nnx.get_partition_spec(state))
-    return jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=_is_spec)
+    return jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=is_spec)
 
 
 def sharded_specs(state, mesh, zero: int, fsdp_axis, *, stage: int = 1):
@@ -100,13 +93,13 @@ def sharded_specs(state, mesh, zero: int, fsdp_axis, *, stage: int = 1):
         return specs
     arrays = nnx.as_pure(state)
     return jax.tree.map(
-        lambda spec, x: shard_spec(spec, x.shape, mesh, fsdp_axis), specs, arrays, is_leaf=_is_spec
+        lambda spec, x: shard_spec(spec, x.shape, mesh, fsdp_axis), specs, arrays, is_leaf=is_spec
     )
 
 
 def put(tree, specs, mesh):
     """Each array of `tree` placed on its spec (`_sharding.place`: reshard or constraint)."""
-    return jax.tree.map(lambda x, s: _sharding.place(x, mesh, s), tree, specs, is_leaf=_is_spec)
+    return jax.tree.map(lambda x, s: _sharding.place(x, mesh, s), tree, specs, is_leaf=is_spec)
 
 
 class ZeroOptimizer(nnx.Optimizer):
@@ -161,7 +154,7 @@ class ZeroOptimizer(nnx.Optimizer):
         self.step = OptState(jax.device_put(jax.numpy.zeros((), jax.numpy.uint32), replicated))
         params = nnx.as_pure(nnx.state(model, wrt))
         specs = sharded_specs(nnx.state(model, wrt), mesh, self.zero, self.fsdp_axis)
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
         abstract = jax.eval_shape(tx.init, params)
         out_shardings = optax.tree_map_params(
             tx,

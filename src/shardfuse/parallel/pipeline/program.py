@@ -18,7 +18,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import run_on_mesh
+from shardfuse.collectives.sharding import run_on_mesh, spec_axes
 from shardfuse.kernels.vma import varying_axes
 from shardfuse.parallel.pipeline import executor
 from shardfuse.parallel.pipeline.schedule import schedule_table
@@ -41,13 +41,6 @@ def cross_entropy(logits, targets, weights):
     ce = jax.nn.logsumexp(logits, axis=-1) - label
     weights = weights.astype(jnp.float32)
     return jnp.sum(ce * weights), jnp.sum(weights)
-
-
-def spec_axes(spec) -> tuple:
-    names = []
-    for entry in spec:
-        names += [entry] if isinstance(entry, str) else list(entry or ())
-    return tuple(names)
 
 
 def pure(module):
