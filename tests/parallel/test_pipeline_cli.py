@@ -39,7 +39,7 @@ def test_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "zb.png"
     status, out, _ = _run(capsys, "--schedule", "zb-h1", "-p", "2", "-m", "4", "--plot", str(path))
-    assert status == 0 and path.stat().st_size > 0 and "bubble: 0.1429" in out
+    assert status == 0 and path.stat().st_size > 0 and "bubble: 0.0769" in out  # (p-1)/(3m+p-1)
 
 
 def test_bad_input_exit_status_2(capsys):

@@ -27,6 +27,14 @@ tick       0    1    2    3    4    5    6    7    8    9   10   11   12   13   
 stage 0 F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0    . B2.1    . B3.1 B2.0 B3.0
 stage 1    . F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0    ."""
 
+# Qi et al. 2023, figure 3 (ZB-H1): W fills the 1F1B cool-down, p - 1 idle ticks per stage
+GOLDEN_ZB_H1_P4_M8 = """\
+tick     0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26
+stage 0 F0 F1 F2 F3  .  .  . B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+stage 1  . F0 F1 F2  .  . B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+stage 2  .  . F0 F1  . B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+stage 3  .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"""
+
 GOLDEN_GPIPE_P2_M2 = """\
 tick     0  1  2  3  4  5
 stage 0 F0 F1  .  . B0 B1
@@ -44,6 +52,7 @@ def test_golden_tables():
     assert schedule_table("1f1b", 4, 8).grid() == GOLDEN_1F1B_P4_M8
     assert schedule_table("interleaved", 2, 4, 2).grid() == GOLDEN_INTERLEAVED_P2_M4_V2
     assert schedule_table("gpipe", 2, 2).grid() == GOLDEN_GPIPE_P2_M2
+    assert schedule_table("zb-h1", 4, 8).grid() == GOLDEN_ZB_H1_P4_M8
 
 
 @pytest.mark.parametrize("schedule, p, m, v", list(_cases()))
@@ -76,7 +85,9 @@ def test_table_properties(schedule, p, m, v):
 def test_in_flight_bounded_by_p_except_gpipe(p):
     for m in (p, 2 * p, 4 * p, 8 * p):
         assert list(schedule_table("1f1b", p, m).in_flight()) == [p - s for s in range(p)]
-        assert list(schedule_table("zb-h1", p, m).in_flight()) == [p - s for s in range(p)]
+        # zb-h1: every stage may hold p (deferred W), 1F1B's peak on stage 0: same buffers
+        assert list(schedule_table("zb-h1", p, m).in_flight()) == [p] * p
+        assert schedule_table("zb-h1", p, m).buffer_slots == p
         assert schedule_table("1f1b", p, m).buffer_slots == p
         assert max(schedule_table("gpipe", p, m).in_flight()) == m
     # interleaved: flat in m once m >= 2p (Megatron's warm-up of 2(p-s-1) + (v-1)p forwards)
@@ -88,9 +99,13 @@ def test_closed_forms():
     assert closed_form_bubble("1f1b", 4, 8) == pytest.approx(3 / 11)
     assert closed_form_bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
     assert schedule_table("1f1b", 4, 8).bubble == pytest.approx(0.2727, abs=1e-4)
-    # zero bubble beats 1F1B in the same units (F, B, W one tick each: 1F1B's B is two)
-    zb = schedule_table("zb-h1", 4, 8)
-    assert zb.num_ticks < 3 * 8 + 3 * (4 - 1)
+    # zero bubble (Qi et al. 2023, ZB-H1): p - 1 idle ticks per stage, a third of 1F1B's in
+    # the same units (F, B, W one tick each: 1F1B's B is two, 3m + 3(p - 1) ticks)
+    for p, m in ((2, 2), (4, 4), (4, 8), (4, 16), (8, 8)):
+        zb = schedule_table("zb-h1", p, m)
+        assert zb.num_ticks == 3 * m + p - 1, (p, m)
+        assert zb.bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+        assert list(np.sum(zb.kind == 0, axis=0)) == [p - 1] * p
 
 
 def test_forward_only_tables():
