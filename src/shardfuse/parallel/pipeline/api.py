@@ -31,6 +31,7 @@ from shardfuse.parallel.pipeline.program import (
     spec_axes,
     spec_tree,
 )
+from shardfuse.parallel.pipeline.residuals import check_residuals
 from shardfuse.parallel.pipeline.schedule import check_schedule, schedule_table
 
 __all__ = ["Pipeline", "cross_entropy"]
@@ -55,10 +56,18 @@ class Pipeline(nnx.Module):
       pipeline_axis: the mesh axis of the stages.
       io_spec: PartitionSpec of the `[B, T, F]` activations between blocks
         (default: the block's `io_spec()`, else replicated).
+      residuals: how a backward tick gets the stage's activations:
+        "recompute" (default: it reruns the stage forward from the kept stage
+        input, so a stage holds only its inputs in flight, the memory-bounded
+        1F1B) or "stored" (the forward tick keeps the residuals of the stage's
+        VJP for each microbatch in flight until its backward: no second
+        forward, but every in-flight microbatch's activations held; with
+        remat "full" blocks, one input per layer). Gradients are the same.
 
     Raises:
       ValueError: a mesh without `pipeline_axis`, an invalid schedule or
-        (p, m, v), or `num_layers` not divisible by `p * v`.
+        (p, m, v), `num_layers` not divisible by `p * v`, or `residuals` not
+        "recompute" or "stored".
 
     Example usage::
 
@@ -90,6 +99,7 @@ class Pipeline(nnx.Module):
         virtual_stages: int = 1,
         pipeline_axis: str = "pipeline",
         io_spec=None,
+        residuals: str = "recompute",
     ):
         if not isinstance(stack, Stack):
             raise TypeError(f"stack must be a shardfuse.layers.stack.Stack, got {type(stack)}")
@@ -99,6 +109,7 @@ class Pipeline(nnx.Module):
                 f"{tuple(mesh.axis_names)}"
             )
         p = int(mesh.shape[pipeline_axis])
+        self.residuals = check_residuals(residuals)
         check_schedule(schedule, p, num_microbatches, virtual_stages)
         if stack.num_layers % (p * virtual_stages):
             raise ValueError(
@@ -210,5 +221,6 @@ class Pipeline(nnx.Module):
             layer_specs=spec_tree(self.stack.layer_specs()),
             apply_layers=self.stack.apply_layers,
             poison=self.poison_buffers,
+            residuals=self.residuals,
             **head,
         )

@@ -10,12 +10,16 @@ its action `(kind, microbatch, chunk)` from the table's row `t`:
   the activation received earlier; `y` goes to the next virtual stage by
   `ppermute`; on the last virtual stage the head and the loss run instead,
   and the loss gradient `dy` is kept for the backward.
-- B: the stage VJP, recomputing the forward from the kept stage input (the
-  stage's residuals are never stored across ticks): the input gradient goes
-  to the previous virtual stage by `ppermute` (on virtual stage 0 it is the
-  gradient of the pipeline's input); without a split backward the parameter
-  gradient is accumulated too.
-- W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier.
+- B: the stage VJP: by default (`residuals="recompute"`) recomputing the
+  forward from the kept stage input (the stage's residuals are never stored
+  across ticks); with `residuals="stored"` the F tick kept the residuals of
+  the stage's VJP (`residuals.StageVJP`) in ring buffers next to the stage
+  input, and B applies the VJP to them without a forward. The input
+  gradient goes to the previous virtual stage by `ppermute` (on virtual
+  stage 0 it is the gradient of the pipeline's input); without a split
+  backward the parameter gradient is accumulated too.
+- W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier
+  (recomputed, or from the same stored residuals as its B).
 
 A tick computes only what its action needs (`lax.switch` on the action:
 F = stage forward and, on the last stage, the head; B = the stage VJP; W =
@@ -27,7 +31,7 @@ and the head, and keeps what its action needs. Either way the results are
 selected with `jnp.where`, never multiplied by 0: NaN in unused buffers or
 bubble ticks never reaches a result.
 
-Stage inputs and output gradients wait in ring buffers of
+Stage inputs, output gradients (and stored residuals) wait in ring buffers of
 `table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`):
 `p` for 1F1B and zero-bubble, about `(v + 1) p` for interleaved, `m` for
 GPipe. The table sets the scan length; nothing is unrolled.
@@ -39,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from shardfuse.kernels.vma import to_varying, varying_axes
+from shardfuse.parallel.pipeline.residuals import StageVJP, check_residuals
 from shardfuse.parallel.pipeline.schedule import B, F, W
 
 
@@ -90,6 +95,10 @@ def _typed_carry(body, carry, xs_row):
     return carry
 
 
+def _inexact(struct) -> bool:
+    return jnp.issubdtype(struct.dtype, jnp.inexact)
+
+
 def _take(tree, index):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
 
@@ -122,26 +131,45 @@ def _has_collectives(jaxpr) -> bool:
     return False
 
 
-def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split):
-    """One tick's stage work: `(y, d_params, d_x, loss_sum, weight_sum, d_head, d_y)`.
+def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split, plan=None):
+    """One tick's stage work: `(y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, stored)`.
+
+    `operands` is `(params, x_in, cotangent, targets, weights, stored)`:
+    `stored` the residual leaves kept for this action's microbatch (`plan`, a
+    `residuals.StageVJP`; `[]` and `plan=None` when the backward recomputes
+    the stage forward). The last output is the residuals of this tick's
+    forward, to keep (`[]` when recomputing).
 
     Without collectives in the stage or the head, a `lax.switch` on the action
     computes only what it needs (F: the stage forward and the head; B: the
-    stage VJP, recomputing the forward, input gradient only when the backward
-    is split; W: the weight VJP) and zeros for the rest. With collectives
-    (tensor, sequence, data parallel stages), every device must run the same
-    ops in the same order: every tick then evaluates the whole VJP and the
-    head, and the caller keeps what the action needs (`jnp.where`).
+    stage VJP, from the stored residuals or recomputing the forward, input
+    gradient only when the backward is split; W: the weight VJP) and zeros for
+    the rest. With collectives (tensor, sequence, data parallel stages),
+    every device must run the same ops in the same order: every tick then
+    evaluates the forward, the whole VJP and the head, and the caller keeps
+    what the action needs (`jnp.where`).
     """
 
-    def uniform(params, x_in, cotangent, targets, weights):
-        y, stage_vjp = jax.vjp(stage_fn, params, x_in)
-        d_params, d_x = stage_vjp(to_varying(cotangent, varying_axes(y)))
+    def stage_vjp(params, x_in, stored, cotangent):
+        if plan is None:
+            y, vjp_fn = jax.vjp(stage_fn, params, x_in)
+            return y, vjp_fn(to_varying(cotangent, varying_axes(y)))
+        cotangent = to_varying(cotangent, _varying_of(plan.output))
+        return None, plan.backward(params, x_in, stored, cotangent)
+
+    def uniform(params, x_in, cotangent, targets, weights, stored):
+        y, new_stored = stage_forward(params, x_in)
+        _, (d_params, d_x) = stage_vjp(params, x_in, stored, cotangent)
         (loss_sum, weight_sum), head_vjp = jax.vjp(
             lambda hp, y: head_fn(hp, y, targets, weights), head_params, y
         )
         d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
-        return y, d_params, d_x, loss_sum, weight_sum, d_head, d_y
+        return y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, new_stored
+
+    def stage_forward(params, x_in):
+        if plan is None:
+            return stage_fn(params, x_in), []
+        return plan.forward(params, x_in)
 
     if _has_collectives(jax.make_jaxpr(uniform)(*operands)):
         return uniform(*operands)
@@ -154,30 +182,35 @@ def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split):
 
     zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)
 
-    def idle(params, x_in, cotangent, targets, weights):
+    def idle(params, x_in, cotangent, targets, weights, stored):
         return typed(zeros)
 
-    def forward(params, x_in, cotangent, targets, weights):
-        y = stage_fn(params, x_in)
+    def forward(params, x_in, cotangent, targets, weights, stored):
+        y, new_stored = stage_forward(params, x_in)
         (loss_sum, weight_sum), head_vjp = jax.vjp(
             lambda hp, y: head_fn(hp, y, targets, weights), head_params, y
         )
         d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
-        return typed((y, zeros[1], zeros[2], loss_sum, weight_sum, d_head, d_y))
+        return typed((y, zeros[1], zeros[2], loss_sum, weight_sum, d_head, d_y, new_stored))
 
-    def backward(params, x_in, cotangent, targets, weights):
-        if split:  # input gradient only; the weight gradient is a later W
+    def backward(params, x_in, cotangent, targets, weights, stored):
+        if plan is not None:  # the weight gradient is dead code when split (XLA removes it)
+            _, (d_params, d_x) = stage_vjp(params, x_in, stored, cotangent)
+            d_params = zeros[1] if split else d_params
+        elif split:  # input gradient only; the weight gradient is a later W
             y, input_vjp = jax.vjp(lambda x: stage_fn(params, x), x_in)
             (d_x,) = input_vjp(to_varying(cotangent, varying_axes(y)))
             d_params = zeros[1]
         else:
-            y, stage_vjp = jax.vjp(stage_fn, params, x_in)
-            d_params, d_x = stage_vjp(to_varying(cotangent, varying_axes(y)))
+            _, (d_params, d_x) = stage_vjp(params, x_in, stored, cotangent)
         return typed((zeros[0], d_params, d_x, *zeros[3:]))
 
-    def weight(params, x_in, cotangent, targets, weights):
-        y, weight_vjp = jax.vjp(lambda p: stage_fn(p, x_in), params)
-        (d_params,) = weight_vjp(to_varying(cotangent, varying_axes(y)))
+    def weight(params, x_in, cotangent, targets, weights, stored):
+        if plan is not None:
+            _, (d_params, _) = stage_vjp(params, x_in, stored, cotangent)
+        else:
+            y, weight_vjp = jax.vjp(lambda p: stage_fn(p, x_in), params)
+            (d_params,) = weight_vjp(to_varying(cotangent, varying_axes(y)))
         return typed((zeros[0], d_params, *zeros[2:]))
 
     return lax.switch(kind, (idle, forward, backward, weight), *operands)
@@ -195,6 +228,7 @@ def run_schedule(
     targets,
     weights,
     poison=False,
+    residuals="recompute",
 ):
     """The per-shard program (call it inside a full-manual `jax.shard_map`).
 
@@ -208,6 +242,10 @@ def run_schedule(
       head_params: the head's local parameters (None in forward-only runs).
       x: `[m, b, ...]` local microbatches; targets, weights: `[m, b, ...]` (or None).
       poison: fill every buffer and every unused transfer with NaN (tests).
+      residuals: "recompute" (a B or W tick reruns the stage forward from the
+        kept stage input) or "stored" (the F tick keeps the stage VJP's
+        residuals in ring buffers `[v, slots, ...]` per leaf, the stage
+        input's slots; B and W apply the VJP to them, no forward).
 
     Returns:
       forward-only: `y` `[m, b, ...]` (the last stage's outputs; zeros elsewhere).
@@ -218,6 +256,7 @@ def run_schedule(
     slots = table.buffer_slots
     forward_only = table.forward_only
     split = table.split_backward
+    stored_mode = check_residuals(residuals) == "stored" and not forward_only
     stage = lax.axis_index(pipeline_axis)
     fill = jnp.nan if poison else 0.0
     act = x[0]
@@ -258,10 +297,16 @@ def run_schedule(
         else:
             carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
             cotangent = carry["grads_in"][c, slot]
-            operands = (params, x_in, cotangent, _take(targets, i), _take(weights, i))
-            y, d_params, d_x, loss_sum, weight_sum, d_head, d_y = _tick_compute(
-                kind, operands, stage_fn, head_fn, head_params, split
+            plan = StageVJP(stage_fn, params, x_in) if stored_mode else None
+            stored = [buf[c, slot] for buf in carry["stored"]]
+            operands = (params, x_in, cotangent, _take(targets, i), _take(weights, i), stored)
+            y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, new_stored = _tick_compute(
+                kind, operands, stage_fn, head_fn, head_params, split, plan
             )
+            carry["stored"] = [
+                _put2(buf, c, slot, new, is_f)
+                for buf, new in zip(carry["stored"], new_stored, strict=True)
+            ]
             head_tick = is_f & last
             carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y.astype(y.dtype), head_tick)
             carry["loss"] = jnp.where(head_tick, carry["loss"] + loss_sum, carry["loss"])
@@ -300,7 +345,18 @@ def run_schedule(
             head_grads=jax.tree.map(jnp.zeros_like, head_params),
             stage_grads=jax.tree.map(jnp.zeros_like, stage_params),
             dx=jnp.zeros(x.shape, x.dtype),
+            stored=[],
         )
+        if stored_mode:
+            # Residuals vary over the pipeline too (each stage keeps its own microbatches').
+            plan = StageVJP(stage_fn, _take(stage_params, 0), incoming)
+            carry["stored"] = [
+                to_varying(
+                    jnp.full((v, slots, *r.shape), fill if _inexact(r) else 0, r.dtype),
+                    _varying_of(r) | {pipeline_axis},
+                )
+                for r in plan.stored
+            ]
     if not forward_only:
         # The head's parameters are the same on every stage; made to vary over the pipeline
         # here, so that each tick's VJP does not sum the head gradients of every stage (the

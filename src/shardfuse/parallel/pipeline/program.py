@@ -72,6 +72,7 @@ class Config:
         fields.setdefault("head_specs", None)
         fields.setdefault("loss_fn", None)
         fields.setdefault("targets_spec", None)
+        fields.setdefault("residuals", "recompute")
         self.__dict__.update(fields)
         self._key = tuple((k, _frozen(v)) for k, v in sorted(fields.items()))
 
@@ -179,6 +180,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
                 targets=targets,
                 weights=weights,
                 poison=config.poison,
+                residuals=config.residuals,
             )
             if forward_only:
                 return lax.psum(result, config.pipeline_axis)
