@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_axes, spec_axes
 from shardfuse.kernels.vma import to_varying
+from shardfuse.layers._init_random import fused_key
 
 DEFAULT_DATA_AXIS = "data"
 DEFAULT_SEQUENCE_AXIS = "sequence"
@@ -141,10 +142,35 @@ def sharded_param(initializer, key, shape, dtype, mesh, spec: P) -> nnx.Param:
     """An `nnx.Param` created directly with sharding `spec` and carrying it as metadata.
 
     `nnx.get_partition_spec` reports `spec`; the value is made by a jitted
-    initializer with `out_shardings`, so it never exists unsharded.
+    initializer with `out_shardings`, so it never exists unsharded. A
+    threefry `key` reaches the initializer as `_init_random.fused_key(key)`:
+    the same values (they depend on the key only, not on the mesh), generated
+    by one fused loop into each device's shard, so creating a parameter (or a
+    whole model, `sf.parallel.zero.init`) needs almost no memory beyond the
+    parameter's shards.
+
+    Args:
+      initializer: `initializer(key, shape, dtype) -> array`, e.g. an
+        `nnx.initializers` function.
+      key: a PRNG key.
+      shape, dtype: the parameter's global shape and dtype.
+      mesh, spec: where it lives: `NamedSharding(mesh, spec)`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jax.sharding import PartitionSpec as P
+      >>> import shardfuse as sf
+      >>> mesh = jax.make_mesh((4, 2), ("fsdp", "model"))
+      >>> w = sf.layers.sharded_param(nnx.initializers.lecun_normal(), jax.random.key(0),
+      ...                             (16, 8), jnp.float32, mesh, P("fsdp", "model"))
+      >>> w[...].sharding.spec, w[...].addressable_shards[0].data.shape
+      (P('fsdp', 'model'), (4, 4))
     """
     make = jax.jit(
-        lambda key: initializer(key, shape, dtype), out_shardings=NamedSharding(mesh, spec)
+        lambda key: initializer(fused_key(key), shape, dtype),
+        out_shardings=NamedSharding(mesh, spec),
     )
     return nnx.Param(make(key), out_sharding=spec, mesh=mesh)
 

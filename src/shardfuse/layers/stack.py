@@ -110,10 +110,15 @@ class Stack(nnx.Module):
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
         def make_one(key):
-            return nnx.state(make_block(nnx.Rngs(key)))
+            # Under the vmap the block's parameters are already on their (batched) shardings:
+            # an eager reshard to the unbatched spec would gather the layer axis.
+            with nnx.use_eager_sharding(False):
+                return nnx.state(make_block(nnx.Rngs(key)))
 
+        # spmd_axis_name: each layer_axis rank creates only its own layers (their shards)
         keys = jax.random.split(rngs.params(), num_layers)
-        values = jax.jit(jax.vmap(make_one), out_shardings=shardings)(keys)
+        make_all = jax.vmap(make_one, spmd_axis_name=layer_axis)
+        values = jax.jit(make_all, out_shardings=shardings)(keys)
 
         def restack(variable, value, spec):
             metadata = {"mesh": mesh, **variable.get_metadata(), "out_sharding": spec}
