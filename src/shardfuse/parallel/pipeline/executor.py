@@ -109,6 +109,13 @@ def _put(buffer, index, value, keep):
     return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), index, 0)
 
 
+def _put_at(buffer, first, second, value, keep):
+    """`buffer[first, second] = value` where `keep`: one slice read and written (NaN-safe)."""
+    old = buffer[first, second]
+    start = (first, second) + (0,) * value.ndim
+    return lax.dynamic_update_slice(buffer, jnp.where(keep, value, old)[None, None], start)
+
+
 def _put2(buffer, first, second, value, keep):
     inner = lax.dynamic_index_in_dim(buffer, first, 0, keepdims=False)
     return lax.dynamic_update_index_in_dim(buffer, _put(inner, second, value, keep), first, 0)
@@ -135,10 +142,11 @@ def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split, plan=No
     """One tick's stage work: `(y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, stored)`.
 
     `operands` is `(params, x_in, cotangent, targets, weights, stored)`:
-    `stored` the residual leaves kept for this action's microbatch (`plan`, a
-    `residuals.StageVJP`; `[]` and `plan=None` when the backward recomputes
-    the stage forward). The last output is the residuals of this tick's
-    forward, to keep (`[]` when recomputing).
+    `stored = (buffers, chunk, slot)`, the residual buffers and where this
+    action's microbatch's residuals are (`plan`, a `residuals.StageVJP`;
+    `([], ...)` and `plan=None` when the backward recomputes the stage
+    forward): only the branches that use them read them. The last output is
+    the residuals of this tick's forward, to keep (`[]` when recomputing).
 
     Without collectives in the stage or the head, a `lax.switch` on the action
     computes only what it needs (F: the stage forward and the head; B: the
@@ -154,8 +162,10 @@ def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split, plan=No
         if plan is None:
             y, vjp_fn = jax.vjp(stage_fn, params, x_in)
             return y, vjp_fn(to_varying(cotangent, varying_axes(y)))
+        buffers, chunk, slot = stored
+        leaves = [buffer[chunk, slot] for buffer in buffers]
         cotangent = to_varying(cotangent, _varying_of(plan.output))
-        return None, plan.backward(params, x_in, stored, cotangent)
+        return None, plan.backward(params, x_in, leaves, cotangent)
 
     def uniform(params, x_in, cotangent, targets, weights, stored):
         y, new_stored = stage_forward(params, x_in)
@@ -298,13 +308,13 @@ def run_schedule(
             carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
             cotangent = carry["grads_in"][c, slot]
             plan = StageVJP(stage_fn, params, x_in) if stored_mode else None
-            stored = [buf[c, slot] for buf in carry["stored"]]
+            stored = (carry["stored"], c, slot)
             operands = (params, x_in, cotangent, _take(targets, i), _take(weights, i), stored)
             y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, new_stored = _tick_compute(
                 kind, operands, stage_fn, head_fn, head_params, split, plan
             )
             carry["stored"] = [
-                _put2(buf, c, slot, new, is_f)
+                _put_at(buf, c, slot, new, is_f)
                 for buf, new in zip(carry["stored"], new_stored, strict=True)
             ]
             head_tick = is_f & last
