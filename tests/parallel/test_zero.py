@@ -11,9 +11,11 @@ shards.
 
 import doctest
 import importlib
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -219,3 +221,77 @@ def test_zero3_mixed_precision_gathers_in_dtype_reduces_in_float32():
         assert gathers and all(line.rstrip().endswith("bf16>") for line in gathers), gathers
         assert scatters and all(line.rstrip().endswith(f"x{reduced}>") for line in scatters)
         assert grad(state, x)["kernel"][...].dtype == jnp.float32
+
+
+def _stack(mesh, reshard, layers=2):
+    from shardfuse.layers.stack import Stack
+
+    def block(rngs):
+        return ParallelTransformerBlock(
+            32, 4, 64, mesh=mesh, zero=3, reshard_after_forward=reshard, rngs=rngs
+        )
+
+    stack = Stack(block, layers, mesh=mesh, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(stack)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(0), (8, 16, 32)),
+        jax.sharding.NamedSharding(mesh, P(("data", "fsdp"))),
+    )
+    return loss, state, x
+
+
+def _kernel_shapes(state, mesh):
+    """Per device, the gathered [in, out] kernel shapes of one layer (fsdp shards made whole)."""
+    shapes = {tuple(v.shape[1:]) for v in jax.tree.leaves(state) if v.ndim == 3}  # [L, in, out]
+    return shapes, mesh.shape["fsdp"]
+
+
+def test_zero3_on_data_x_fsdp_saves_no_gathered_weight():
+    """reshard_after_forward with activations that vary over more axes than fsdp (data).
+
+    The gathered weight meets the activations through JAX's `pvary` cast; that
+    cast's output must not become a saved residual (it would keep every
+    layer's whole weight for the backward, as it did before this test).
+    """
+    from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals prints
+
+    mesh = mesh_of("data2-fsdp4")
+    L = 2
+    for reshard in (True, False):
+        loss, state, x = _stack(mesh, reshard, L)
+        kernels, _ = _kernel_shapes(state, mesh)
+        with jax.set_mesh(mesh):
+            saved = {tuple(a.shape) for a, _ in saved_residuals(loss, state, x)}
+        # a gathered kernel as a residual: [L, in, out] with the fsdp-sharded dim whole, per
+        # device of the 8 (the global view of a value varying over data and fsdp)
+        whole = {(L, a * 8, b) for a, b in kernels} | {(L, a, b * 8) for a, b in kernels}
+        assert bool(saved & whole) == (not reshard), (reshard, saved & whole)
+
+
+@pytest.mark.slow  # one compile of a 2-layer stack's gradient: ~15-30 s on 2 cores
+def test_zero3_on_data_x_fsdp_regathers_in_backward_and_reduces_shards_over_data():
+    """The compiled gradient: every kernel gathered again in the backward, and the gradient's
+    all-reduce over data on reduce-scattered shards (the cast to vary over data sits before
+    the gather: `fsdp.gather(..., like=x)`), never on a whole kernel."""
+    from tests.parallel import hlo_collectives
+
+    mesh = mesh_of("data2-fsdp4")
+    L = 2
+    loss, state, x = _stack(mesh, True, L)
+    kernels, fsdp = _kernel_shapes(state, mesh)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(state, x).compile().as_text()
+    counts = hlo_collectives.count(hlo, mesh)
+    # forward: qkv, o, up, down and two norm scales per layer; backward: the 4 kernels again
+    assert hlo_collectives.total(counts, "all-gather", "fsdp") >= (6 + 4) * L
+    largest_shard = max(a * b for a, b in kernels) // fsdp
+    for line in hlo.splitlines():
+        if " all-reduce(" in line or " all-reduce-start(" in line:
+            result = line.split("=", 1)[1].split("all-reduce")[0]
+            for dims in re.findall(r"f32\[([\d,]*)\]", result):
+                size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                assert size <= largest_shard, line  # never a whole kernel over data

@@ -243,7 +243,7 @@ class ParallelSelfAttention(nnx.Module):
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
         # one fused QKV matmul per shard
         # one fused QKV kernel, gathered over fsdp (zero=3) once, right before its matmul
-        qkv_w = fsdp.gather(self.zero, jnp.concatenate([q_w, kv_w], axis=1), 0, x.dtype)
+        qkv_w = fsdp.gather(self.zero, jnp.concatenate([q_w, kv_w], axis=1), 0, x.dtype, x)
         y = column_matmul(self, x, qkv_w)
         if q_b is not None:
             y = y + jnp.concatenate([q_b, kv_b])
@@ -266,7 +266,9 @@ class ParallelSelfAttention(nnx.Module):
         else:
             o = attention_api.flash_attention(q, k, v, **masks)
         o = checkpoint_name(o, "attention_core")
-        out = row_matmul(self, o.reshape(b, t, heads * D), fsdp.gather(self.zero, o_w, 1, x.dtype))
+        out = row_matmul(
+            self, o.reshape(b, t, heads * D), fsdp.gather(self.zero, o_w, 1, x.dtype, x)
+        )
         return checkpoint_name(out if o_b is None else out + o_b, "attention_out")
 
     def io_spec(self):

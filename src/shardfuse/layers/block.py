@@ -97,9 +97,12 @@ class Norm(nnx.Module):
         """`[scale, bias]` (bias None for RMSNorm), as stored (this device's shards per shard)."""
         return [self.scale[...], None if self.bias is None else self.bias[...]]
 
-    def gathered(self, scale, bias):
-        """Per shard: `scale` and `bias` whole (all-gathered over `fsdp_axis` when sharded)."""
-        gather = lambda v: None if v is None else fsdp.gather(self.zero, v, 0, v.dtype)  # noqa: E731
+    def gathered(self, scale, bias, like=None):
+        """Per shard: `scale` and `bias` whole (all-gathered over `fsdp_axis` when sharded).
+
+        `like`: the activations they scale (`fsdp.gather`'s `like`).
+        """
+        gather = lambda v: None if v is None else fsdp.gather(self.zero, v, 0, v.dtype, like)  # noqa: E731
         return gather(scale), gather(bias)
 
     def __call__(self, x):
@@ -107,7 +110,7 @@ class Norm(nnx.Module):
         _sharding.check_activations(x)
         scale, bias = self.params()
         if _sharding.in_manual_region(self.mesh):
-            scale, bias = self.gathered(scale, bias)
+            scale, bias = self.gathered(scale, bias, x)
         return normalize(self.kind, x, scale, bias, self.eps)
 
 
@@ -248,7 +251,7 @@ class ParallelTransformerBlock(nnx.Module):
 
     def local(self, x, positions, segment_ids, norm_params, attention_params, mlp_params):
         """Per-shard block (inside `jax.shard_map`)."""
-        (s1, b1), (s2, b2) = (self.norm_1.gathered(*p) for p in norm_params)
+        (s1, b1), (s2, b2) = (self.norm_1.gathered(*p, x) for p in norm_params)
         h = normalize(self.norm_1.kind, x, s1, b1, self.norm_1.eps)
         h = x + self.attention.local(h, positions, segment_ids, *attention_params)
         y = normalize(self.norm_2.kind, h, s2, b2, self.norm_2.eps)

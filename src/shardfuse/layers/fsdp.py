@@ -31,6 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import check_mesh_axes
+from shardfuse.kernels.vma import to_varying, varying_axes
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_FSDP_AXIS = "fsdp"
@@ -127,13 +128,19 @@ def check_kernel(argument: str, size: int, mesh, options: ZeroOptions):
         )
 
 
-def gather(options: ZeroOptions, shard, dim: int, dtype):
+def gather(options: ZeroOptions, shard, dim: int, dtype, like=None):
     """This device's kernel in `dtype`: under ZeRO-3 the fsdp shards all-gathered along `dim`.
 
     Per-shard (inside `jax.shard_map` or a manual region). The gradient of
     the gathered kernel is reduce-scattered back to the shard in
     `options.reduce_dtype` and returned in the shard's dtype. The gathered
     value carries the checkpoint name `FSDP_GATHER`.
+
+    `like`: the activations the kernel multiplies. The shard is cast to vary
+    over their mesh axes (data, ...) BEFORE the gather, so that the gradient's
+    sum over those axes (the transpose of that cast) runs on the
+    reduce-scattered shard, not on the whole kernel: one reduce-scatter over
+    fsdp, then an all-reduce of `1/fsdp` of the bytes over data.
 
     Example usage::
 
@@ -149,6 +156,8 @@ def gather(options: ZeroOptions, shard, dim: int, dtype):
     dtype = jnp.dtype(dtype)
     if options.param_axis is None:
         return shard.astype(dtype)
+    if like is not None:
+        shard = to_varying(shard, varying_axes(shard) | varying_axes(like))
     reduce = dtype if options.reduce_dtype is None else options.reduce_dtype
     full = _fsdp_gather(shard, options.param_axis, dim, dtype, reduce, jnp.dtype(shard.dtype))
     return checkpoint_name(full, FSDP_GATHER)
@@ -221,6 +230,10 @@ def save_anything_but_gathered(primitive, *_, **params) -> bool:
     """`jax.checkpoint` policy: save every value except gathered ZeRO-3 weights.
 
     (`save_anything_except_these_names(FSDP_GATHER)` is not enough: it would
-    save the gather's own output, the value the name is put on.)
+    save the gather's own output, the value the name is put on.) Nor the
+    output of a `pvary`, the type cast JAX puts between a gathered weight and
+    activations that vary over more axes: saving it would keep the whole
+    weight after all (its input is saved or recomputed instead: same bytes
+    for activations, a gather again for weights).
     """
-    return not is_gathered(primitive, **params)
+    return primitive.name != "pvary" and not is_gathered(primitive, **params)

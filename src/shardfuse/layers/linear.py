@@ -115,9 +115,14 @@ class _ParallelLinear(nnx.Module):
         dim = 0 if self.sharded_features == "out" else 1  # the dimension model_axis leaves whole
         return fsdp.kernel_spec(self.kernel_spec_for(self.model_axis), self.zero, dim)
 
-    def weight(self, kernel, dtype):
-        """Per shard: this device's kernel in `dtype` (gathered over fsdp under zero=3)."""
-        return fsdp.gather(self.zero, kernel, 0 if self.sharded_features == "out" else 1, dtype)
+    def weight(self, kernel, dtype, like=None):
+        """Per shard: this device's kernel in `dtype` (gathered over fsdp under zero=3).
+
+        `like`: the activations it multiplies (`fsdp.gather`'s `like`).
+        """
+        return fsdp.gather(
+            self.zero, kernel, 0 if self.sharded_features == "out" else 1, dtype, like
+        )
 
     def local_params(self, dtype):
         """`[kernel, bias]` and their specs; bias cast to `dtype` (None without one).
@@ -280,7 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def local(self, x, kernel, bias=None):
         """Per-shard computation (inside `jax.shard_map` over the layer's mesh)."""
-        y = column_matmul(self, x, self.weight(kernel, x.dtype))
+        y = column_matmul(self, x, self.weight(kernel, x.dtype, x))
         return checkpoint_name(y if bias is None else y + bias, "linear")
 
     def output_spec(self):
@@ -420,7 +425,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def local(self, x, kernel, bias=None):
         """Per-shard computation: x `[b, t, in / tp]` (feature shard) -> reduced output."""
-        y = row_matmul(self, x, self.weight(kernel, x.dtype))
+        y = row_matmul(self, x, self.weight(kernel, x.dtype, x))
         return checkpoint_name(y if bias is None else y + bias, "linear")
 
     def _local_replicated_input(self, x, kernel, bias=None):
