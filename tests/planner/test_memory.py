@@ -58,11 +58,26 @@ GRID = [
     (4, 1, 1, 2, 0, "full", 2),
     (2, 4, 1, 1, 3, "none", 1),
     (1, 4, 1, 2, 3, "full", 1),
+    (2, 4, 1, 1, 3, "full", 1),
+    (1, 8, 1, 1, 3, "none", 1),
+    (4, 2, 1, 1, 3, "selective", 1),
 ]
-# ZeRO-3 under the layer scan: the compiled step holds about 1.2-2 MB more than the
-# predicted 2 gathered layers (XLA gathers the whole stack's weights and forms their
-# full gradients before the reduce-scatter); a known gap of the model (ratio 0.77-0.81).
-KNOWN_GAPS = {(2, 4, 1, 1, 3, "none", 1), (1, 4, 1, 2, 3, "full", 1)}
+# ZeRO-3 (fsdp) configurations: the model under-predicts them by 1.2-1.8 MB (ratio
+# 0.65-0.85 of the compiled step) whatever the remat policy, a known gap. Most of it is
+# temporary memory: the compiled gradient of a ZeRO-3 stack holds ~0.4 MB more temp than
+# the same stack unsharded (data 8), and the full step ~1.5 MB more than the model's terms
+# (gathered layers, sharded gradients, activations, working set); the compiled step does
+# gather each layer's weights in the forward and again in the backward loop (checked in
+# tests/parallel/test_zero.py), so it is not the whole stack kept gathered. Before the
+# layers stopped saving the gathered weights' pvary casts as residuals, the ratio of
+# (2, 4, 1, 1, 3, "none", 1) was 0.81; it is 0.845 now.
+KNOWN_GAPS = {
+    (2, 4, 1, 1, 3, "none", 1),
+    (1, 4, 1, 2, 3, "full", 1),
+    (2, 4, 1, 1, 3, "full", 1),
+    (1, 8, 1, 1, 3, "none", 1),
+    (4, 2, 1, 1, 3, "selective", 1),
+}
 DEFAULT = (8, 1, 1, 1, 0, "full", 1)
 
 
