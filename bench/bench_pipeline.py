@@ -6,7 +6,12 @@ blocks (width from the scale's model / 8 on CPU), batch = 2 m, by:
 
 - `shardfuse.pipeline.<schedule>` for gpipe, 1f1b, interleaved (v=2) and
   zb-h1 on a pipeline mesh of p=4 of the CPU devices: one jitted program, a
-  `lax.scan` over the schedule's ticks, ppermute between stages;
+  `lax.scan` over the schedule's ticks, ppermute between stages; the
+  backward recomputes the stage forward (`residuals="recompute"`, the
+  default);
+- `shardfuse.pipeline.<schedule>.stored` for 1f1b and zb-h1: the same with
+  `residuals="stored"` (the stage VJP's residuals kept from F to B/W, no
+  second forward; more memory per microbatch in flight);
 - `unpipelined.1device`, the baseline: the same stack as one `lax.scan` and
   the same head on one device.
 
@@ -33,7 +38,12 @@ from shardfuse.parallel.pipeline.schedule import schedule_table
 OP = "pipeline_step"
 BASELINE = "unpipelined.1device"
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-IMPLEMENTATIONS = tuple(f"shardfuse.pipeline.{s}" for s in SCHEDULES) + (BASELINE,)
+STORED = ("1f1b", "zb-h1")  # schedules also timed with residuals="stored"
+IMPLEMENTATIONS = (
+    tuple(f"shardfuse.pipeline.{s}" for s in SCHEDULES)
+    + tuple(f"shardfuse.pipeline.{s}.stored" for s in STORED)
+    + (BASELINE,)
+)
 MODEL = "llama3-8b"
 STAGES, LAYERS, SEQ, MICROBATCH, VOCAB = 4, 8, 64, 2, 256
 
@@ -97,10 +107,16 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
 
         measure(nnx.jit(step), (stack, head, x), case)
         return
-    schedule = implementation.rsplit(".", 1)[1]
+    schedule, *stored = implementation.removeprefix("shardfuse.pipeline.").split(".")
     v = 2 if schedule == "interleaved" else 1
     pipe = Pipeline(
-        stack, mesh=mesh, schedule=schedule, num_microbatches=m, virtual_stages=v, io_spec=P()
+        stack,
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=m,
+        virtual_stages=v,
+        io_spec=P(),
+        residuals="stored" if stored else "recompute",
     )
 
     def step(pipe, head, x):
@@ -112,3 +128,4 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
     benchmark.extra_info.update(
         {k: figures[k] for k in ("ticks", "bubble", "closed_form_bubble", "peak_in_flight")}
     )
+    benchmark.extra_info["residuals"] = pipe.residuals

@@ -16,6 +16,7 @@ The measured memory and step times, and why "recompute" is the default, are
 in `tests/parallel/test_pipeline_memory.py`.
 """
 
+import doctest
 import itertools
 
 import jax
@@ -27,6 +28,7 @@ from jax.sharding import AxisType
 
 import shardfuse as sf
 from shardfuse.layers.stack import Stack
+from shardfuse.parallel.pipeline import residuals as residuals_module
 from shardfuse.parallel.pipeline.api import Pipeline
 from tests.parallel import pipeline_models as pm
 
@@ -213,3 +215,8 @@ def test_bad_residuals_named_before_tracing():
         with pytest.raises(ValueError, match=match):
             Pipeline(stack, mesh=mesh, num_microbatches=2, residuals=residuals)
     assert Pipeline(stack, mesh=mesh, num_microbatches=2).residuals == "recompute"
+
+
+def test_residuals_module_examples():
+    result = doctest.testmod(residuals_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
