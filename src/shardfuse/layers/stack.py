@@ -5,8 +5,10 @@ one array `[L, *S]` sharded `P(layer_axis, *spec)`: `layer_axis` None (every
 device holds every layer) or the pipeline mesh axis (layer `l` on pipeline
 stage `l // (L / p)`, what `sf.parallel.pipeline.Pipeline` runs). The
 parameters are created already sharded: one jitted, vmapped initializer with
-`out_shardings`, so no device holds a full copy first. Layer `l` is
-initialized from key `l` of `jax.random.split(rngs.params(), L)`.
+`out_shardings`, the vmapped axis split over `layer_axis` (`spmd_axis_name`),
+so each stage creates only its own layers' shards and no device holds a full
+copy first. Layer `l` is initialized from key `l` of
+`jax.random.split(rngs.params(), L)`: the same values on every mesh.
 
 Applied plainly, the stack is one `lax.scan` over the layer axis (the scan
 body traced once, compile time flat in L), each layer wrapped in the named
