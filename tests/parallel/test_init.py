@@ -105,6 +105,14 @@ def test_fused_key_gives_threefry_values_bitwise():
     rbg = jax.random.key(0, impl="rbg")
     assert fused_key(rbg) is rbg
 
+    # the fused hash lowers to elementwise ops, no loop (JAX's CPU threefry is a while
+    # loop); 2**32 elements or more take threefry's own bits
+    def lowered(shape):
+        return jax.jit(lambda k: jax.random.bits(fused_key(k), shape)).lower(key).as_text()
+
+    assert "stablehlo.while" not in lowered((4, 8))
+    assert "stablehlo.while" in lowered((2**16, 2**16))
+
 
 def _tiny_lm(mesh):
     """Issue 14's case: vocab 1024, F 256, hidden 1024, 2 blocks, ZeRO-3."""
