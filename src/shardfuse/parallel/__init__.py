@@ -4,7 +4,8 @@
   the `pipeline` axis, run by "gpipe", "1f1b", "interleaved" or "zb-h1" in one
   jitted program; `schedule_table` is the schedule as data.
 - `ZeroOptimizer`, `init` (`zero.py`): ZeRO-1/2/3 optimizer state sharded over
-  `fsdp`, models and optimizers born sharded; `zero=` on the layers shards
+  `fsdp`, models and optimizers born sharded (`init_program`,
+  `optimizer_state_program`: those programs, to measure their memory); `zero=` on the layers shards
   parameters (ZeRO-3).
 - `accumulate` (`accumulate.py`): token-weighted gradient accumulation over
   microbatches, reduced once per step.
@@ -20,7 +21,7 @@ from shardfuse.parallel import distributed
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.checkpoint import Checkpointer
 from shardfuse.parallel.pipeline import SCHEDULES, Pipeline, ScheduleTable, schedule_table
-from shardfuse.parallel.zero import ZeroOptimizer, init
+from shardfuse.parallel.zero import ZeroOptimizer, init, init_program, optimizer_state_program
 
 __all__ = [
     "SCHEDULES",
@@ -31,5 +32,7 @@ __all__ = [
     "accumulate",
     "distributed",
     "init",
+    "init_program",
+    "optimizer_state_program",
     "schedule_table",
 ]
