@@ -17,6 +17,53 @@ input, which grows with m by definition: 49,152 bytes from m=8 to 32)
 | gpipe | 596,048 | 749,648 | +25.8% | +17.5% |
 
 compile time 1f1b: 4.0 s (m=8), 3.2 s (m=32) (loaded machine: noisy).
+
+Backward from recomputed forward (`residuals="recompute"`, the default) vs
+stored VJP residuals (`residuals="stored"`), p=4, microbatch 2, temp bytes
+per device and step time (median of 9 after 2 warm-ups, the two modes timed
+alternately in one process; 2-core CPU shared, load average 2-4,
+2026-11-23). Stages: Wide (above: switch tick); TF = 8
+`ParallelTransformerBlock`s (F=64, 4 heads, MLP 256, T=32; 2 layers per
+stage) with remat "none" or "full", on `pipeline` 4 (model_axis None: switch
+tick) or `pipeline` 4 x `model` 2 ("x2": tensor parallel, uniform tick).
+"act." is the growth without the input-gradient buffer, as above.
+
+| stage | schedule | residuals | temp m=8 | temp m=32 | growth | act. | step m=8 | m=32 |
+|---|---|---|---|---|---|---|---|---|
+| Wide | 1f1b | recompute | 579,664 | 634,960 | +9.5% | +1.1% | 23 ms | 50 ms |
+| Wide | 1f1b | stored | 2,101,480 | 2,156,776 | +2.6% | +0.3% | 29 ms | 62 ms |
+| Wide | zb-h1 | recompute | 579,664 | 634,960 | +9.5% | +1.1% | 18 ms | 67 ms |
+| Wide | zb-h1 | stored | 2,101,480 | 2,156,776 | +2.6% | +0.3% | 23 ms | 82 ms |
+| TF none | 1f1b | recompute | 2,886,400 | 3,291,904 | +14.0% | +0.4% | 99 ms | 295 ms |
+| TF none | 1f1b | stored | 10,439,272 | 10,844,776 | +3.9% | +0.1% | 134 ms | 405 ms |
+| TF none | zb-h1 | recompute | 2,886,272 | 3,291,776 | +14.0% | +0.4% | 139 ms | 594 ms |
+| TF none | zb-h1 | stored | 10,439,464 | 10,844,968 | +3.9% | +0.1% | 165 ms | 722 ms |
+| TF full | 1f1b | recompute | 1,866,240 | 2,271,744 | +21.7% | +0.7% | 94 ms | 357 ms |
+| TF full | 1f1b | stored | 2,062,024 | 2,467,528 | +19.7% | +0.6% | 84 ms | 318 ms |
+| TF full | zb-h1 | recompute | 1,866,176 | 2,271,680 | +21.7% | +0.7% | 136 ms | 444 ms |
+| TF full | zb-h1 | stored | 2,061,960 | 2,467,464 | +19.7% | +0.6% | 116 ms | 367 ms |
+| TF none x2 | 1f1b | recompute | 1,532,440 | 1,741,336 | +13.6% | +0.8% | 287 ms | 1105 ms |
+| TF none x2 | 1f1b | stored | 6,951,432 | 7,160,328 | +3.0% | +0.2% | 328 ms | 1230 ms |
+| TF none x2 | zb-h1 | recompute | 1,532,440 | 1,741,336 | +13.6% | +0.8% | 361 ms | 1329 ms |
+| TF none x2 | zb-h1 | stored | 6,951,432 | 7,160,328 | +3.0% | +0.2% | 397 ms | 1449 ms |
+| TF full x2 | 1f1b | recompute | 1,028,528 | 1,237,424 | +20.3% | +1.2% | 398 ms | 1223 ms |
+| TF full x2 | 1f1b | stored | 1,195,584 | 1,404,480 | +17.5% | +1.0% | 337 ms | 1033 ms |
+| TF full x2 | zb-h1 | recompute | 1,028,528 | 1,237,424 | +20.3% | +1.2% | 340 ms | 1230 ms |
+| TF full x2 | zb-h1 | stored | 1,195,584 | 1,404,480 | +17.5% | +1.0% | 286 ms | 1036 ms |
+
+Both are flat in m (ring buffers of p slots); only the input-gradient buffer
+grows (the same bytes in both modes; it is most of the growth of the small TF
+stages). Default "recompute": it holds one stage input per microbatch in
+flight, the memory bound that is the point of 1F1B, where "stored" holds the
+stage's whole VJP residuals (3.3-4.5x the temp memory with remat "none",
+weight-shaped leaves the layer scan saves included) and was not faster here
+(1.1-1.4x the step time: on CPU at these widths, moving the residuals costs
+more than the forward it saves). With remat "full", "stored" keeps one input
+per layer (+10-16%) and was faster (0.83-0.90x): on the switch tick a B then
+runs the layers' forward once instead of twice; on the uniform tick both
+modes run the same FLOPs (every tick a forward and a backward), so that gain
+is XLA's scheduling, not saved compute. "stored" is the option for
+remat-"full" stacks with memory to spare.
 """
 
 import functools
