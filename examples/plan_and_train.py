@@ -29,6 +29,7 @@ from shardfuse import hardware, models
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.layers import ColumnParallelLinear, Norm, ParallelTransformerBlock
 from shardfuse.layers import remat as remat_lib
+from shardfuse.parallel.zero import shard_spec
 from shardfuse.planner import Assumptions, plan
 
 # A Llama-style model small enough for CPU: GQA, SwiGLU, RMSNorm.
@@ -84,6 +85,10 @@ def make_step(lm: LM, the_plan, tx):
 
     The blocks run in a `lax.scan` under the plan's remat policy; the batch is
     split into the plan's microbatches and the gradients summed (accumulation).
+    ZeRO-1/2 over the plan's fsdp axis (ZeRO-3 is the layers' own `zero=3`):
+    the optimizer state lives on fsdp shards (`shard_spec`), the update runs
+    on them and the new parameters are gathered back; ZeRO-2 reduce-scatters
+    the gradients, ZeRO-1 keeps them whole (all-reduced) and slices them.
     """
     block_def = nnx.split(lm.blocks[0], nnx.Param)[0]
     # The blocks' parameters stacked on a leading layer axis, once (as `sf.layers.Stack`
@@ -110,6 +115,18 @@ def make_step(lm: LM, the_plan, tx):
         nll = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * onehot, axis=-1)
         return nll.mean()
 
+    mesh = lm.embed[...].sharding.mesh
+    zero, fsdp = the_plan.layout.zero, "fsdp" if the_plan.layout.fsdp > 1 else None
+    sharded = zero in (1, 2) and fsdp is not None
+
+    def on_shards(tree):  # ZeRO-1/2: each array on its fsdp shards
+        def one(a):
+            return jax.sharding.reshard(
+                a, shard_spec(jax.typeof(a).sharding.spec, a.shape, mesh, fsdp)
+            )
+
+        return jax.tree.map(one, tree)
+
     def step(params, opt_state, tokens, targets):
         if micro == 1:
             loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
@@ -128,11 +145,19 @@ def make_step(lm: LM, the_plan, tx):
             zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, (split(tokens), split(targets)))
             loss, grads = loss / micro, jax.tree.map(lambda g: g / micro, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        if not sharded:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        if zero == 1:  # the whole gradients first (all-reduced), then this device's shard
+            grads = jax.lax.optimization_barrier(grads)
+        grads, shards = on_shards(grads), on_shards(params)
+        updates, opt_state = tx.update(grads, opt_state, shards)
+        new = optax.apply_updates(shards, updates)
+        specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, params)
+        return jax.tree.map(jax.sharding.reshard, new, specs), opt_state, loss
 
-    with jax.set_mesh(lm.embed[...].sharding.mesh):
-        opt_state = jax.jit(tx.init)(params)
+    with jax.set_mesh(mesh):
+        opt_state = jax.jit(lambda p: tx.init(on_shards(p) if sharded else p))(params)
     return params, opt_state, jax.jit(step)
 
 

@@ -4,7 +4,9 @@ The model and training step are those of `examples/plan_and_train.py` (a
 small Llama-style LM of `sf.layers.ParallelTransformerBlock`s under
 `lax.scan` with the plan's remat policy, Adam, gradient accumulation over the
 plan's microbatches). For every configuration of the grid (mesh shapes over
-data, sequence and model; ZeRO-3 over fsdp; remat policies; microbatches)
+data, sequence and model; ZeRO-1/2/3 over fsdp, ZeRO-1/2 as the example
+runs them: optimizer state on fsdp shards, ZeRO-2's gradients reduce-scattered;
+remat policies; microbatches)
 the planner's predicted memory per device (`Plan.memory_bytes`, with the
 CPU run's assumptions: float32, outputs not donated) must be within 15% of
 the compiled step's `memory_analysis()` (arguments + outputs + temp), and
@@ -61,22 +63,27 @@ GRID = [
     (2, 4, 1, 1, 3, "full", 1),
     (1, 8, 1, 1, 3, "none", 1),
     (4, 2, 1, 1, 3, "selective", 1),
+    (2, 4, 1, 1, 1, "none", 1),
+    (2, 4, 1, 1, 2, "none", 1),
+    (2, 4, 1, 1, 1, "full", 1),
+    (2, 4, 1, 1, 2, "full", 1),
+    (1, 4, 1, 2, 2, "selective", 1),
+    (4, 2, 1, 1, 1, "none", 2),
 ]
-# ZeRO-3 (fsdp) configurations: the model under-predicts them by 1.2-1.8 MB (ratio
-# 0.65-0.85 of the compiled step) whatever the remat policy, a known gap. Most of it is
-# temporary memory: the compiled gradient of a ZeRO-3 stack holds ~0.4 MB more temp than
-# the same stack unsharded (data 8), and the full step ~1.5 MB more than the model's terms
-# (gathered layers, sharded gradients, activations, working set); the compiled step does
-# gather each layer's weights in the forward and again in the backward loop (checked in
-# tests/parallel/test_zero.py), so it is not the whole stack kept gathered. Before the
-# layers stopped saving the gathered weights' pvary casts as residuals, the ratio of
-# (2, 4, 1, 1, 3, "none", 1) was 0.81; it is 0.845 now.
+# Measured 2026-11-23 (quiet 2-core VM): 30 of the 33 configurations within 15%
+# (ratios 0.876-1.083), Spearman 0.983 over all 33. ZeRO-1/2 fit once the model
+# counts the update on fsdp shards and, without donation, the all-gathered new
+# parameters (`planner.memory.zero_update_term`; the compiled ZeRO-1 step on
+# (data 2, fsdp 4) holds 1.00 MB more temp than ZeRO-0 on (data 8), the term says
+# 0.99). Three ZeRO-3 configurations stay under-predicted (ratio 0.72-0.84), by
+# 1.0-1.7 MB that the model's terms (two gathered layers, sharded gradients and
+# update) do not account for; the compiled step does gather each layer's weights in
+# the forward and again in the backward loop (tests/parallel/test_zero.py), so it
+# is not the whole stack held gathered. A known gap of the model.
 KNOWN_GAPS = {
-    (2, 4, 1, 1, 3, "none", 1),
     (1, 4, 1, 2, 3, "full", 1),
     (2, 4, 1, 1, 3, "full", 1),
     (1, 8, 1, 1, 3, "none", 1),
-    (4, 2, 1, 1, 3, "selective", 1),
 }
 DEFAULT = (8, 1, 1, 1, 0, "full", 1)
 
@@ -153,8 +160,8 @@ def test_memory_grid_within_tolerance(config):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # compiles what the grid tests have not (all of it when run alone)
 def test_memory_ranking_agrees():
-    checked = [config for config in GRID if config not in KNOWN_GAPS]
-    assert len(checked) >= 20
+    checked = GRID  # the known gaps too: the ranking holds with them
+    assert len([config for config in GRID if config not in KNOWN_GAPS]) >= 20
     pairs = [_predicted_and_compiled(config) for config in checked]
     rho = _spearman([p for p, _ in pairs], [c for _, c in pairs])
     table = "\n".join(_row(config) for config in checked) + f"\nSpearman {rho:.3f}"
