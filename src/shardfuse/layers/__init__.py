@@ -18,8 +18,9 @@ from shardfuse.layers import reference, remat
 from shardfuse.layers._sharding import in_manual_region, place, place_on_mesh, sharded_param
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
-from shardfuse.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shardfuse.layers.linear import ColumnParallelLinear
 from shardfuse.layers.mlp import ParallelMLP
+from shardfuse.layers.row_linear import RowParallelLinear
 from shardfuse.layers.stack import Stack
 
 __all__ = [

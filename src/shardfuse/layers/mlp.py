@@ -15,12 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.layers import _sharding, fsdp
-from shardfuse.layers.linear import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    default_bias_init,
-    default_kernel_init,
-)
+from shardfuse.layers.linear import ColumnParallelLinear, default_bias_init, default_kernel_init
+from shardfuse.layers.row_linear import RowParallelLinear
 
 ACTIVATIONS = ("gelu", "swiglu")
 

@@ -1,0 +1,168 @@
+"""`RowParallelLinear`: a linear layer whose kernel is split by input rows over `model_axis`.
+
+The partial products are all-reduced (or, under Megatron sequence
+parallelism, reduce-scattered along the sequence) with the overlapped
+collective matmuls of `shardfuse.collectives`. The conventions shared with
+`ColumnParallelLinear` (activation specs, eager validation, one compiled
+program per configuration, ZeRO options) are those of
+`shardfuse.layers.linear`, whose base class it extends.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.sharding import renamed_keywords
+from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers.linear import (
+    _RENAMED,
+    _ParallelLinear,
+    default_bias_init,
+    default_kernel_init,
+)
+from shardfuse.layers.parallel_matmul import row_matmul
+
+
+class RowParallelLinear(_ParallelLinear):
+    """`y = x @ W + b` with W split by input features over `model_axis`; partial sums reduced.
+
+    Parameters: `kernel` `[in, out]` with `P(model, None)`, `bias` `[out]`
+    replicated (added once, after the reduction). Input `[B, T, in]`:
+    feature-sharded `P(data, sequence, model)` with `input_is_parallel=True`
+    (the output of a `ColumnParallelLinear`), or with `input_is_parallel=False`
+    all features on every model shard, `P(data, sequence, None)`, each shard
+    slicing its own part locally (no communication). Output `[B, T, out]`:
+    with `sequence_parallel=True` reduce-scattered along the sequence
+    (`matmul_reduce_scatter`), `P(data, (sequence, model), None)`; otherwise
+    all-reduced (`matmul_all_reduce`), `P(data, sequence, None)`. Integer or
+    bool `x` raises TypeError; an empty batch gives an empty output.
+
+    Args:
+      in_features, out_features: sizes; `in_features` divisible by the size
+        of `model_axis`.
+      input_is_parallel: Megatron's flag: True, `x` arrives split by features
+        over `model_axis`; False, `x` holds all `in_features` replicated over
+        `model_axis` and each shard slices its part. Both compute the same
+        `x @ W + b`; the flag picks the input layout (and so which
+        resharding, if any, an input on another layout costs).
+      mesh: the `jax.sharding.Mesh` (Explicit or Auto axes; `jax.set_mesh` is
+        not needed).
+      model_axis: the tensor-parallel mesh axis (deprecated spelling: `axis`).
+      sequence_parallel: Megatron sequence parallelism: the sequence is sharded
+        over `model_axis` too (besides `sequence_axis`). Default False, as a
+        drop-in for `nnx.Linear` on replicated activations.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
+        `nnx.Linear` (`dtype` = compute dtype, `param_dtype` = storage dtype,
+        `precision` of the matmuls; None: HIGHEST for float32, DEFAULT for
+        16-bit). `use_bias=True` as in `nnx.Linear`.
+      data_axis: mesh axis of the batch.
+      sequence_axis: the context-parallel mesh axis the sequence is sharded
+        over (the axis ring attention runs over). The defaults of `data_axis`
+        and `sequence_axis` are ignored when the mesh lacks them; None: not
+        sharded.
+      implementation: matmul / collective implementation (None: best).
+      zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO stage (0-3)
+        over `fsdp_axis` (default "fsdp", ignored when the mesh lacks it; the
+        batch is split over `(data_axis, fsdp_axis)`); zero=3 also shards the
+        kernel over it, gathered just in time (dropped after the forward
+        unless `reshard_after_forward=False`), its gradient reduce-scattered
+        in `reduce_dtype` (float32; None: compute dtype). See `layers.fsdp`.
+      rngs: `nnx.Rngs` for the initializers.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> mesh = jax.make_mesh((2,), ("model",))
+      >>> layer = sf.layers.RowParallelLinear(32, 16, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> y = layer(jnp.ones((2, 8, 32)))
+      >>> y.shape, y.sharding.spec
+      ((2, 8, 16), P(None, None, None))
+    """
+
+    sharded_features = "in"
+
+    @staticmethod
+    def kernel_spec_for(axis):
+        return P(axis, None)
+
+    @staticmethod
+    def bias_spec_for(axis):
+        return P()
+
+    @renamed_keywords(**_RENAMED)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mesh,
+        model_axis: str | None = "model",
+        sequence_parallel: bool = False,
+        input_is_parallel: bool = True,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_kernel_init,
+        bias_init=default_bias_init,
+        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
+        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
+        implementation: str | None = None,
+        precision=None,
+        zero: int = 0,
+        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
+        reshard_after_forward: bool = True,
+        reduce_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        super().__init__(
+            in_features,
+            out_features,
+            mesh=mesh,
+            model_axis=model_axis,
+            sequence_parallel=sequence_parallel,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            data_axis=data_axis,
+            sequence_axis=sequence_axis,
+            implementation=implementation,
+            precision=precision,
+            zero=zero,
+            fsdp_axis=fsdp_axis,
+            reshard_after_forward=reshard_after_forward,
+            reduce_dtype=reduce_dtype,
+            rngs=rngs,
+        )
+        self.input_is_parallel = bool(input_is_parallel)
+
+    def local(self, x, kernel, bias=None):
+        """Per-shard computation: x `[b, t, in / tp]` (feature shard) -> reduced output."""
+        y = row_matmul(self, x, self.weight(kernel, x.dtype, x))
+        return checkpoint_name(y if bias is None else y + bias, "linear")
+
+    def _local_replicated_input(self, x, kernel, bias=None):
+        """`local` on a replicated `x` `[b, t, in]`: this shard keeps its slice of the features."""
+        part = kernel.shape[0]  # in / tp rows (fsdp shards the other dimension)
+        index = 0 if self.model_axis is None else jax.lax.axis_index(self.model_axis)
+        x = jax.lax.dynamic_slice_in_dim(x, index * part, part, axis=2)
+        return self.local(x, kernel, bias)
+
+    def input_spec(self):
+        """PartitionSpec the `[B, T, in]` input is placed on (see `input_is_parallel`)."""
+        features = self.model_axis if self.input_is_parallel else None
+        return P(self.batch_axes, self._sequence_spec(False), features)
+
+    def output_spec(self):
+        """PartitionSpec of the `[B, T, out]` output."""
+        return P(self.batch_axes, self._sequence_spec(self.sequence_parallel), None)
+
+    def forward(self, x):
+        """`__call__` without the input checks (traced by `call_compiled`)."""
+        local = self.local if self.input_is_parallel else self._local_replicated_input
+        return self._run(local, x, self.input_spec(), self.output_spec())
