@@ -14,7 +14,8 @@
   per-process batch loading.
 
 Data flows one way: planner -> parallel -> layers; this package composes
-layers into models and training steps and knows nothing of kernels.
+layers into models and training steps; of the kernels it uses only the
+bottom-level varying-axes helpers (`shardfuse.kernels.vma`), as every level does.
 """
 
 from shardfuse.parallel import distributed
