@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.layers import _sharding
+from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
 
 
@@ -50,11 +51,19 @@ class Stack(nnx.Module):
         or the pipeline axis ("pipeline"), whose size must divide L.
       remat: activation checkpointing of each layer: "none", "full",
         "selective", "dots" or "offload" (`shardfuse.layers.remat`).
+      prefetch: ZeRO-3 blocks only: gather layer l+1's weights while layer l
+        computes (forward) and layer l-1's while layer l's backward runs,
+        one `jax.custom_vjp` over the layer scan that keeps only the sharded
+        weights and each layer's input for the backward
+        (`shardfuse.layers.prefetch`). Needs blocks built with `zero=3` over
+        an fsdp axis of size > 1, `layer_axis=None` and a block with
+        `io_spec()`. Same values and gradients as False.
       rngs: `nnx.Rngs`; its `params` stream seeds the L layers.
 
     Raises:
       ValueError: num_layers < 1, an unknown remat policy, a layer_axis
-        that is not a mesh axis, or L not divisible by its size.
+        that is not a mesh axis, or L not divisible by its size;
+        prefetch=True where it does not apply (see `prefetch`).
 
     Example usage::
 
@@ -69,6 +78,17 @@ class Stack(nnx.Module):
       ((4, 16, 64), P('pipeline', None, 'model'))
       >>> stack(jnp.ones((2, 8, 16))).shape
       (2, 8, 16)
+
+    ZeRO-3 blocks with the next layer's weights prefetched::
+
+      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(32, 4, 64, mesh=mesh,
+      ...               zero=3, rngs=rngs), 3, mesh=mesh, prefetch=True, rngs=nnx.Rngs(0))
+      >>> stack.blocks.mlp.up.kernel[...].sharding.spec
+      P(None, 'fsdp', None)
+      >>> y = stack(jnp.ones((8, 16, 32)))
+      >>> y.shape, y.sharding.spec
+      ((8, 16, 32), P(('data', 'fsdp'), None, None))
     """
 
     def __init__(
@@ -79,8 +99,11 @@ class Stack(nnx.Module):
         mesh,
         layer_axis: str | None = None,
         remat: str = "none",
+        prefetch: bool = False,
         rngs: nnx.Rngs,
     ):
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch={prefetch!r} must be True or False")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
         remat_lib.check_policy(remat)
@@ -129,6 +152,14 @@ class Stack(nnx.Module):
         state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_is_variable)
         # The block's structure holding stacked values: `blocks.<path>` is the [L, ...] parameter.
         self.blocks = nnx.merge(graphdef, state)
+        self.prefetch = prefetch
+        if prefetch:  # checks before any tracing
+            self._prefetch_plan()
+
+    def _prefetch_plan(self):
+        return prefetch_lib.make_plan(
+            self.blocks, self.mesh, layer_axis=self.layer_axis, remat=self.remat
+        )
 
     def layer_specs(self):
         """PartitionSpecs of the stacked state (`nnx.get_partition_spec` of `blocks`)."""
@@ -138,8 +169,11 @@ class Stack(nnx.Module):
         """Applies the layers whose stacked (pure) `state` is given, in order, by `lax.scan`.
 
         `state` is `nnx.split(self.blocks)[1]` or any slice of it along the
-        layer axis (a pipeline stage's local layers).
+        layer axis (a pipeline stage's local layers). With `prefetch=True`
+        (all L layers), the prefetching scan of `shardfuse.layers.prefetch`.
         """
+        if self.prefetch:
+            return prefetch_lib.apply_layers(self._prefetch_plan(), self.mesh, state, x, kwargs)
         graphdef = nnx.graphdef(self.blocks)
 
         def body(x, layer_state):

@@ -1,0 +1,420 @@
+"""ZeRO-3 next-layer weight prefetch for a `Stack` of fsdp-sharded blocks.
+
+A ZeRO-3 block (`zero=3`) all-gathers each kernel over the fsdp axis inside
+its own per-shard function, right before the matmul that needs it: the
+gather of layer `l + 1` cannot start before layer `l` is done. FSDP
+(Zhao et al. 2023, "PyTorch FSDP", section 3.3.2 "forward/backward
+prefetching") issues the next layer's all-gather while the current layer
+computes. Here the whole layer scan is one `jax.custom_vjp`, run per shard
+(one `jax.shard_map` over the mesh, or directly in a manual region):
+
+- forward: a `lax.scan` whose carry is `(activations, layer l's gathered
+  weights)`; the body issues layer `l + 1`'s all-gather, which does not
+  depend on layer `l`'s compute, so XLA's async collectives overlap the two
+  on GPU/TPU. Residuals: the stacked SHARDED weights and each layer's input
+  activation (what remat "full" keeps); no gathered weight is saved.
+- backward: a reverse scan whose carry is `(cotangent, layer l's gathered
+  weights)`; the body issues layer `l - 1`'s gather, recomputes layer `l`
+  from its saved input (`jax.vjp`) and reduce-scatters the weight cotangent
+  (whole over fsdp on each device) to the fsdp shard in the layers'
+  `reduce_dtype` (float32 by default), then sums it over the other
+  data-parallel axes on the shard, as `fsdp.gather`'s transpose does.
+- the blocks run a copy of the block graph whose layers are at ZeRO stage 0
+  with the same fsdp axis (the batch still split over `(data, fsdp)`), fed
+  the gathered weights. The gathered weights vary over the activations' mesh
+  axes before the gather (as `fsdp.gather(..., like=x)` casts them), so the
+  blocks add no all-reduce of a whole kernel.
+
+Why not a plain carry: with the next layer's gathered weights in an ordinary
+scan carry, autodiff saves the carry of every iteration, i.e. the whole
+stack gathered, which defeats `reshard_after_forward`.
+
+Each layer's forward runs twice (the forward, and its recomputation in the
+backward), as under remat "full"; a Stack `remat` policy applies inside the
+recomputed layer's own backward ("full" there would add a third forward, so
+it is treated as "none": across layers the prefetch path already keeps only
+the layer inputs).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.kernels.vma import varying_axes
+from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import remat as remat_lib
+
+
+def _is_variable(x):
+    return isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one stacked parameter is gathered and reduced.
+
+    Attributes:
+      dim: dimension of the (unstacked) parameter sharded over fsdp; None
+        when it is not (biases): passed as is, no gather.
+      compute_dtype: dtype to gather in (None: the promoted dtype of the
+        activations and the parameter, as the layers' `compute_dtype`).
+      own_dtype: gather in the parameter's own dtype (norm scales).
+      reduce_dtype: dtype of the gradient reduce-scatter (None: the gathered dtype).
+    """
+
+    dim: int | None
+    compute_dtype: object = None
+    own_dtype: bool = False
+    reduce_dtype: object = jnp.dtype(jnp.float32)
+
+    def gather_dtype(self, x_dtype, param_dtype):
+        """The dtype this parameter is gathered (and computed) in."""
+        if self.own_dtype:
+            return jnp.dtype(param_dtype)
+        return _sharding.compute_dtype(self.compute_dtype, jnp.zeros((), x_dtype), param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchPlan:
+    """Static description of a prefetching layer scan (hashable: a `custom_vjp` static argument).
+
+    Attributes:
+      graphdef: the block graph at ZeRO stage 0 (same fsdp axis), run on gathered weights.
+      treedef: pytree structure of one layer's state.
+      leaves: a `LeafPlan` per leaf of the state, in `treedef` order.
+      specs: stacked PartitionSpec per leaf (`[L, ...]`, fsdp on the parameter's dimension).
+      fsdp_axis: the mesh axis the weights are sharded over.
+      io_spec: PartitionSpec of the `[B, T, F]` activations between blocks.
+      keyword_specs: `(name, spec)` of each array keyword the blocks accept.
+      remat: the Stack's policy, applied inside each recomputed layer.
+    """
+
+    graphdef: object
+    treedef: object
+    leaves: tuple
+    specs: tuple
+    fsdp_axis: str
+    io_spec: P
+    keyword_specs: tuple
+    remat: str
+
+
+def _stage0_copy(blocks):
+    """The block graph with every ZeRO-3 layer at stage 0 (same fsdp axis); the fsdp axis."""
+    copy = nnx.merge(*nnx.split(blocks))
+    axes = set()
+    for _, module in nnx.iter_modules(copy):
+        zero = getattr(module, "zero", None)
+        if isinstance(zero, fsdp.ZeroOptions) and zero.param_axis is not None:
+            axes.add(zero.param_axis)
+            module.zero = dataclasses.replace(zero, stage=0)
+            # `Norm` keeps its parameters' spec `P(param_axis)` as an attribute
+            if getattr(module, "spec", None) == P(zero.param_axis):
+                module.spec = P(None)
+    return nnx.graphdef(copy), axes
+
+
+def _owners(blocks):
+    """`{module path: module}` of the modules with ZeRO options."""
+    return {
+        tuple(path): module
+        for path, module in nnx.iter_modules(blocks)
+        if isinstance(getattr(module, "zero", None), fsdp.ZeroOptions)
+    }
+
+
+def _leaf_plan(path, spec, owners, fsdp_axis) -> LeafPlan:
+    names = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+    owner = max(
+        (p for p in owners if names[: len(p)] == p), key=len, default=None
+    )  # innermost module holding the parameter
+    entries = tuple(spec)[1:]
+    if any(fsdp_axis in e for e in entries if isinstance(e, tuple)):
+        raise NotImplementedError(
+            f"parameter {'.'.join(map(str, names))} is sharded {spec}: fsdp inside a tuple "
+            "entry; prefetch gathers parameters sharded over fsdp alone on one dimension"
+        )
+    dim = entries.index(fsdp_axis) if fsdp_axis in entries else None
+    if owner is None:
+        return LeafPlan(dim, own_dtype=True)
+    module = owners[owner]
+    zero = module.zero
+    return LeafPlan(
+        dim,
+        compute_dtype=getattr(module, "dtype", None),
+        own_dtype=not hasattr(module, "dtype"),
+        reduce_dtype=zero.reduce_dtype,
+    )
+
+
+def _keyword_specs(blocks) -> tuple:
+    """Specs of the array keywords of a block (`positions`, `segment_ids` of its attention)."""
+    owner = blocks if hasattr(blocks, "token_specs") else getattr(blocks, "attention", None)
+    if owner is None or not hasattr(owner, "token_specs"):
+        return ()
+    _, positions, segment_ids = owner.token_specs()
+    return (("positions", positions), ("segment_ids", segment_ids))
+
+
+def make_plan(blocks, mesh, *, layer_axis=None, remat: str = "none"):
+    """Checks that `blocks` (a `Stack`'s stacked blocks) can prefetch; returns their plan.
+
+    Args:
+      blocks: `Stack.blocks`: the block graph holding `[L, ...]` parameters.
+      mesh: the mesh of the parameters.
+      layer_axis: the Stack's layer axis (must be None: not pipelined).
+      remat: the Stack's remat policy.
+
+    Returns:
+      A `PrefetchPlan`.
+
+    Raises:
+      ValueError: the stack is sharded over a layer (pipeline) axis, the
+        blocks are not ZeRO-3 over one fsdp axis of size > 1, or the block
+        has no `io_spec()`.
+
+    Example usage::
+
+      >>> import jax
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.layers import prefetch
+      >>> from shardfuse.layers.stack import Stack
+      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
+      ...               2, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> plan = prefetch.make_plan(stack.blocks, mesh)
+      >>> plan.fsdp_axis, [leaf.dim for leaf in plan.leaves]  # down: bias, kernel; up: bias, kernel
+      ('fsdp', [None, 1, None, 0])
+    """
+    if layer_axis is not None:
+        raise ValueError(
+            f"prefetch=True runs the layers in one scan on every device; layer_axis="
+            f"{layer_axis!r} shards them over a pipeline axis (use prefetch=False there)"
+        )
+    graphdef, axes = _stage0_copy(blocks)
+    if len(axes) != 1:
+        raise ValueError(
+            "prefetch=True needs blocks built with zero=3 over one fsdp axis (their weights "
+            f"sharded over it); these blocks shard weights over {sorted(axes) or 'no axis'}"
+        )
+    (fsdp_axis,) = axes
+    if mesh.shape[fsdp_axis] < 2:
+        raise ValueError(
+            f"prefetch=True needs an fsdp axis of size > 1; {fsdp_axis!r} has size "
+            f"{mesh.shape[fsdp_axis]} (nothing to gather: use prefetch=False)"
+        )
+    if not hasattr(blocks, "io_spec"):
+        raise ValueError(
+            f"prefetch=True needs a block with io_spec() (its activations' PartitionSpec); "
+            f"{type(blocks).__name__} has none"
+        )
+    state = nnx.state(blocks)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
+    owners = _owners(blocks)
+    specs = tuple(v.get_metadata()["out_sharding"] for _, v in flat)
+    leaves = tuple(
+        _leaf_plan(path, spec, owners, fsdp_axis)
+        for (path, _), spec in zip(flat, specs, strict=True)
+    )
+    return PrefetchPlan(
+        graphdef,
+        treedef,
+        leaves,
+        specs,
+        fsdp_axis,
+        blocks.io_spec(),
+        _keyword_specs(blocks),
+        remat_lib.check_policy(remat),
+    )
+
+
+def _gather_layer(plan: PrefetchPlan, shards, layer, x):
+    """Layer `layer`'s weights, the fsdp-sharded ones all-gathered (in their compute dtype)."""
+    weights = []
+    for leaf, stacked in zip(plan.leaves, shards, strict=True):
+        shard = lax.dynamic_index_in_dim(stacked, layer, 0, keepdims=False)
+        if leaf.dim is not None:
+            options = fsdp.ZeroOptions(3, plan.fsdp_axis, True, leaf.reduce_dtype)
+            dtype = leaf.gather_dtype(x.dtype, shard.dtype)
+            shard = fsdp.gather(options, shard, leaf.dim, dtype, like=x)
+        weights.append(shard)
+    return weights
+
+
+def _reduce_layer(plan: PrefetchPlan, shards, grads):
+    """Weight cotangents (whole over fsdp, per device) reduce-scattered to the shards.
+
+    As `fsdp.gather`'s transpose: reduce-scatter over fsdp in `reduce_dtype`,
+    cast to the parameter's dtype, then summed over the other axes the
+    gathered weight was cast to vary over (data, ...) on the shard. Every
+    cotangent is summed over the axes it varies over beyond its parameter's.
+    """
+    out = []
+    for leaf, stacked, grad in zip(plan.leaves, shards, grads, strict=True):
+        if leaf.dim is not None:
+            reduce = grad.dtype if leaf.reduce_dtype is None else leaf.reduce_dtype
+            with jax.named_scope("fsdp_reduce_scatter"):
+                grad = lax.psum_scatter(
+                    grad.astype(reduce), plan.fsdp_axis, scatter_dimension=leaf.dim, tiled=True
+                )
+            grad = grad.astype(stacked.dtype)
+        extra = tuple(sorted(varying_axes(grad) - varying_axes(stacked)))
+        if extra:
+            grad = lax.psum(grad, extra)
+        out.append(grad)
+    return out
+
+
+def _apply(plan: PrefetchPlan, weights, x, keywords):
+    """One block (the stage-0 graph) on gathered `weights`."""
+    state = jax.tree.unflatten(plan.treedef, weights)
+    return nnx.merge(plan.graphdef, state)(x, **dict(keywords))
+
+
+def _forward(plan: PrefetchPlan, shards, x, keywords):
+    """All layers; returns the output and the inputs of layers 1..L-1 (`[L-1, ...]` or None)."""
+
+    def body(carry, layer):
+        x, weights = carry
+        following = _gather_layer(plan, shards, layer + 1, x)  # issued before layer's compute
+        y = _apply(plan, weights, x, keywords)
+        return (y, following), y
+
+    weights = _gather_layer(plan, shards, 0, x)
+    inputs = None
+    num_layers = shards[0].shape[0]
+    if num_layers > 1:
+        (x, weights), inputs = lax.scan(body, (x, weights), jnp.arange(num_layers - 1))
+    return _apply(plan, weights, x, keywords), inputs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _layers(plan: PrefetchPlan, names: tuple, shards, x, values):
+    return _forward(plan, shards, x, tuple(zip(names, values, strict=True)))[0]
+
+
+def _layers_fwd(plan, names, shards, x, values):
+    y, inputs = _forward(plan, shards, x, tuple(zip(names, values, strict=True)))
+    return y, (shards, x, values, inputs)
+
+
+def _layers_bwd(plan, names, residuals, cotangent):
+    shards, x, values, inputs = residuals
+    keywords = tuple(zip(names, values, strict=True))
+    # The backward's gathers must not be merged with the forward's (XLA's CSE would keep the
+    # gathered weights from the forward to the backward: a 2-layer stack's one-trip loops are
+    # inlined, and XLA:CPU drops optimization barriers before CSE). Their layer index is
+    # offset by a zero XLA cannot fold: the bit count (at most 32) of one cotangent value,
+    # shifted right by 6.
+    bits = lax.bitcast_convert_type(cotangent.ravel()[:1].astype(jnp.float32).sum(), jnp.uint32)
+    offset = lax.shift_right_logical(lax.population_count(bits), jnp.uint32(6)).astype(jnp.int32)
+    policy = "none" if plan.remat == "full" else plan.remat
+    layer_fn = remat_lib.checkpoint(
+        lambda weights, x: _apply(plan, weights, x, keywords), policy, prevent_cse=False
+    )
+
+    def layer_vjp(weights, x_in, cotangent):
+        _, vjp = jax.vjp(layer_fn, weights, x_in)
+        grad_weights, grad_x = vjp(cotangent)
+        return grad_x, _reduce_layer(plan, shards, grad_weights)
+
+    def body(carry, layer_and_input):
+        cotangent, weights = carry
+        layer, x_in = layer_and_input
+        previous = _gather_layer(
+            plan, shards, layer - 1 + offset, x_in
+        )  # issued before the recompute
+        grad_x, grads = layer_vjp(weights, x_in, cotangent)
+        return (grad_x, previous), grads
+
+    L = shards[0].shape[0]
+    weights = _gather_layer(plan, shards, L - 1 + offset, x)
+    if L > 1:
+        (cotangent, weights), rest = lax.scan(
+            body, (cotangent, weights), (jnp.arange(1, L), inputs), reverse=True
+        )
+    grad_x, first = layer_vjp(weights, x, cotangent)
+    grads = [g[None] for g in first]
+    if L > 1:
+        grads = [jnp.concatenate([g, r]) for g, r in zip(grads, rest, strict=True)]
+    # the keywords are integer (positions, segment ids): no gradient
+    zeros = tuple(None if v is None else np.zeros(v.shape, jax.dtypes.float0) for v in values)
+    return grads, grad_x, zeros
+
+
+_layers.defvjp(_layers_fwd, _layers_bwd)
+
+
+def check_keywords(plan: PrefetchPlan, keywords: dict):
+    """ValueError/TypeError unless every keyword is an integer array the blocks take (or None)."""
+    known = dict(plan.keyword_specs)
+    for name, value in keywords.items():
+        if name not in known:
+            raise ValueError(
+                f"{name}={type(value).__name__}: with prefetch=True the blocks take only the "
+                f"array keywords {sorted(known)} (each sharded as the block documents)"
+            )
+        dtype = getattr(value, "dtype", None)
+        if value is not None and (dtype is None or not jnp.issubdtype(dtype, jnp.integer)):
+            raise TypeError(
+                f"{name} has dtype {dtype}; with prefetch=True keyword arrays must be integer "
+                "(positions, segment ids: they get no gradient)"
+            )
+
+
+def apply_layers(plan: PrefetchPlan, mesh, state, x, keywords: dict):
+    """The L layers of `state` (stacked, fsdp-sharded) applied to `x`, next layer prefetched.
+
+    Global view: one `jax.shard_map` over `mesh` (inputs placed on their
+    specs); in a manual region (every mesh axis manual) it runs on the local
+    shards directly. Same values and gradients as the plain layer scan.
+
+    Args:
+      plan: from `make_plan`.
+      mesh: the parameters' mesh.
+      state: the stacked state (`nnx.state(stack.blocks)`, Variables or arrays).
+      x: `[B, T, F]` activations.
+      keywords: the blocks' array keywords (`positions`, `segment_ids`) or None values.
+
+    Returns:
+      `[B, T, F]`, sharded `plan.io_spec`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.layers import prefetch
+      >>> from shardfuse.layers.stack import Stack
+      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
+      ...               2, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> plan = prefetch.make_plan(stack.blocks, mesh)
+      >>> y = prefetch.apply_layers(plan, mesh, nnx.state(stack.blocks), jnp.ones((8, 4, 16)), {})
+      >>> y.shape, y.sharding.spec
+      ((8, 4, 16), P(('data', 'fsdp'), None, None))
+    """
+    check_keywords(plan, keywords)
+    values = [
+        v[...] if _is_variable(v) else v for v in jax.tree.leaves(state, is_leaf=_is_variable)
+    ]
+    known = dict(plan.keyword_specs)
+    names = tuple(sorted(keywords))
+
+    def local(shards, x, keyword_values):
+        return _layers(plan, names, shards, x, tuple(keyword_values))
+
+    return _sharding.shard_map_call(
+        local,
+        mesh,
+        [values, x, [keywords[n] for n in names]],
+        [list(plan.specs), plan.io_spec, [known[n] for n in names]],
+        plan.io_spec,
+    )
