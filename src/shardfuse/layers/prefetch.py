@@ -46,7 +46,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.kernels.vma import varying_axes
+from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import remat as remat_lib
 
@@ -325,25 +325,28 @@ def _layers_bwd(plan, names, residuals, cotangent):
         grad_weights, grad_x = vjp(cotangent)
         return grad_x, _reduce_layer(plan, shards, grad_weights)
 
+    def store(buffers, grads, layer):  # in place: the buffers become the gradient outputs
+        return [
+            lax.dynamic_update_index_in_dim(b, g, layer, 0)
+            for b, g in zip(buffers, grads, strict=True)
+        ]
+
     def body(carry, layer_and_input):
-        cotangent, weights = carry
+        cotangent, weights, buffers = carry
         layer, x_in = layer_and_input
-        previous = _gather_layer(
-            plan, shards, layer - 1 + offset, x_in
-        )  # issued before the recompute
+        previous = _gather_layer(plan, shards, layer - 1 + offset, x_in)  # before the recompute
         grad_x, grads = layer_vjp(weights, x_in, cotangent)
-        return (grad_x, previous), grads
+        return (grad_x, previous, store(buffers, grads, layer)), None
 
     L = shards[0].shape[0]
     weights = _gather_layer(plan, shards, L - 1 + offset, x)
+    buffers = [to_varying(jnp.zeros(s.shape, s.dtype), varying_axes(s)) for s in shards]
     if L > 1:
-        (cotangent, weights), rest = lax.scan(
-            body, (cotangent, weights), (jnp.arange(1, L), inputs), reverse=True
+        (cotangent, weights, buffers), _ = lax.scan(
+            body, (cotangent, weights, buffers), (jnp.arange(1, L), inputs), reverse=True
         )
     grad_x, first = layer_vjp(weights, x, cotangent)
-    grads = [g[None] for g in first]
-    if L > 1:
-        grads = [jnp.concatenate([g, r]) for g, r in zip(grads, rest, strict=True)]
+    grads = store(buffers, first, 0)
     # the keywords are integer (positions, segment ids): no gradient
     zeros = tuple(None if v is None else np.zeros(v.shape, jax.dtypes.float0) for v in values)
     return grads, grad_x, zeros
