@@ -165,7 +165,15 @@ def test_bad_arguments():
             prefetch=True,
             rngs=nnx.Rngs(0),
         )
-    plan = prefetch.make_plan(_stack(mesh, True, 1).blocks, mesh)
+    stack = _stack(mesh, True, 1)
+    # the blocks' own input checks run in the global view, before the per-shard program
+    with pytest.raises(ValueError, match=r"x has shape \(8, 16, 33\); expected \[B, T, features"):
+        stack(jnp.ones((8, 16, 33)))
+    with pytest.raises(ValueError, match="batch size B=6 must be divisible by the size 8"):
+        stack(jnp.ones((6, 16, 32)))
+    with pytest.raises(ValueError, match=r"positions must be int \[T\] = \(16,\)"):
+        stack(jnp.ones((8, 16, 32)), positions=jnp.arange(15))
+    plan = prefetch.make_plan(stack.blocks, mesh)
     with pytest.raises(ValueError, match="mask=ndarray: with prefetch=True the blocks take only"):
         prefetch.check_keywords(plan, {"mask": np.ones(4)})
     with pytest.raises(TypeError, match="segment_ids has dtype float32; with prefetch=True"):
@@ -258,6 +266,19 @@ def test_prefetch_in_a_manual_region_equals_plain_scan():
     with jax.set_mesh(mesh):
         got = jax.jit(forward_backward)(state, x)
     _assert_same(got, want)
+
+
+@pytest.mark.slow
+def test_empty_batch_gives_empty_output_and_zero_gradients():
+    mesh = _mesh()
+    stack = _stack(mesh, True, 2)
+    x = jnp.zeros((0, 16, 32))
+    graphdef, state = nnx.split(stack)
+    y, grads = jax.jit(
+        jax.value_and_grad(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x)), argnums=(0, 1))
+    )(state, x)
+    assert float(y) == 0.0
+    assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
 
 
 @pytest.mark.slow

@@ -93,6 +93,7 @@ class PrefetchPlan:
       io_spec: PartitionSpec of the `[B, T, F]` activations between blocks.
       keyword_specs: `(name, spec)` of each array keyword the blocks accept.
       remat: the Stack's policy, applied inside each recomputed layer.
+      block_graphdef: the block graph as built (ZeRO-3), whose call checks the input.
     """
 
     graphdef: object
@@ -103,6 +104,7 @@ class PrefetchPlan:
     io_spec: P
     keyword_specs: tuple
     remat: str
+    block_graphdef: object
 
 
 def _stage0_copy(blocks):
@@ -232,6 +234,7 @@ def make_plan(blocks, mesh, *, layer_axis=None, remat: str = "none"):
         blocks.io_spec(),
         _keyword_specs(blocks),
         remat_lib.check_policy(remat),
+        nnx.graphdef(blocks),
     )
 
 
@@ -372,6 +375,12 @@ def check_keywords(plan: PrefetchPlan, keywords: dict):
             )
 
 
+def _check_block(plan: PrefetchPlan, values, x, keywords):
+    """One block as built (global view) on layer 0: raises what its call raises for bad input."""
+    first = jax.tree.unflatten(plan.treedef, [v[0] for v in values])
+    return nnx.merge(plan.block_graphdef, first)(x, **keywords)
+
+
 def apply_layers(plan: PrefetchPlan, mesh, state, x, keywords: dict):
     """The L layers of `state` (stacked, fsdp-sharded) applied to `x`, next layer prefetched.
 
@@ -408,6 +417,8 @@ def apply_layers(plan: PrefetchPlan, mesh, state, x, keywords: dict):
     values = [
         v[...] if _is_variable(v) else v for v in jax.tree.leaves(state, is_leaf=_is_variable)
     ]
+    if not _sharding.in_manual_region(mesh):  # the blocks' own input checks, before tracing
+        jax.eval_shape(functools.partial(_check_block, plan), values, x, keywords)
     known = dict(plan.keyword_specs)
     names = tuple(sorted(keywords))
 

@@ -172,7 +172,7 @@ class Stack(nnx.Module):
         layer axis (a pipeline stage's local layers). With `prefetch=True`
         (all L layers), the prefetching scan of `shardfuse.layers.prefetch`.
         """
-        if self.prefetch:
+        if self.prefetch and x.size:  # (an empty batch: the plain scan, nothing to gather)
             return prefetch_lib.apply_layers(self._prefetch_plan(), self.mesh, state, x, kwargs)
         graphdef = nnx.graphdef(self.blocks)
 
