@@ -269,6 +269,25 @@ def test_prefetch_in_a_manual_region_equals_plain_scan():
 
 
 @pytest.mark.slow
+def test_prefetch_under_accumulate_zero3_equals_plain_scan():
+    """`sf.parallel.accumulate` (2 microbatches, padding mask) runs the stack per shard."""
+    from shardfuse.parallel.accumulate import accumulate
+
+    mesh = _mesh()
+
+    def loss_fn(model, batch):
+        y = model(batch["x"])
+        return jnp.sum(batch["mask"] * jnp.sum(y * y, -1)), jnp.sum(batch["mask"])
+
+    x = jax.random.normal(jax.random.key(3), (16, 16, 32))
+    batch = dict(x=x, mask=jnp.ones((16, 16)).at[:, 12:].set(0))
+    step = nnx.jit(lambda model, batch: accumulate(loss_fn, 2, mesh=mesh, zero=3)(model, batch))
+    want = step(_stack(mesh, False, 3), batch)
+    got = step(_stack(mesh, True, 3), batch)
+    _assert_same(got, want)
+
+
+@pytest.mark.slow
 def test_empty_batch_gives_empty_output_and_zero_gradients():
     mesh = _mesh()
     stack = _stack(mesh, True, 2)
