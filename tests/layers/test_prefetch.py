@@ -137,6 +137,10 @@ def test_bad_arguments():
         Stack(mlp(), 2, mesh=mesh, prefetch=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="needs blocks built with zero=3"):
         Stack(mlp(zero=2), 2, mesh=mesh, prefetch=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="down was built with reshard_after_forward=False"):
+        Stack(
+            mlp(zero=3, reshard_after_forward=False), 2, mesh=mesh, prefetch=True, rngs=nnx.Rngs(0)
+        )
     no_fsdp = jax.make_mesh((8,), ("data",))
     with pytest.raises(ValueError, match="shard weights over no axis"):
         Stack(

@@ -111,9 +111,16 @@ def _stage0_copy(blocks):
     """The block graph with every ZeRO-3 layer at stage 0 (same fsdp axis); the fsdp axis."""
     copy = nnx.merge(*nnx.split(blocks))
     axes = set()
-    for _, module in nnx.iter_modules(copy):
+    for path, module in nnx.iter_modules(copy):
         zero = getattr(module, "zero", None)
         if isinstance(zero, fsdp.ZeroOptions) and zero.param_axis is not None:
+            if not zero.reshard_after_forward:
+                raise ValueError(
+                    f"prefetch=True gathers every layer again in the backward, but "
+                    f"{'.'.join(map(str, path)) or type(module).__name__} was built with "
+                    "reshard_after_forward=False (keep the gathered weights); build the blocks "
+                    "with reshard_after_forward=True or use prefetch=False"
+                )
             axes.add(zero.param_axis)
             module.zero = dataclasses.replace(zero, stage=0)
             # `Norm` keeps its parameters' spec `P(param_axis)` as an attribute
@@ -178,8 +185,8 @@ def make_plan(blocks, mesh, *, layer_axis=None, remat: str = "none"):
 
     Raises:
       ValueError: the stack is sharded over a layer (pipeline) axis, the
-        blocks are not ZeRO-3 over one fsdp axis of size > 1, or the block
-        has no `io_spec()`.
+        blocks are not ZeRO-3 over one fsdp axis of size > 1 (or were built
+        with `reshard_after_forward=False`), or the block has no `io_spec()`.
 
     Example usage::
 
