@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.extend import core as jax_core
 from jax.sharding import AxisType, NamedSharding
 
 import shardfuse as sf
@@ -123,6 +124,64 @@ def test_prefetch_equals_plain_scan_values_gradients_shardings_and_collectives(e
     compiled, got = _program(fetched, mesh, x, cotangent)
     _assert_same(got, want)
     _check_structure(compiled.as_text(), mesh, layers, _largest_shard(fetched))
+
+
+def _subjaxprs(eqn):
+    for param in eqn.params.values():
+        for value in param if isinstance(param, (tuple, list)) else (param,):
+            jaxpr = getattr(value, "jaxpr", value)
+            if hasattr(jaxpr, "eqns"):
+                yield jaxpr
+
+
+def _gathers(jaxpr) -> bool:
+    return any(
+        eqn.primitive.name == "all_gather" or any(_gathers(s) for s in _subjaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _scans(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for sub in _subjaxprs(eqn):
+            yield from _scans(sub)
+
+
+def test_next_gather_does_not_depend_on_the_current_layer():
+    """In both layer scans of the gradient's jaxpr (forward, reverse backward), the 7 gathers
+    of the body read no value computed from the carried activations (or cotangent): nothing
+    orders them after the layer's compute, so async collectives can overlap the two."""
+    mesh = _mesh()
+    stack = _stack(mesh, True, 3)
+    graphdef, state = nnx.split(stack)
+    loss = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x))  # noqa: E731
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(state, jnp.ones((8, 16, 32))).jaxpr
+    found = []
+    for scan in _scans(jaxpr):
+        body = scan.params["jaxpr"].jaxpr
+        gathers = [
+            eqn
+            for eqn in body.eqns
+            if eqn.primitive.name != "scan"
+            and (eqn.primitive.name == "all_gather" or any(map(_gathers, _subjaxprs(eqn))))
+        ]
+        if not gathers:
+            continue
+        tainted = {body.invars[scan.params["num_consts"]]}  # activations / cotangent carry
+        for eqn in body.eqns:
+            if any(isinstance(v, jax_core.Var) and v in tainted for v in eqn.invars):
+                tainted.update(eqn.outvars)
+        assert tainted & set(body.outvars), "the layer's output must depend on its input"
+        dependent = [
+            g
+            for g in gathers
+            if any(isinstance(v, jax_core.Var) and v in tainted for v in g.invars)
+        ]
+        found.append((scan.params["reverse"], len(gathers), len(dependent)))
+    assert sorted(found) == [(False, GATHERED_PER_LAYER, 0), (True, GATHERED_PER_LAYER, 0)], found
 
 
 def test_bad_arguments():
