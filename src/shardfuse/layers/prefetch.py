@@ -66,6 +66,13 @@ class LeafPlan:
         activations and the parameter, as the layers' `compute_dtype`).
       own_dtype: gather in the parameter's own dtype (norm scales).
       reduce_dtype: dtype of the gradient reduce-scatter (None: the gathered dtype).
+
+    Example usage::
+
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.layers.prefetch import LeafPlan
+      >>> LeafPlan(0, compute_dtype=jnp.bfloat16).gather_dtype(jnp.float32, jnp.float32)
+      dtype(bfloat16)
     """
 
     dim: int | None
@@ -94,6 +101,20 @@ class PrefetchPlan:
       keyword_specs: `(name, spec)` of each array keyword the blocks accept.
       remat: the Stack's policy, applied inside each recomputed layer.
       block_graphdef: the block graph as built (ZeRO-3), whose call checks the input.
+
+    Example usage (see `make_plan`)::
+
+      >>> import jax
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.layers import prefetch
+      >>> from shardfuse.layers.stack import Stack
+      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(32, 4, 64, mesh=mesh,
+      ...               zero=3, rngs=rngs), 2, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> plan = prefetch.make_plan(stack.blocks, mesh)
+      >>> plan.io_spec, dict(plan.keyword_specs)["segment_ids"]
+      (P(('data', 'fsdp'), None, None), P(('data', 'fsdp'), None))
     """
 
     graphdef: object
@@ -366,7 +387,22 @@ _layers.defvjp(_layers_fwd, _layers_bwd)
 
 
 def check_keywords(plan: PrefetchPlan, keywords: dict):
-    """ValueError/TypeError unless every keyword is an integer array the blocks take (or None)."""
+    """ValueError/TypeError unless every keyword is an integer array the blocks take (or None).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.layers import prefetch
+      >>> from shardfuse.layers.stack import Stack
+      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
+      ...               2, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> prefetch.check_keywords(prefetch.make_plan(stack.blocks, mesh), {"mask": jnp.ones(4)})
+      Traceback (most recent call last):
+      ValueError: mask=ArrayImpl: with prefetch=True the blocks take only the array keywords [] ...
+    """
     known = dict(plan.keyword_specs)
     for name, value in keywords.items():
         if name not in known:
