@@ -31,7 +31,9 @@ from tests.parallel.memory_cases import (
 
 def _compiled(model, batch, mesh, zero, microbatches, **kwargs):
     """The jitted accumulate step, compiled once: (run(model, batch), its HLO text)."""
-    fn = accumulate(token_loss, microbatches, mesh=mesh, zero=zero, batch_spec=batch_spec(mesh))
+    fn = accumulate(
+        token_loss, microbatches, mesh=mesh, zero=zero, batch_spec=batch_spec(mesh), **kwargs
+    )
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda state, batch: fn(nnx.merge(graphdef, state), batch))
     compiled = step.lower(state, batch).compile()
@@ -134,3 +136,35 @@ def test_bad_input():
         accumulate(token_loss, 1, mesh=mesh, fsdp_axis="shard")
     with pytest.raises(TypeError, match=r"num_microbatches=2.0 must be an int"):
         accumulate(token_loss, 2.0, mesh=mesh)
+    with pytest.raises(ValueError, match=r"scatter='once' must be one of \('microbatch', 'step'\)"):
+        accumulate(token_loss, 2, mesh=mesh, zero=2, scatter="once")
+    with pytest.raises(ValueError, match=r"scatter='step' needs zero <= 2"):
+        accumulate(token_loss, 2, mesh=mesh, zero=3, scatter="step")
+
+
+def test_zero2_scatter_once_per_step_reduces_as_often_as_one_microbatch(oracle):
+    """ZeRO-2 with scatter="step": the whole local gradient sum reduce-scattered after the
+    scan (PyTorch FSDP's no_sync trade: unsharded gradient memory while accumulating), so
+    4 microbatches reduce exactly as often as 1, over fsdp and over data; values as ever."""
+    batch, (want_loss, want) = oracle
+    mesh = mesh_of("data2-fsdp4")
+    model = make_lm(mesh, 2)
+    run, hlo4 = _compiled(model, for_mesh(batch, mesh), mesh, 2, 4, scatter="step")
+    loss, grads = run()
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert_trees_close(nnx.State(grads), want, rtol=1e-5, atol=1e-6)
+    hlo1 = _compiled(model, for_mesh(batch, mesh), mesh, 2, 1, scatter="step")[1]
+
+    def reductions(hlo):
+        counts = hlo_collectives.count(hlo, mesh, scalars=False)
+        return {k: n for k, n in counts.items() if k[0] in ("all-reduce", "reduce-scatter")}
+
+    four, one = reductions(hlo4), reductions(hlo1)
+    assert four == one, (four, one)
+    assert hlo_collectives.total(four, "reduce-scatter", "fsdp") >= 1
+    assert hlo_collectives.total(four, "all-reduce", "fsdp") == 0
+    # the default scatters per microbatch: 4x the reduce-scatters of one microbatch
+    per_micro = reductions(_compiled(model, for_mesh(batch, mesh), mesh, 2, 4)[1])
+    assert hlo_collectives.total(per_micro, "reduce-scatter", "fsdp") == 4 * (
+        hlo_collectives.total(one, "reduce-scatter", "fsdp")
+    )

@@ -22,7 +22,10 @@ The algorithm, one program:
 3. The partial gradients are summed in one float32 buffer per parameter,
    sharded like the gradients the stage asks for: zero 0/1 like the
    parameters; zero 2 over fsdp, which takes a reduce-scatter over fsdp per
-   microbatch (a sharded buffer can only hold reduced shards); zero 3: the
+   microbatch (a sharded buffer can only hold reduced shards), or with
+   `scatter="step"` a whole local buffer reduce-scattered once after the
+   scan (the count of reductions that of one microbatch, for the memory of
+   unsharded gradients while accumulating: PyTorch FSDP's `no_sync`); zero 3: the
    layers' gathers already reduce-scatter (`shardfuse.layers.fsdp`), and
    plain parameters sharded over fsdp (an embedding) are all-gathered on
    entry to each microbatch, with the same reduce-scatter backward.
@@ -47,6 +50,7 @@ from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
 from shardfuse.parallel import zero as zero_lib
 
 DEFAULT_DATA_AXIS = "data"
+SCATTER_MODES = ("microbatch", "step")
 
 
 def _scattered_dim(param_spec, grad_spec, ndim: int):
@@ -128,6 +132,7 @@ def accumulate(
     batch_spec=None,
     reduce_dtype=jnp.float32,
     wrt=nnx.Param,
+    scatter: str = "microbatch",
 ):
     """`fn(model, batch) -> (loss, grads)`: token-weighted gradients over microbatches.
 
@@ -156,6 +161,12 @@ def accumulate(
         second dimension for context parallelism, e.g. `P(("data", "fsdp"), "sequence")`.
       reduce_dtype: dtype of the accumulation buffer and the reductions (float32).
       wrt: the variables differentiated (default `nnx.Param`).
+      scatter: ZeRO-2's reduce-scatter over fsdp: "microbatch" (default: into
+        a buffer sharded over fsdp, one per microbatch) or "step" (a whole
+        local float32 buffer, reduce-scattered once per call: as many
+        reductions as one microbatch, unsharded gradient memory meanwhile).
+        Other stages ignore it, except zero=3, whose layers reduce-scatter in
+        their backward: "step" raises there.
 
     Returns:
       `fn(model, batch) -> (loss, grads)`; call it inside `nnx.jit` (it is
@@ -187,6 +198,13 @@ def accumulate(
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
     zero = check_zero(zero)
+    if scatter not in SCATTER_MODES:
+        raise ValueError(f"scatter={scatter!r} must be one of {SCATTER_MODES}")
+    if scatter == "step" and zero == 3:
+        raise ValueError(
+            "scatter='step' needs zero <= 2: under zero=3 the layers reduce-scatter each "
+            "weight's gradient in their backward, once per microbatch"
+        )
     fsdp_axis = zero_lib.fsdp_axis_of(mesh, fsdp_axis)
     if data_axis is not None and data_axis not in mesh.axis_names:
         if data_axis != DEFAULT_DATA_AXIS:
@@ -224,6 +242,7 @@ def accumulate(
             gather_dims=gather_dims,
             fsdp_axis=fsdp_axis,
             reduce_dtype=reduce_dtype,
+            scatter_once=scatter == "step",
         )
         in_specs = (param_specs, rest_specs, batch_specs)
         args = zero_lib.put((nnx.as_pure(params), nnx.as_pure(rest), batch), in_specs, mesh)
@@ -267,6 +286,7 @@ def _per_shard(
     gather_dims,
     fsdp_axis,
     reduce_dtype,
+    scatter_once=False,
 ):
     """The body of the full-manual region: scan over microbatches, then one reduction."""
     m = num_microbatches
@@ -300,7 +320,8 @@ def _per_shard(
         p = jax.tree.map(vary, params_now, param_specs, is_leaf=None)
         (s, n), g = jax.value_and_grad(loss, has_aux=True)(p)
         g = jax.tree.map(lambda x: x.astype(reduce_dtype), g)
-        g = jax.tree.map(scatter, g, param_specs, grad_specs, is_leaf=None)
+        if not scatter_once:
+            g = jax.tree.map(scatter, g, param_specs, grad_specs, is_leaf=None)
         return g, s.astype(reduce_dtype), n.astype(reduce_dtype)
 
     def microstep(acc, mb):
@@ -320,6 +341,8 @@ def _per_shard(
         ],
     )
     acc, (sums, counts) = lax.scan(microstep, acc, micro)
+    if scatter_once:  # ZeRO-2, scatter="step": the whole local sum, reduce-scattered once
+        acc = jax.tree.map(scatter, acc, param_specs, grad_specs, is_leaf=None)
     s, n = jnp.sum(sums), jnp.sum(counts)
     loss_axes = varying_axes(s)
     n = to_varying(n, loss_axes)
