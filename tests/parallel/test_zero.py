@@ -244,10 +244,9 @@ def _stack(mesh, reshard, layers=2):
     return loss, state, x
 
 
-def _kernel_shapes(state, mesh):
-    """Per device, the gathered [in, out] kernel shapes of one layer (fsdp shards made whole)."""
-    shapes = {tuple(v.shape[1:]) for v in jax.tree.leaves(state) if v.ndim == 3}  # [L, in, out]
-    return shapes, mesh.shape["fsdp"]
+def _kernel_shapes(state):
+    """The [in, out] kernel shapes of one layer (global view) of a stacked state."""
+    return {tuple(v.shape[1:]) for v in jax.tree.leaves(state) if v.ndim == 3}  # [L, in, out]
 
 
 def test_zero3_on_data_x_fsdp_saves_no_gathered_weight():
@@ -263,7 +262,7 @@ def test_zero3_on_data_x_fsdp_saves_no_gathered_weight():
     L = 2
     for reshard in (True, False):
         loss, state, x = _stack(mesh, reshard, L)
-        kernels, _ = _kernel_shapes(state, mesh)
+        kernels = _kernel_shapes(state)
         with jax.set_mesh(mesh):
             saved = {tuple(a.shape) for a, _ in saved_residuals(loss, state, x)}
         # a gathered kernel as a residual: [L, in, out] with the fsdp-sharded dim whole, per
@@ -282,7 +281,7 @@ def test_zero3_on_data_x_fsdp_regathers_in_backward_and_reduces_shards_over_data
     mesh = mesh_of("data2-fsdp4")
     L = 2
     loss, state, x = _stack(mesh, True, L)
-    kernels, fsdp = _kernel_shapes(state, mesh)
+    kernels, fsdp = _kernel_shapes(state), mesh.shape["fsdp"]
     with jax.set_mesh(mesh):
         hlo = jax.jit(jax.grad(loss)).lower(state, x).compile().as_text()
     counts = hlo_collectives.count(hlo, mesh)

@@ -33,6 +33,11 @@ DEFAULT_SEQUENCE_AXIS = "sequence"
 DEFAULT_MODEL_AXIS = "model"
 
 
+def is_variable(x) -> bool:
+    """Whether `x` is an `nnx.Variable` (the `is_leaf` of trees of layer state)."""
+    return isinstance(x, nnx.Variable)
+
+
 def manual_axes() -> frozenset:
     """Mesh axes that are manual in the current context (inside `jax.shard_map`)."""
     context = jax.sharding.get_abstract_mesh()

@@ -50,7 +50,6 @@ from shardfuse.layers import remat as remat_lib
 from shardfuse.layers.prefetch_plan import (  # the plan half; re-exported
     LeafPlan,
     PrefetchPlan,
-    _is_variable,
     check_keywords,
     make_plan,
 )
@@ -218,7 +217,8 @@ def apply_layers(plan: PrefetchPlan, mesh, state, x, keywords: dict):
     """
     check_keywords(plan, keywords)
     values = [
-        v[...] if _is_variable(v) else v for v in jax.tree.leaves(state, is_leaf=_is_variable)
+        v[...] if _sharding.is_variable(v) else v
+        for v in jax.tree.leaves(state, is_leaf=_sharding.is_variable)
     ]
     if not _sharding.in_manual_region(mesh):  # the blocks' own input checks, before tracing
         jax.eval_shape(functools.partial(_check_block, plan), values, x, keywords)

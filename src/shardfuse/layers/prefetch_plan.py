@@ -19,10 +19,6 @@ from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import remat as remat_lib
 
 
-def _is_variable(x):
-    return isinstance(x, nnx.Variable)
-
-
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
     """How one stacked parameter is gathered and reduced.
@@ -214,7 +210,7 @@ def make_plan(blocks, mesh, *, layer_axis=None, remat: str = "none"):
             f"{type(blocks).__name__} has none"
         )
     state = nnx.state(blocks)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_sharding.is_variable)
     owners = _owners(blocks)
     specs = tuple(v.get_metadata()["out_sharding"] for _, v in flat)
     leaves = tuple(

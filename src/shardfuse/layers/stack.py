@@ -25,10 +25,6 @@ from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
 
 
-def _is_variable(x):
-    return isinstance(x, nnx.Variable)
-
-
 def stacked_spec(spec, layer_axis) -> P:
     """`P(layer_axis, *spec)`: the sharding of a block parameter stacked on the layer axis."""
     return P(layer_axis, *(spec or ()))
@@ -130,7 +126,7 @@ class Stack(nnx.Module):
         specs = jax.tree.map(
             lambda v: stacked_spec(v.get_metadata().get("out_sharding"), layer_axis),
             abstract_state,
-            is_leaf=_is_variable,
+            is_leaf=_sharding.is_variable,
         )
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
@@ -147,9 +143,9 @@ class Stack(nnx.Module):
 
         def restack(variable, value, spec):
             metadata = {"mesh": mesh, **variable.get_metadata(), "out_sharding": spec}
-            return type(variable)(value[...] if _is_variable(value) else value, **metadata)
+            return type(variable)(value[...] if _sharding.is_variable(value) else value, **metadata)
 
-        state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_is_variable)
+        state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_sharding.is_variable)
         # The block's structure holding stacked values: `blocks.<path>` is the [L, ...] parameter.
         self.blocks = nnx.merge(graphdef, state)
         self.prefetch = prefetch
@@ -195,6 +191,6 @@ class Stack(nnx.Module):
                 lambda v, spec: _sharding.place(v[...], self.mesh, P(None, *spec[1:])),
                 state,
                 specs,
-                is_leaf=_is_variable,
+                is_leaf=_sharding.is_variable,
             )
         return self.apply_layers(state, x, **kwargs)
