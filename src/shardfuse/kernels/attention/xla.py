@@ -150,6 +150,20 @@ def _logits(config, q_blk, k_blk, precision):
     return config.logit_softcap * t, t
 
 
+def _tied(q, *index_arrays):
+    """`(q, *index_arrays)` through one `lax.optimization_barrier`: the masks then depend on q.
+
+    Differentiating a `lax.scan` whose body calls this kernel (a stack of
+    layers), JAX's partial evaluation moves work that does not depend on the
+    loop carry out of the loop. The tile masks depend only on positions and
+    segment ids, so every tile's mask, broadcast to `[B, K, G, bq, bk]` (and
+    the `-inf` it selects), was computed before the loop and kept through it:
+    `O(T * S)` memory per layer stack, more than the scores themselves. Tied
+    to q they stay in the loop, computed one tile at a time.
+    """
+    return lax.optimization_barrier((q, *index_arrays))
+
+
 def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Blockwise forward on validated inputs: `(out [B, T, H, D], lse float32 [B, H, T])`.
 
@@ -158,6 +172,7 @@ def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     partial results themselves.
     """
     q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+    q, q_pos, kv_pos, q_seg, kv_seg = _tied(q, q_pos, kv_pos, q_seg, kv_seg)
     axes = vma.common_axes(q)
     tiles = _Tiles(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, S, H, K, G, D = tiles.shape
