@@ -87,46 +87,66 @@ def parse_mesh(text: str) -> dict:
     return sizes
 
 
-def planned(config: TrainConfig, device_count: int, *, chip: str = "h100") -> tuple:
-    """`(config, plan)`: `config` with the mesh and options of `sf.plan`'s best plan.
+def model_spec(model: LlamaConfig):
+    """The planner's `sf.models.ModelSpec` of a `LlamaConfig` (name "train_lm")."""
+    from shardfuse import models
 
-    The model is planned as it runs here (float32, Adam, embedding replicated)
-    for one node of `device_count` devices of `chip` (CPUs have no entry in
-    `sf.hardware`: the chip only changes the ranking, not what runs), with
-    ring attention over the sequence axis (what the blocks run).
-    """
-    from shardfuse import models, planner  # the planner sits above this example's layers
-
-    m = config.model
-    spec = models.ModelSpec(
+    return models.ModelSpec(
         "train_lm",
-        hidden=m.features,
-        heads=m.heads,
-        kv_heads=m.kv_heads,
-        head_dim=m.features // m.heads,
-        ffn_hidden=m.hidden,
-        num_layers=m.layers,
-        vocab_size=m.vocab,
+        hidden=model.features,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        head_dim=model.features // model.heads,
+        ffn_hidden=model.hidden,
+        num_layers=model.layers,
+        vocab_size=model.vocab,
     )
-    best = planner.plan(
-        spec,
+
+
+def plan_for(config: TrainConfig, device_count: int, *, chip: str = "h100", **restrict) -> list:
+    """`sf.plan` for `config`'s model and batch on one node of `device_count` `chip`s.
+
+    The model is planned as it runs here: float32 weights, AdamW, the input
+    embedding replicated unless ZeRO-3 shards it, the step's outputs not
+    donated (`Assumptions.float32(embedding_sharded=False, donate=False)`),
+    ring attention over the sequence axis (what the blocks run). CPUs have no
+    entry in `sf.hardware`: on CPU the chip only changes the ranking, not
+    what runs. `restrict`: `sf.plan`'s keyword arguments (`mesh=`, `zero=`,
+    `remat=`, `schedule=`, `microbatch_size=`, `top_k=`).
+    """
+    from shardfuse import planner  # the planner sits above this example's layers
+
+    options = dict(cp_strategy="ring") | restrict
+    return planner.plan(
+        model_spec(config.model),
         hardware.cluster(config.device or chip, devices_per_node=device_count),
         global_batch=config.global_batch,
         seq_len=config.seq_len,
         assumptions=planner.Assumptions.float32(embedding_sharded=False, donate=False),
-        cp_strategy="ring",
-    )[0]
-    layout = best.layout
-    new = dataclasses.replace(
+        **options,
+    )
+
+
+def from_plan(config: TrainConfig, plan) -> TrainConfig:
+    """`config` with the mesh and options of `plan` (an `sf.planner.Plan`)."""
+    layout = plan.layout
+    return dataclasses.replace(
         config,
-        mesh=dict(best.mesh_shape),
+        mesh=dict(plan.mesh_shape),
+        global_batch=plan.global_batch,
+        seq_len=plan.seq_len,
         zero=layout.zero,
         remat=layout.remat,
         schedule=layout.schedule,
         microbatches=layout.num_microbatches,
         virtual_stages=layout.virtual_stages,
     )
-    return new, best
+
+
+def planned(config: TrainConfig, device_count: int, *, chip: str = "h100") -> tuple:
+    """`(config, plan)`: `config` with the options of `sf.plan`'s best plan (`plan_for`)."""
+    best = plan_for(config, device_count, chip=chip)[0]
+    return from_plan(config, best), best
 
 
 def _stream(config: TrainConfig):
@@ -249,6 +269,12 @@ class Trainer:
             )(model, {"tokens": tokens, "targets": targets})
         optimizer.update(model, grads)
         return loss
+
+    def memory_analysis(self):
+        """The compiled training step's `memory_analysis()` (per device; compiles, runs nothing)."""
+        with jax.set_mesh(self.mesh):
+            lowered = self._train_step.lower(self.model, self.optimizer, self.batch(self.step))
+            return lowered.compile().memory_analysis()
 
     def run(self) -> list[float]:
         """Trains until `config.steps`; returns this run's losses (one per step taken)."""
