@@ -363,7 +363,7 @@ def estimate(
     step_time = sum(t.value for t in time_terms)
 
     # ---- memory ----
-    memory = memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev)
+    memory = memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev, s)
     memory_bytes = sum(t.value for t in memory)
     limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
     return Estimate(
