@@ -2,11 +2,13 @@
 
 Parameters, gradients and optimizer state per ZeRO stage; the activations
 each block keeps for its backward pass per remat policy (Korthikanti et al.
-2022's accounting, with the tensors counted in shardfuse's layers), times the
-layers of a pipeline stage and the microbatches in flight; one layer's
-working set in its backward pass; the collective matmuls' full-sequence
-buffers; the logits; ZeRO-3's gathered layers; the ZeRO update's working memory; the
-outputs when not donated.
+2022's accounting, with the tensors counted in shardfuse's layers) over the
+layers of a pipeline chunk, and a pipeline's stage inputs in flight and its
+buffers; the logits or one layer's backward working set (flash-attention
+tiles, q/k/v/o, the collective matmuls' buffers, ZeRO-3's gathered layers),
+whichever is larger; the ZeRO update's working memory beyond the backward
+pass's; the outputs when not donated. Checked against the compiled training
+steps of tests/planner/test_memory.py; the fitted terms say so.
 See `cost` for the notation.
 """
 
