@@ -47,9 +47,10 @@ def collective_buffers(model_size: int) -> float:
 def saved_elements_per_token(model: ModelShape, layout: Layout, a: Assumptions) -> dict:
     """Elements each block keeps per token for its backward pass, per device, by policy.
 
-    Returns `{"full_layer": ..., "saved": ..., "lse": ...}`: a whole layer's
-    saved tensors (the "none" policy, also the recompute working set), what
-    `layout.remat` keeps, and the float32 row statistics of flash attention.
+    Returns `{"full_layer": ..., "saved": ..., "lse": ..., "scores": ..., "qkvo": ...}`:
+    a whole layer's saved tensors (the "none" policy), what `layout.remat`
+    keeps, the float32 row statistics of flash attention, the bytes of
+    materialised scores (no flash attention), and q, k, v and o.
 
     Example:
       >>> from shardfuse import models
@@ -88,7 +89,8 @@ def saved_elements_per_token(model: ModelShape, layout: Layout, a: Assumptions) 
         scores = 0.0
     else:  # "full", "offload": the layer input only (offload: the rest goes to the host)
         saved, scores = h / token_split, 0.0
-    return {"full_layer": full, "saved": saved, "lse": heads, "scores": scores}
+    qkvo = qkv + heads * d  # q, k, v and the attention output: a layer backward's operands
+    return {"full_layer": full, "saved": saved, "lse": heads, "scores": scores, "qkvo": qkvo}
 
 
 def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
@@ -298,9 +300,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
             f"{a.logits_copies} copies",
         )
     )
-    heads = model.heads / T
-    kv_heads = max(model.kv_heads / T, 1.0)
-    qkvo = (2 * heads + 2 * kv_heads) * model.head_dim
+    qkvo = per_token["qkvo"]
     tiles = attention_tiles(model, layout, mb_tokens, seq_len) if a.flash_attention else 0.0
     parts = [f"{mb_tokens:g} tokens x {qkvo:g} (q, k, v, o) x {act} B"]
     work = mb_tokens * qkvo * act + tiles
