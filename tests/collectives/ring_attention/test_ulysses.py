@@ -1,7 +1,8 @@
 """Ulysses and USP (Ulysses x ring) against the reference on the gathered sequence.
 
 `sf.ring_attention(strategy="ulysses" | "ulysses_ring")` on 8 CPU devices:
-Ulysses over 2, 4 and 8 devices, USP over 2 x 4 and 4 x 2 (ulysses x ring),
+Ulysses over 2, 4 and 8 devices, USP over 2 x 4 and 4 x 2 (ulysses x ring) on
+meshes listing the axes in either order (issue 24),
 every mask (causal, segment ids, window, softcap), GQA with K >= N (kv heads
 scattered) and K < N (repeated), MQA, float32 and bfloat16, lengths the axis
 does not divide, and a (data, sequence, model) mesh; forward, lse and
@@ -16,7 +17,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 import shardfuse as sf
 from tests.collectives.ring_attention.ring_cases import (
@@ -157,3 +158,71 @@ def test_fully_masked_rows_and_nan_padding():
     assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
     assert np.all(np.asarray(dq[:, :5]) == 0)
     compare(case, (out, lse, dq, dk, dv), q, k, v, kwargs, cotangents)
+
+
+# Issue 24: USP on a mesh whose axes are listed (ulysses, ring), the order of `sequence_axis`,
+# returned wrong values with the default zigzag layout (max error 1.1 at T = 1024): the
+# zigzag relayout's ppermute over the two axes numbered the devices in the mesh's order,
+# (ulysses, ring), while the sequence is sharded ring-major. Every matrix above builds its
+# mesh as (ring, ulysses), where the two orders agree. Here: both axis orders, both layouts
+# USP accepts (striped: a clear ValueError), lengths 2N divides and one it pads, Explicit and
+# Auto meshes. The issue's own shapes (T = 992, 1000, 1024, H = 8, K = 4, D = 64; about 30 s
+# a cell on the 2-core host) run with -m slow; by default the same call at T = 64 / 60, D = 16.
+
+
+@functools.cache
+def _named_usp_mesh(ulysses: int, ring: int, order: str, kind: str) -> Mesh:
+    """`jax.make_mesh` of `ulysses x ring` devices, axes listed `order`, Explicit or Auto."""
+    sizes = {"ulysses": ulysses, "ring": ring}
+    names = ("ulysses", "ring") if order == "ulysses_major" else ("ring", "ulysses")
+    types = (AxisType.Explicit if kind == "explicit" else AxisType.Auto,) * 2
+    return jax.make_mesh(tuple(sizes[a] for a in names), names, axis_types=types)
+
+
+def _mesh_order_cells():
+    small = [
+        ((2, 4), "ulysses_major", "zigzag", 64, 16, "explicit"),
+        ((4, 2), "ulysses_major", "zigzag", 60, 16, "auto"),  # padded to 64
+    ]
+    cells = [pytest.param(*cell, id=_cell_id(*cell)) for cell in small]
+    issue = [
+        ((4, 2), "ring_major", "zigzag", 64, 16, "explicit"),
+        ((2, 4), "ulysses_major", "contiguous", 60, 16, "auto"),
+    ]
+    for sizes in ((2, 4), (4, 2)):
+        for layout in ("zigzag", "contiguous"):
+            for T in (992, 1000, 1024):
+                issue.append((sizes, "ulysses_major", layout, T, 64, "explicit"))
+        issue.append((sizes, "ulysses_major", "zigzag", 1024, 64, "auto"))
+        issue.append((sizes, "ring_major", "zigzag", 1000, 64, "explicit"))
+    slow = pytest.mark.slow
+    return cells + [pytest.param(*cell, id=_cell_id(*cell), marks=slow) for cell in issue]
+
+
+def _cell_id(sizes, order, layout, T, D, kind):
+    return f"u{sizes[0]}xr{sizes[1]}-{order}-{layout}-T{T}-D{D}-{kind}"
+
+
+@pytest.mark.parametrize("sizes, order, layout, T, D, kind", _mesh_order_cells())
+def test_usp_on_either_mesh_axis_order(sizes, order, layout, T, D, kind):
+    case = _usp(*sizes, layout=layout, T=T, S=T, H=8, K=4, D=D)
+    mesh = _named_usp_mesh(*sizes, order, kind)
+    q, k, v, kwargs, cotangents = make_inputs(case)
+    attend = with_vjp(
+        lambda q, k, v: sf.ring_attention(
+            q, k, v, mesh=mesh, sequence_axis=("ulysses", "ring"), strategy="ulysses_ring",
+            layout=layout, return_lse=True, **kwargs,
+        )
+    )  # fmt: skip
+    compare(case, attend(q, k, v, *cotangents), q, k, v, kwargs, cotangents)
+
+
+@pytest.mark.parametrize("order", ["ulysses_major", "ring_major"])
+def test_usp_refuses_striped(order):
+    mesh = _named_usp_mesh(2, 4, order, "explicit")
+    q = k = jax.numpy.zeros((1, 32, 8, 16), jax.numpy.float32)
+    with pytest.raises(ValueError, match=r"layout='striped' is not supported with strategy="):
+        sf.ring_attention(
+            q, k, k, mesh=mesh, sequence_axis=("ulysses", "ring"), strategy="ulysses_ring",
+            layout="striped", causal=True,
+        )  # fmt: skip

@@ -14,9 +14,18 @@ the fewest collectives:
 
 `supported` says when these apply; otherwise the caller permutes the global
 array (`layouts.to_ring_layout`) and lets the partitioner move it.
+
+`axis_name` may be a tuple of mesh axes (USP: `(ring, ulysses)`, ring-major):
+device d is then `lax.axis_index(axis_name)`, the linear index over the axes
+in the order given, as a PartitionSpec entry `(ring, ulysses)` shards the
+sequence. `lax.ppermute` numbers the devices of several axes in the MESH's
+axis order instead, whatever order it is given (its replica groups are sorted
+by device), so `_ppermute` translates the permutation (see there).
 """
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -27,6 +36,33 @@ def supported(layout: str, local_lengths, ring_size: int) -> bool:
     if layout == "zigzag":
         return all(length % 2 == 0 for length in local_lengths)
     return True
+
+
+def _ppermute(x, axis_name, perm):
+    """`lax.ppermute(x, axis_name, perm)` with `perm` in `lax.axis_index(axis_name)` numbering.
+
+    Over a tuple of axes listed in another order than the mesh's (mesh
+    `("ulysses", "ring")`, axes `("ring", "ulysses")`), `lax.ppermute` would read
+    `perm` in mesh-order numbering and send each chunk to the wrong device. The
+    permutation is rewritten in mesh order and the axes passed in mesh order, where
+    the two numberings agree.
+    """
+    if isinstance(axis_name, str) or len(axis_name) == 1:
+        return lax.ppermute(x, axis_name, perm)
+    names = tuple(axis_name)
+    mesh_names = jax.sharding.get_abstract_mesh().axis_names
+    if not set(names) <= set(mesh_names):  # no mesh to read the order from: as given
+        return lax.ppermute(x, names, perm)
+    ordered = tuple(sorted(names, key=mesh_names.index))
+    if ordered == names:
+        return lax.ppermute(x, names, perm)
+    sizes = dict(zip(names, (lax.axis_size(a) for a in names), strict=True))
+    # mesh_index[i]: device i of the given order, numbered in mesh order.
+    coords = np.unravel_index(np.arange(np.prod(list(sizes.values()))), list(sizes.values()))
+    by_name = dict(zip(names, coords, strict=True))
+    mesh_index = np.ravel_multi_index([by_name[a] for a in ordered], [sizes[a] for a in ordered])
+    perm = [(int(mesh_index[src]), int(mesh_index[dst])) for src, dst in perm]
+    return lax.ppermute(x, ordered, perm)
 
 
 def _zigzag_owner(chunk: int, n: int) -> int:
@@ -45,8 +81,8 @@ def to_ring(x, axis_name, n: int, layout: str, axis: int = 1):
     length = x.shape[axis]
     if layout == "zigzag":
         first, second = _halves(x, axis)  # natural chunks 2d and 2d + 1
-        even = lax.ppermute(first, axis_name, [(d, _zigzag_owner(2 * d, n)) for d in range(n)])
-        odd = lax.ppermute(second, axis_name, [(d, _zigzag_owner(2 * d + 1, n)) for d in range(n)])
+        even = _ppermute(first, axis_name, [(d, _zigzag_owner(2 * d, n)) for d in range(n)])
+        odd = _ppermute(second, axis_name, [(d, _zigzag_owner(2 * d + 1, n)) for d in range(n)])
         # Device r holds chunks r and 2N-1-r, of opposite parity: r's parity says which is early.
         r_even = lax.axis_index(axis_name) % 2 == 0
         early, late = jnp.where(r_even, even, odd), jnp.where(r_even, odd, even)
@@ -74,8 +110,8 @@ def from_ring(x, axis_name, n: int, layout: str, axis: int = 1):
         def odd_of(r):
             return 2 * n - 1 - r if r % 2 == 0 else r
 
-        first = lax.ppermute(even_chunk, axis_name, [(r, even_of(r) // 2) for r in range(n)])
-        second = lax.ppermute(odd_chunk, axis_name, [(r, odd_of(r) // 2) for r in range(n)])
+        first = _ppermute(even_chunk, axis_name, [(r, even_of(r) // 2) for r in range(n)])
+        second = _ppermute(odd_chunk, axis_name, [(r, odd_of(r) // 2) for r in range(n)])
         return jnp.concatenate([first, second], axis=axis)
     lead, tail = x.shape[:axis], x.shape[axis + 1 :]
     x = x.reshape(*lead, n, length // n, *tail)  # [.., d, j, ..]
