@@ -50,7 +50,62 @@ def _iota_groups(spec: str):
     return [tuple(row) for row in ids.reshape(groups, size)]
 
 
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}"
+)
+
+
+def _mesh_axes_groups(match):
+    """Expands `mesh['a'=2,'b'=4] {'b'}` replica groups (the form newer XLA prints).
+
+    The mesh is printed with its axis names and sizes, then `device_ids=(...)` when its
+    devices are not in iota order, then the axes each group spans; a sub-axis reads
+    `name:(pre)size` (Shardy's notation: the axis's devices split major to minor into
+    `pre`, `size` and the rest).
+    """
+
+    def unquote(text):
+        return text.strip().replace("'", "").replace('"', "")
+
+    names, sizes = [], []
+    for item in match.group(1).split(","):
+        name, size = item.rsplit("=", 1)
+        names.append(unquote(name))
+        sizes.append(int(size))
+    refs = [unquote(r) for r in match.group(3).split(",") if r.strip()]
+    ids = np.arange(int(np.prod(sizes)))
+    if match.group(2):
+        ids = np.array([int(d) for d in re.findall(r"\d+", match.group(2))])
+    shape, where = [], {}
+    for name, size in zip(names, sizes, strict=True):
+        if name in refs:
+            where[name] = len(shape)
+            shape.append(size)
+            continue
+        subs = sorted(
+            (int(m.group(1)), int(m.group(2)), ref)
+            for ref in refs
+            if (m := re.fullmatch(re.escape(name) + r":\((\d+)\)(\d+)", ref))
+        )
+        done = 1
+        for pre, part, ref in subs:
+            if pre > done:
+                shape.append(pre // done)
+            where[ref] = len(shape)
+            shape.append(part)
+            done = pre * part
+        shape.append(size // done)
+    grouped = [where[r] for r in refs]
+    others = [d for d in range(len(shape)) if d not in grouped]
+    rows = np.transpose(ids.reshape(shape), others + grouped)
+    rows = rows.reshape(-1, int(np.prod([shape[d] for d in grouped])))
+    return [tuple(row.tolist()) for row in rows]
+
+
 def _groups(line: str):
+    mesh_groups = _MESH_GROUPS.search(line)
+    if mesh_groups is not None:
+        return _mesh_axes_groups(mesh_groups)
     match = re.search(
         r"replica_groups=(\{\{[\d,{} ]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line
     )
