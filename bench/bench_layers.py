@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
-from shardfuse.bench import flops
+from shardfuse import flops
 from shardfuse.bench.harness import BenchCase
 from shardfuse.layers import reference
 from shardfuse.models import MODELS

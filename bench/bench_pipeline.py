@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.bench import flops
+from shardfuse import flops
 from shardfuse.bench.harness import BenchCase
 from shardfuse.layers.stack import Stack
 from shardfuse.models import MODELS
@@ -90,7 +90,7 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
         mode=flops.FWD_BWD,
         shape={"p": STAGES, "m": m, "B": batch, "T": SEQ, "F": features, "L": LAYERS},
         dtype="float32",
-        flops=3 * (matmuls + flops.matmul_flops(tokens, VOCAB, features)),
+        flops=flops.TRAINING_OVER_FORWARD * (matmuls + flops.matmul_flops(tokens, VOCAB, features)),
         bytes=4 * tokens * features * 4,
         baseline=BASELINE,
         model=model.name,

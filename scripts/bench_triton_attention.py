@@ -2,9 +2,10 @@
 
 The FlashAttention-2 paper's setting: bfloat16, 16k tokens per batch
 (B = 16384 / S), hidden size 2048 (H = 2048 / D), head dims 64 and 128,
-S = T from 1k to 16k, causal and not. FLOPs: forward `4 B H T S D` (halved
-when causal), backward 2.5 x forward (two matmuls recomputed, three for the
-gradients), as in the paper; the backward time is (forward + backward) -
+S = T from 1k to 16k, causal and not. FLOPs: `shardfuse.flops.attention_flops`
+(forward `4 B H D` per visible pair, about half of `T S` when causal), backward
+2.5 x forward (two matmuls recomputed, three for the gradients), as in the
+paper; the backward time is (forward + backward) -
 forward. Each time is the median of `--repeats` calls after a warm-up call.
 
     python scripts/bench_triton_attention.py --out bench/results/triton_attention_h100.md
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import shardfuse as sf
+from shardfuse import flops
 from shardfuse.demos import time_call
 from shardfuse.hardware import current_device
 
@@ -56,7 +58,7 @@ def run_case(impl, seq_len, head_dim, causal, dtype, repeats):
         out, vjp = jax.vjp(attend, q, k, v)
         return vjp(d_out)
 
-    flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
+    forward_flops = flops.attention_flops(batch, seq_len, seq_len, heads, head_dim, causal=causal)
     fwd = time_call(forward, q, k, v, repeats=repeats)
     both = time_call(forward_backward, q, k, v, d_out, repeats=repeats)
     bwd = max(both - fwd, 1e-12)
@@ -65,8 +67,8 @@ def run_case(impl, seq_len, head_dim, causal, dtype, repeats):
         heads=heads,
         fwd_ms=fwd * 1e3,
         bwd_ms=bwd * 1e3,
-        fwd_tflops=flops / fwd / 1e12,
-        bwd_tflops=2.5 * flops / bwd / 1e12,
+        fwd_tflops=forward_flops / fwd / 1e12,
+        bwd_tflops=flops.BACKWARD_OVER_FORWARD * forward_flops / bwd / 1e12,
     )
 
 

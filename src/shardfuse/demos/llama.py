@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse import flops, models
 from shardfuse.kernels.vma import to_varying
 from shardfuse.layers import (
     ColumnParallelLinear,
@@ -61,11 +62,22 @@ class LlamaConfig:
             2 * self.vocab + 1
         )
 
+    def spec(self) -> models.ModelSpec:
+        """This model as an `sf.models.ModelSpec` (name "train_lm"), what the planner reads."""
+        return models.ModelSpec(
+            "train_lm",
+            hidden=self.features,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.features // self.heads,
+            ffn_hidden=self.hidden,
+            num_layers=self.layers,
+            vocab_size=self.vocab,
+        )
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x parameters + the attention term (causal: halved)."""
-        matmul = self.num_params() - self.vocab * self.features  # the lookup is no matmul
-        attention = 6 * self.layers * self.features * seq_len  # 12 L F T, halved by causality
-        return 6.0 * matmul + attention
+        """Training model FLOPs per token: `sf.flops.model_flops_per_token` (no causal halving)."""
+        return flops.model_flops_per_token(self.spec(), seq_len)
 
 
 class LMHead(nnx.Module):

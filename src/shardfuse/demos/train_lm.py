@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardfuse import hardware
+from shardfuse import flops, hardware
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.demos.data import CORPUS, SyntheticTokens, TextTokens
 from shardfuse.demos.llama import LlamaConfig, LlamaLM, token_loss
@@ -33,6 +33,7 @@ from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.zero import ZeroOptimizer
 
 AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost to innermost
+COMPUTE_DTYPE = "float32"  # the model's weights and activations: the peak its MFU divides by
 
 
 @dataclasses.dataclass
@@ -89,18 +90,7 @@ def parse_mesh(text: str) -> dict:
 
 def model_spec(model: LlamaConfig):
     """The planner's `sf.models.ModelSpec` of a `LlamaConfig` (name "train_lm")."""
-    from shardfuse import models
-
-    return models.ModelSpec(
-        "train_lm",
-        hidden=model.features,
-        heads=model.heads,
-        kv_heads=model.kv_heads,
-        head_dim=model.features // model.heads,
-        ffn_hidden=model.hidden,
-        num_layers=model.layers,
-        vocab_size=model.vocab,
-    )
+    return model.spec()
 
 
 def plan_for(config: TrainConfig, device_count: int, *, chip: str = "h100", **restrict) -> list:
@@ -161,10 +151,11 @@ def _stream(config: TrainConfig):
 
 
 def _peak_flops(config: TrainConfig) -> float | None:
-    chip = hardware.device(config.device) if config.device else hardware.current_device()
+    """Peak FLOP/s of one device for `COMPUTE_DTYPE` (None where unknown: CPUs)."""
+    chip = hardware.resolve(config.device) if config.device else hardware.current_device()
     if chip is None:
         return None
-    return chip.peak_tflops("bfloat16") * 1e12
+    return flops.peak_flops_per_s(chip, COMPUTE_DTYPE)
 
 
 class Trainer:
@@ -297,7 +288,12 @@ class Trainer:
                     step_time_s=seconds,
                     mfu=None
                     if peak is None
-                    else flops_per_step / seconds / (peak * jax.device_count()),
+                    else flops.mfu(
+                        flops_per_step,
+                        step_time_s=seconds,
+                        devices=jax.device_count(),
+                        peak_flops_per_s=peak,
+                    ),
                 )
                 self.history.append(record)
                 mfu = "n/a" if peak is None else f"{record['mfu']:.2%}"

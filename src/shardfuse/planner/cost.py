@@ -7,13 +7,10 @@ hidden, V vocabulary; mesh sizes P pipeline, D data, F fsdp, C sequence,
 T model; R = D F replicas, mb sequences per microbatch, m microbatches per
 replica, v virtual stages.
 
-FLOPs (Narayanan et al. 2021, eq. 3, generalised to GQA, gated MLPs and head
-dims != h / a): per token and layer the forward pass costs 2 x (matmul
-weights) plus 4 a d s for attention (QK^T and AV); the logits 2 h V. Model
-FLOPs (for MFU, the PaLM/Megatron convention) = 3 x forward with full
-attention. Hardware FLOPs add recomputation (remat "full": another forward
-of every layer, "selective" and "offload": the attention core) and halve causal attention
-where the kernels skip masked blocks (`Assumptions.causal_skip`).
+FLOPs: `shardfuse.flops`, the one definition (model FLOPs for MFU, PaLM and
+Megatron's convention, no causal halving; hardware FLOPs with the remat
+policy's recomputation and, with `Assumptions.causal_skip`, causal attention
+charged its visible keys only).
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
@@ -49,6 +46,8 @@ ZeRO-3's gathered layers; the step's outputs when the inputs are not donated.
 
 import dataclasses
 
+from shardfuse import flops
+from shardfuse.flops import mean_visible_keys as mean_visible_keys  # its old home
 from shardfuse.hardware import Cluster
 from shardfuse.models import ModelShape
 from shardfuse.planner.memory import (
@@ -139,22 +138,6 @@ def _ring(n, full_bytes, bandwidth, latency, factor=1.0):
     return factor * ((n - 1) / n * full_bytes / bandwidth + (n - 1) * latency)
 
 
-def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
-    """Keys a query attends to, on average: s, (s + 1) / 2 causal, fewer with a window.
-
-    Example:
-      >>> from shardfuse.planner.cost import mean_visible_keys
-      >>> mean_visible_keys(4, None, True), mean_visible_keys(4, None, False)
-      (2.5, 4)
-    """
-    if not causal_skip:
-        return s
-    if window is None or window >= s:
-        return (s + 1) / 2
-    # sum_i min(i + 1, W) / s
-    return (window * (window + 1) / 2 + (s - window) * window) / s
-
-
 def estimate(
     model: ModelShape,
     cluster: Cluster,
@@ -198,32 +181,26 @@ def estimate(
     n = cluster.num_devices
     P, D, F, C, T = (layout.pipeline, layout.data, layout.fsdp, layout.sequence, layout.model)
     v, mb, m = layout.virtual_stages, layout.microbatch_size, layout.num_microbatches
-    h, V, L = model.hidden, model.vocab_size, model.num_layers
+    h, L = model.hidden, model.num_layers
     B, s = global_batch, seq_len
-    peak = cluster.device.peak_tflops(a.compute_dtype)
-    if peak is None:
-        peak = cluster.device.peak_tflops("bfloat16")
-    rate = peak * 1e12 * a.compute_efficiency
+    peak_flops = flops.peak_flops_per_s(cluster.device, a.compute_dtype)
+    peak = peak_flops / 1e12
+    rate = peak_flops * a.compute_efficiency
 
-    # ---- FLOPs ----
-    matmul_weights = model.layer_params() - 2 * h
-    # model FLOPs count every key in the window (no causal halving: the PaLM and
-    # Megatron convention); a sliding window is part of the model, so it limits them
-    attention_full = 4 * model.heads * model.head_dim * min(s, model.window or s)
+    # ---- FLOPs (shardfuse.flops) ----
     visible = mean_visible_keys(s, model.window, a.causal_skip)
-    attention_hw = 4 * model.heads * model.head_dim * visible
-    logits = 2 * h * V
     tokens = B * s
-    model_flops = 3 * tokens * (L * (2 * matmul_weights + attention_full) + logits)
-    layer_fwd_hw = 2 * matmul_weights + attention_hw
-    recompute = {"full": layer_fwd_hw, "selective": attention_hw, "offload": attention_hw}.get(
-        layout.remat, 0.0
+    model_flops = flops.model_flops(model, seq_len=s, batch=B)
+    hardware_flops = flops.hardware_flops(
+        model, seq_len=s, batch=B, remat=layout.remat, causal_skip=a.causal_skip
     )
-    hardware_flops = tokens * (3 * (L * layer_fwd_hw + logits) + L * recompute)
     compute = hardware_flops / n / rate
     layers_dev = L / P
-    matmul_time = 3 * tokens * L * 2 * matmul_weights / n / rate  # forward + backward matmuls
-    attention_time = 3 * tokens * L * attention_hw / n / rate
+    training = flops.TRAINING_OVER_FORWARD
+    # forward + backward matmuls and attention cores
+    matmul_time = training * tokens * L * flops.layer_matmul_flops(model) / n / rate
+    attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
+    attention_time = training * tokens * L * attention_hw / n / rate
 
     # ---- communication ----
     act = a.activation_bytes
@@ -373,7 +350,7 @@ def estimate(
         memory=tuple(memory),
         step_time_s=step_time,
         memory_bytes=memory_bytes,
-        mfu=model_flops / (n * peak * 1e12 * step_time),
+        mfu=flops.mfu(model_flops, step_time_s=step_time, devices=n, peak_flops_per_s=peak_flops),
         tflops_per_device=hardware_flops / n / step_time / 1e12,
         memory_limit_bytes=limit,
     )

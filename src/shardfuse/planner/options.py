@@ -14,9 +14,10 @@ mixed precision, no tensor-parallel overlap, no causal skipping).
 import dataclasses
 import functools
 
+from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes the FLOPs
+
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost -> innermost
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 

@@ -1,0 +1,279 @@
+"""The one FLOPs and MFU definition: model FLOPs, hardware FLOPs, op FLOPs for benchmarks.
+
+This module sits at the bottom of the package beside `models.py` and
+`hardware.py`: it imports nothing from shardfuse but those two. The planner,
+the trainer's printed MFU, the profiler and every benchmark read it, so their
+numbers can be compared.
+
+Model FLOPs (the MFU numerator; PaLM, Chowdhery et al. 2022, appendix B;
+Megatron-LM, Narayanan et al. 2021, eq. 3). Only matmuls count. Per token and
+layer the forward pass costs `2 x (matmul weights of the block)` (q, k, v, o
+projections and the MLP; GQA, gated MLPs and head dims != h / a as they are)
+plus `4 a d s` for attention (`Q K^T` and `A V`: `2 a d` each per key), and
+the logits `2 h V` once per token. Training is `3 x` the forward (the backward
+pass costs two forwards). Norms, softmax and elementwise work are not counted;
+neither is the embedding lookup.
+
+  model FLOPs per token = 3 x (L x (2 W + 4 a d min(s, window)) + 2 h V)
+
+The causal convention, stated once: **no causal halving**. A causal model is
+charged every key of its window (`min(s, window)` keys per query), as PaLM
+(`6N + 12 L H Q T`) and Megatron (`96 B s l h^2 (1 + s / 6h + V / 16 l h)`)
+do, so an MFU printed here compares with theirs and with the published runs
+(Llama 3, MegaScale, MaxText report it the same way). What a kernel actually
+skips is a property of the implementation, not of the model: it belongs to
+the hardware FLOPs.
+
+Hardware FLOPs (what the devices execute; HFU and the planner's compute time)
+add the recomputation of the remat policy (`"full"`: another forward of every
+layer; `"selective"` and `"offload"`: the attention core again) and, with
+`causal_skip`, charge causal attention only its visible keys
+(`(s + 1) / 2` on average, fewer with a window), as flash attention does.
+
+Op FLOPs for benchmarks (the FlashAttention papers' convention, Dao et al.
+2022, Dao 2023): a matmul `[M, C] @ [C, N]` is `2 M N C`; attention forward
+is `4 D` per visible (query, key) pair per head, counting the mask's visible
+pairs exactly (a kernel benchmark measures the kernel); the backward is 2.5 x
+the forward (five matmuls instead of two), forward + backward 3.5 x.
+
+  MFU = model FLOPs of a step / (devices x peak FLOP/s x step seconds)
+
+Axis glossary: B batch, T query length, S key length, H query heads, D head
+dim; M, N, C matmul dims; L layers, h hidden, a heads, d head dim, s sequence
+length, V vocabulary, W matmul weights of one block.
+
+Example:
+  >>> from shardfuse import flops, models
+  >>> spec = models.get("llama3-8b")
+  >>> round(flops.model_flops(spec, seq_len=8192) / 8192 / 1e9, 1)  # GFLOPs per token
+  57.9
+  >>> flops.mfu(1e15, step_time_s=1.0, devices=2, peak_flops_per_s=1e15)
+  0.5
+"""
+
+import numpy as np
+
+from shardfuse.hardware import Device
+from shardfuse.models import ModelShape
+
+FWD = "fwd"
+FWD_BWD = "fwd+bwd"
+MODES = (FWD, FWD_BWD)
+BACKWARD_OVER_FORWARD = 2.5
+# Training = forward + backward, the backward two forwards (activation and weight gradients).
+TRAINING_OVER_FORWARD = 3
+REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")  # activation checkpointing
+
+
+def check_mode(mode):
+    """ValueError unless `mode` is one of `MODES` ("fwd", "fwd+bwd")."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {MODES}")
+
+
+# ---- op FLOPs (benchmarks) ----
+
+
+def visible_pairs(T: int, S: int, *, causal: bool = False, window=None) -> int:
+    """Number of (query, key) pairs the mask lets through, bottom-right aligned.
+
+    Queries sit at positions `arange(T) + S - T`, keys at `arange(S)` (the
+    default of `flash_attention`); `window=(left, right)` with None for an
+    unbounded side; causal: key j is visible to query i iff `j <= i`.
+
+    Example:
+      >>> from shardfuse.flops import visible_pairs
+      >>> visible_pairs(4, 4, causal=True)
+      10
+      >>> visible_pairs(4, 4, window=(1, 0))
+      7
+    """
+    if T < 0 or S < 0:
+        raise ValueError(f"T={T} and S={S} must be >= 0")
+    q_pos = np.arange(T, dtype=np.int64) + (S - T)
+    lo = np.zeros(T, dtype=np.int64)
+    hi = np.full(T, S - 1, dtype=np.int64)
+    if causal:
+        hi = np.minimum(hi, q_pos)
+    left, right = window if window is not None else (None, None)
+    if left is not None:
+        lo = np.maximum(lo, q_pos - left)
+    if right is not None:
+        hi = np.minimum(hi, q_pos + right)
+    return int(np.clip(hi - lo + 1, 0, None).sum())
+
+
+def attention_flops(
+    B: int, T: int, S: int, H: int, D: int, *, causal=False, window=None, mode=FWD
+) -> float:
+    """Matmul FLOPs of attention: `4 * B * H * D * visible_pairs`, times 3.5 for fwd+bwd.
+
+    Args:
+      B, T, S, H, D: batch, query length, key length, query heads, head dim
+        (the number of kv heads K does not change the FLOPs).
+      causal, window: the mask, as in `flash_attention`.
+      mode: "fwd" or "fwd+bwd".
+
+    Example:
+      >>> from shardfuse.flops import attention_flops
+      >>> attention_flops(1, 2, 2, 1, 8)
+      128.0
+      >>> attention_flops(1, 2, 2, 1, 8, mode="fwd+bwd")
+      448.0
+    """
+    check_mode(mode)
+    forward = 4.0 * B * H * D * visible_pairs(T, S, causal=causal, window=window)
+    return forward * (1.0 + BACKWARD_OVER_FORWARD) if mode == FWD_BWD else forward
+
+
+def matmul_flops(M: int, N: int, C: int) -> float:
+    """`2 * M * N * C` for `[M, C] @ [C, N]`.
+
+    Example:
+      >>> from shardfuse.flops import matmul_flops
+      >>> matmul_flops(2, 3, 4)
+      48.0
+    """
+    return 2.0 * M * N * C
+
+
+# ---- model and hardware FLOPs (MFU, planner, trainer, profiler) ----
+
+
+def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
+    """Keys a query attends to, on average: s, (s + 1) / 2 causal, fewer with a window.
+
+    Example:
+      >>> from shardfuse.flops import mean_visible_keys
+      >>> mean_visible_keys(4, None, True), mean_visible_keys(4, None, False)
+      (2.5, 4)
+    """
+    if not causal_skip:
+        return s
+    if window is None or window >= s:
+        return (s + 1) / 2
+    # sum_i min(i + 1, W) / s
+    return (window * (window + 1) / 2 + (s - window) * window) / s
+
+
+def layer_matmul_flops(spec: ModelShape) -> float:
+    """Forward matmul FLOPs of one block per token: `2 x` its matmul weights (norms excluded)."""
+    return 2.0 * (spec.layer_params() - 2 * spec.hidden)
+
+
+def layer_attention_flops(spec: ModelShape, seq_len: int, *, causal_skip: bool = False) -> float:
+    """Forward attention FLOPs of one block per token: `4 a d` per key attended.
+
+    `causal_skip=False` (model FLOPs): every key of the window, `min(s, window)`;
+    True (hardware FLOPs of a kernel that skips masked blocks): the visible keys.
+    """
+    if causal_skip:
+        keys = mean_visible_keys(seq_len, spec.window, True)
+    else:
+        keys = min(seq_len, spec.window or seq_len)
+    return 4.0 * spec.heads * spec.head_dim * keys
+
+
+def logits_flops(spec: ModelShape) -> float:
+    """Forward FLOPs of the output projection per token: `2 h V`."""
+    return 2.0 * spec.hidden * spec.vocab_size
+
+
+def model_flops_per_token(spec: ModelShape, seq_len: int) -> float:
+    """Training model FLOPs per token (the module docstring's formula, no causal halving).
+
+    Example:
+      >>> from shardfuse import flops, models
+      >>> spec = models.ModelShape.gpt("gpt-small", 768, 12, 12)
+      >>> h, L, s, V = 768, 12, 2048, 51200  # Megatron's eq. 3 without recomputation
+      >>> flops.model_flops_per_token(spec, s) == 72 * L * h * h * (1 + s / (6 * h)) + 6 * h * V
+      True
+    """
+    forward = spec.num_layers * (layer_matmul_flops(spec) + layer_attention_flops(spec, seq_len))
+    return TRAINING_OVER_FORWARD * (forward + logits_flops(spec))
+
+
+def model_flops(spec: ModelShape, *, seq_len: int, batch: int = 1) -> float:
+    """Training model FLOPs of a step of `batch` sequences of `seq_len` tokens (MFU numerator).
+
+    Args:
+      spec: the transformer (`sf.models.ModelSpec`).
+      seq_len: tokens per sequence.
+      batch: sequences per step (default 1).
+
+    Raises:
+      ValueError: `seq_len` or `batch` not a positive int.
+    """
+    _check_positive(seq_len=seq_len, batch=batch)
+    return batch * seq_len * model_flops_per_token(spec, seq_len)
+
+
+def recompute_flops_per_token(
+    spec: ModelShape, seq_len: int, remat: str, *, causal_skip: bool = True
+) -> float:
+    """Forward FLOPs per token the remat policy reruns in the backward pass.
+
+    "full": every layer's forward; "selective" and "offload": the attention
+    core; "none" and "dots": nothing.
+    """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r} must be one of {REMAT_POLICIES}")
+    attention = layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
+    per_layer = {"full": layer_matmul_flops(spec) + attention, "selective": attention}
+    per_layer["offload"] = attention
+    return spec.num_layers * per_layer.get(remat, 0.0)
+
+
+def hardware_flops(
+    spec: ModelShape,
+    *,
+    seq_len: int,
+    batch: int = 1,
+    remat: str = "none",
+    causal_skip: bool = True,
+) -> float:
+    """FLOPs the devices execute in one training step: recomputation and causal skip included.
+
+    Args:
+      spec, seq_len, batch: as in `model_flops`.
+      remat: activation checkpointing policy ("none", "dots", "selective", "offload", "full").
+      causal_skip: the attention kernels skip masked blocks (visible keys only).
+
+    Example:
+      >>> from shardfuse import flops, models
+      >>> spec = models.get("llama3-8b")
+      >>> full = flops.hardware_flops(spec, seq_len=4096, remat="full", causal_skip=False)
+      >>> round(full / flops.model_flops(spec, seq_len=4096), 3)
+      1.313
+    """
+    _check_positive(seq_len=seq_len, batch=batch)
+    layer = layer_matmul_flops(spec) + layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
+    forward = spec.num_layers * layer + logits_flops(spec)
+    recompute = recompute_flops_per_token(spec, seq_len, remat, causal_skip=causal_skip)
+    return batch * seq_len * (TRAINING_OVER_FORWARD * forward + recompute)
+
+
+def peak_flops_per_s(device: Device, dtype: str = "bfloat16") -> float:
+    """Dense peak FLOP/s of `device` for `dtype`, the bfloat16 peak where `dtype` has none."""
+    peak = device.peak_tflops(str(dtype))
+    if peak is None:
+        peak = device.peak_tflops("bfloat16")
+    return peak * 1e12
+
+
+def mfu(
+    model_flops_per_step: float, *, step_time_s: float, devices: int, peak_flops_per_s: float
+) -> float:
+    """Model FLOPs utilisation: `model_flops_per_step / (devices * peak_flops_per_s * step_time_s)`.
+
+    Raises:
+      ValueError: a non-positive step time, device count or peak.
+    """
+    _check_positive(step_time_s=step_time_s, devices=devices, peak_flops_per_s=peak_flops_per_s)
+    return model_flops_per_step / (devices * peak_flops_per_s * step_time_s)
+
+
+def _check_positive(**values):
+    for name, value in values.items():
+        if isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name}={value!r} must be > 0")
