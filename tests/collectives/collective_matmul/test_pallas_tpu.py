@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse._compat import race_detector_params, races_found
 from shardfuse.collectives.collective_matmul import base, pallas_tpu
 from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close, assert_close_low_precision
@@ -34,21 +35,6 @@ MODES = ("on_wait", "eager")
 NAMES = ("y", "dx", "dw")
 
 
-def _race_state():
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
-    except ImportError:  # pragma: no cover - older layout
-        from jax._src.pallas.mosaic import interpret as interpreter
-    return interpreter
-
-
-def races_found() -> bool:
-    """Whether the race detector flagged the last interpreted kernel."""
-    races = _race_state().races
-    assert races is not None, "no kernel ran under the race detector"
-    return bool(races.races_found)
-
-
 def _handshake(handshake: bool):
     return contextlib.nullcontext() if handshake else pallas_tpu.without_handshake()
 
@@ -56,7 +42,7 @@ def _handshake(handshake: bool):
 def _forward(case: Case, mode: str, *, handshake: bool = True):
     """The op's forward under the race detector; returns (output, races found)."""
     x, w, _ = case.placed(*case.inputs())
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    params = race_detector_params(dma_execution_mode=mode)
     with interpret_mode(params), _handshake(handshake):
         pltpu.reset_tpu_interpret_mode_state()
         y = jax.block_until_ready(jax.jit(case.sharded(case.call("pallas_tpu")))(x, w))
@@ -101,7 +87,7 @@ def test_gather_accumulate_race_free(mode):
     specs = dict(mesh=mesh, in_specs=(P("model"), P("model")), out_specs=P("model"))
     g = jax.device_put(g, NamedSharding(mesh, P("model")))
     local = jax.device_put(local, NamedSharding(mesh, P("model")))
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    params = race_detector_params(dma_execution_mode=mode)
     with interpret_mode(params):
         pltpu.reset_tpu_interpret_mode_state()
         got = jax.block_until_ready(jax.jit(jax.shard_map(per_shard, **specs))(g, local))

@@ -30,13 +30,13 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
+from shardfuse._compat import race_detector_params, races_found
 from shardfuse.collectives.collective_matmul.pallas_tpu import without_handshake
 from shardfuse.collectives.ring_attention import api, pallas_tpu_fused, ring
 from shardfuse.kernels.attention import base
 from shardfuse.kernels.attention import pallas_tpu_blocks as tiles
 from shardfuse.kernels.pallas_interpret import interpret_mode
 from shardfuse.testing import assert_close, iter_eqns
-from tests.collectives.collective_matmul.test_pallas_tpu import races_found
 from tests.collectives.ring_attention.fused_ring_cases import (
     FUSED,
     case,
@@ -120,7 +120,7 @@ def _under_detector(c, mode, *, handshake=True, backward=True):
     """One jitted forward (and vjp: both kernels) under the race detector:
     `((out, lse[, dq, dk, dv]), races found)`."""
     q, k, v, kwargs, cotangents = make_inputs(c)
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    params = race_detector_params(dma_execution_mode=mode)
     context = contextlib.nullcontext() if handshake else without_handshake()
     attend = fused_fn(c, kwargs)
     with interpret_mode(params), context:
@@ -136,7 +136,7 @@ def _forward_then_backward(c, mode, *, handshake=True):
     """The forward, then (race state reset) the backward, each under the race detector:
     `(races in the forward, races in the backward)`, to tell the two rings apart."""
     q, k, v, kwargs, (d_out, d_lse) = make_inputs(c)
-    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    params = race_detector_params(dma_execution_mode=mode)
     context = contextlib.nullcontext() if handshake else without_handshake()
     with interpret_mode(params), context:
         pltpu.reset_tpu_interpret_mode_state()

@@ -75,7 +75,12 @@ def ring_table(plan: RingPlan, mesh_axes: tuple[str, ...], row_factor: int, *, s
 
 
 def _neighbour(table_ref, direction: int, num_axes: int):
-    """Mesh coordinates of ring neighbour `i + direction` (direction = +1 or -1)."""
+    """Mesh coordinates of ring neighbour `i + direction` (direction = +1 or -1).
+
+    Remote DMAs and semaphore signals take them as `device_id` without a
+    `device_id_type`: mesh coordinates are the default on every supported JAX, and
+    newer JAX deprecates the argument.
+    """
     first = 0 if direction == +1 else num_axes
     return tuple(table_ref[first + a] for a in range(num_axes))
 
@@ -88,7 +93,6 @@ def _send_to_neighbour(src, dst, send_sem, recv_sem, *, slot, table_ref, directi
         send_sem.at[slot],
         recv_sem.at[slot],
         device_id=_neighbour(table_ref, direction, num_axes),
-        device_id_type=pl.DeviceIdType.MESH,
     )
     copy.start()
     return copy
@@ -106,7 +110,6 @@ def _barrier_with_neighbours(table_ref, num_axes: int):
             barrier,
             1,
             device_id=_neighbour(table_ref, direction, num_axes),
-            device_id_type=pl.DeviceIdType.MESH,
         )
     pl.semaphore_wait(barrier, 2)
 
@@ -167,9 +170,7 @@ def _gather_ring(
                     started[k].wait_send()
                 if handshake and 1 <= s <= n - 3:  # slot (s - 1) % 2 is free again
                     upstream = _neighbour(table_ref, -lane.direction, num_axes)
-                    pl.semaphore_signal(
-                        credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH
-                    )
+                    pl.semaphore_signal(credit, 1, device_id=upstream)
             pending = started
 
 
@@ -240,9 +241,7 @@ def matmul_reduce_scatter_kernel(
                     partial = partial + recv_buf[(s - 1) % 2]
                     if handshake and s <= n - 3:  # slot (s - 1) % 2 is free again
                         upstream = _neighbour(table_ref, -lane.direction, num_axes)
-                        pl.semaphore_signal(
-                            credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH
-                        )
+                        pl.semaphore_signal(credit, 1, device_id=upstream)
                 copy = None
                 if s == n - 1:
                     out_ref[pl.ds(lo, rows), :] = partial.astype(out_ref.dtype)

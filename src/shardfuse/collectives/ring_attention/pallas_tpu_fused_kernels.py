@@ -106,7 +106,7 @@ class _Travel:
 
 def _signal_upstream(table_ref, credit, st: FusedStatic):
     upstream = _neighbour(table_ref, -1, st.num_axes)
-    pl.semaphore_signal(credit, 1, device_id=upstream, device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_signal(credit, 1, device_id=upstream)
 
 
 def _when(condition, body):
@@ -123,7 +123,7 @@ def _copy(src, dst, send_sem, recv_sem, slot, table_ref, st: FusedStatic):
     it waits for this device's own send, or for the same-shaped arrival in its `dst[slot]`."""
     return pltpu.make_async_remote_copy(
         src, dst.at[slot], send_sem.at[slot], recv_sem.at[slot],
-        device_id=_neighbour(table_ref, +1, st.num_axes), device_id_type=pl.DeviceIdType.MESH,
+        device_id=_neighbour(table_ref, +1, st.num_axes),
     )  # fmt: skip
 
 
