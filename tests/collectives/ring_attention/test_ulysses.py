@@ -18,8 +18,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
+from shardfuse.collectives.ring_attention import relayout
 from tests.collectives.ring_attention.ring_cases import (
     RingCase,
     compare,
@@ -167,7 +169,7 @@ def test_fully_masked_rows_and_nan_padding():
 # mesh as (ring, ulysses), where the two orders agree. Here: both axis orders, both layouts
 # USP accepts (striped: a clear ValueError), lengths 2N divides and one it pads, Explicit and
 # Auto meshes. The issue's own shapes (T = 992, 1000, 1024, H = 8, K = 4, D = 64; about 30 s
-# a cell on the 2-core host) run with -m slow; by default the same call at T = 64 / 60, D = 16.
+# a cell on the 2-core host) run with -m slow; by default the same call at T = 60, D = 16.
 
 
 @functools.cache
@@ -180,12 +182,11 @@ def _named_usp_mesh(ulysses: int, ring: int, order: str, kind: str) -> Mesh:
 
 
 def _mesh_order_cells():
-    small = [
-        ((2, 4), "ulysses_major", "zigzag", 64, 16, "explicit"),
-        ((4, 2), "ulysses_major", "zigzag", 60, 16, "auto"),  # padded to 64
-    ]
+    # One end-to-end cell by default (the relayout itself: the exact, cheap test below).
+    small = [((2, 4), "ulysses_major", "zigzag", 60, 16, "explicit")]  # 60: padded to 64
     cells = [pytest.param(*cell, id=_cell_id(*cell)) for cell in small]
     issue = [
+        ((4, 2), "ulysses_major", "zigzag", 64, 16, "auto"),
         ((4, 2), "ring_major", "zigzag", 64, 16, "explicit"),
         ((2, 4), "ulysses_major", "contiguous", 60, 16, "auto"),
     ]
@@ -226,3 +227,32 @@ def test_usp_refuses_striped(order):
             q, k, k, mesh=mesh, sequence_axis=("ulysses", "ring"), strategy="ulysses_ring",
             layout="striped", causal=True,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape, names",
+    [((2, 4), ("ulysses", "ring")), ((4, 2), ("ulysses", "ring")), ((4, 2), ("ring", "ulysses")),
+     ((2, 2, 2), ("ulysses", "data", "ring")), ((2, 2, 2), ("ring", "data", "ulysses"))],
+    ids=lambda x: "x".join(map(str, x)),
+)  # fmt: skip
+def test_zigzag_relayout_over_two_axes_in_any_mesh_order(shape, names):
+    """The root of issue 24, exactly and in about a second: the per-shard zigzag relayout over
+    `(ring, ulysses)` (ring-major, as USP shards the sequence) puts every position where
+    `ring_positions` says, whatever order the mesh lists its axes in (a third axis between
+    them too); `from_ring` undoes it."""
+    mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+    seq = ("ring", "ulysses")
+    n = mesh.shape["ring"] * mesh.shape["ulysses"]
+    x = jax.numpy.arange(4 * n, dtype=jax.numpy.int32)[None]  # [1, T]: natural positions
+    spec = P(None, seq)
+
+    def there_and_back(x):
+        ring_order = relayout.to_ring(x, seq, n, "zigzag")
+        return ring_order, relayout.from_ring(ring_order, seq, n, "zigzag")
+
+    ring_order, back = jax.jit(
+        jax.shard_map(there_and_back, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+    )(x)
+    expected = np.asarray(sf.ring_positions(4 * n, n, "zigzag")).reshape(1, -1)
+    np.testing.assert_array_equal(np.asarray(ring_order), expected)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
