@@ -2,13 +2,19 @@
 
 import pytest
 
-from shardfuse import flops, hardware, models
+from shardfuse import flops, models
 from shardfuse.bench import flops as bench_flops
 from shardfuse.demos.llama import LlamaConfig
-from shardfuse.demos.train_lm import COMPUTE_DTYPE, TrainConfig, Trainer, model_spec
+from shardfuse.demos.train_lm import (
+    AXES,
+    COMPUTE_DTYPE,
+    TrainConfig,
+    Trainer,
+    estimate_for,
+    layout_of,
+    model_spec,
+)
 from shardfuse.planner import Assumptions
-from shardfuse.planner.cost import estimate
-from shardfuse.planner.options import Layout
 
 
 def test_model_flops_is_megatron_eq3_and_palm():
@@ -78,20 +84,13 @@ def test_trainer_mfu_equals_planner_mfu():
     trainer.run()
     record = trainer.history[-1]
     assert f"mfu {record['mfu']:.2%}" in lines[-1]
-    cluster = hardware.cluster("h100", devices_per_node=8)
-    assumptions = Assumptions.float32(embedding_sharded=False, donate=False)
-    assert assumptions.compute_dtype == COMPUTE_DTYPE
-    e = estimate(
-        model_spec(config.model),
-        cluster,
-        Layout(data=2, model=4),
-        global_batch=config.global_batch,
-        seq_len=config.seq_len,
-        assumptions=assumptions,
-    )
-    # the planner's MFU had its step taken as long as the measured one
-    planner_mfu = e.mfu * e.step_time_s / record["step_time_s"]
-    assert record["mfu"] == pytest.approx(planner_mfu, rel=1e-12)
+    e = estimate_for(config, 8)  # the planner's cost function, same layout, model, tokens
     assert e.model_flops == flops.model_flops(
         model_spec(config.model), seq_len=config.seq_len, batch=config.global_batch
     )
+    assert layout_of(config, 8).mesh_shape == {**dict.fromkeys(AXES, 1), "data": 2, "model": 4}
+    # same peak: the planner's compute dtype is the trainer's
+    assert Assumptions.float32().compute_dtype == COMPUTE_DTYPE
+    # the planner's MFU had its step taken as long as the measured one
+    planner_mfu = e.mfu * e.step_time_s / record["step_time_s"]
+    assert record["mfu"] == pytest.approx(planner_mfu, rel=1e-12)

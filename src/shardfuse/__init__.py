@@ -8,7 +8,17 @@ Example:
   (1, 64, 4, 32)
 """
 
-from shardfuse import collectives, hardware, kernels, layers, models, parallel, planner
+from shardfuse import (
+    collectives,
+    flops,
+    hardware,
+    kernels,
+    layers,
+    models,
+    parallel,
+    planner,
+    profile,  # callable: sf.profile(step, *args)
+)
 from shardfuse._info import info
 from shardfuse._version import __version__ as __version__
 from shardfuse.collectives.ring_attention import from_ring_layout, ring_positions, to_ring_layout
@@ -24,6 +34,7 @@ __all__ = [
     "attention_reference",
     "collectives",
     "flash_attention",
+    "flops",
     "from_ring_layout",
     "hardware",
     "info",
@@ -34,6 +45,7 @@ __all__ = [
     "parallel",
     "plan",
     "planner",
+    "profile",
     "ring_attention",
     "ring_attention_plan",
     "ring_positions",

@@ -1,10 +1,11 @@
-"""Command line: `shardfuse info | demo | bench | pipeline | plan`.
+"""Command line: `shardfuse info | demo | bench | pipeline | plan | profile`.
 
 shardfuse info            versions, devices, usable implementations and why not
 shardfuse demo            every op against its reference on 8 CPU devices
 shardfuse bench           the benchmark suites of bench/: table, JSON, compare, plot
 shardfuse pipeline        a pipeline schedule as a grid: ticks, bubble, in-flight microbatches
 shardfuse plan            the best parallel layouts for a model on a cluster (cost model)
+shardfuse profile         a training step's time by category, from a jax.profiler trace
 """
 
 import argparse
@@ -39,6 +40,11 @@ def main(argv=None) -> int:
     plan_cli.add_arguments(
         commands.add_parser("plan", help="rank parallel layouts for a model on a cluster")
     )
+    from shardfuse.profile import cli as profile_cli
+
+    profile_cli.add_arguments(
+        commands.add_parser("profile", help="a training step's time by category (jax.profiler)")
+    )
     args = parser.parse_args(argv)
     if args.cpu_devices < 1:
         parser.error(f"--cpu-devices={args.cpu_devices} must be >= 1")
@@ -54,8 +60,9 @@ def main(argv=None) -> int:
         from shardfuse import demos
 
         demos.run(seq_len=args.seq_len)
-    elif args.command in ("bench", "pipeline", "plan"):
-        cli = {"bench": bench_cli, "pipeline": pipeline_cli, "plan": plan_cli}[args.command]
+    elif args.command in ("bench", "pipeline", "plan", "profile"):
+        clis = {"bench": bench_cli, "pipeline": pipeline_cli, "plan": plan_cli}
+        cli = clis.get(args.command, profile_cli)
         try:
             return cli.main(args)
         except (ValueError, FileNotFoundError) as e:

@@ -106,14 +106,61 @@ def plan_for(config: TrainConfig, device_count: int, *, chip: str = "h100", **re
     """
     from shardfuse import planner  # the planner sits above this example's layers
 
+    spec, cluster, assumptions = _planner_inputs(config, device_count, chip)
     options = dict(cp_strategy="ring") | restrict
     return planner.plan(
-        model_spec(config.model),
-        hardware.cluster(config.device or chip, devices_per_node=device_count),
+        spec,
+        cluster,
         global_batch=config.global_batch,
         seq_len=config.seq_len,
-        assumptions=planner.Assumptions.float32(embedding_sharded=False, donate=False),
+        assumptions=assumptions,
         **options,
+    )
+
+
+def _planner_inputs(config: TrainConfig, device_count: int, chip: str) -> tuple:
+    """`(model spec, cluster, assumptions)` of `config` as it runs here (see `plan_for`)."""
+    from shardfuse import planner
+
+    cluster = hardware.cluster(config.device or chip, devices_per_node=device_count)
+    assumptions = planner.Assumptions.float32(embedding_sharded=False, donate=False)
+    return model_spec(config.model), cluster, assumptions
+
+
+def layout_of(config: TrainConfig, device_count: int):
+    """The `sf.planner.Layout` that `config` runs (the inverse of `from_plan`)."""
+    from shardfuse.planner import Layout
+
+    sizes = dict(zip(AXES, config.mesh_shape(device_count), strict=True))
+    replicas = sizes["data"] * sizes["fsdp"]
+    return Layout(
+        **sizes,
+        zero=config.zero,
+        remat=config.remat,
+        schedule=config.schedule,
+        microbatch_size=max(1, config.global_batch // (replicas * config.microbatches)),
+        num_microbatches=config.microbatches,
+        virtual_stages=config.virtual_stages,
+        cp_strategy="ring",
+    )
+
+
+def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
+    """The planner's `Estimate` of `config`'s step as it runs (`layout_of`) on `chip`s.
+
+    The cost function `sf.plan` ranks with, for this one layout: its terms are
+    what `sf.profile` prints beside the measured categories.
+    """
+    from shardfuse.planner.cost import estimate
+
+    spec, cluster, assumptions = _planner_inputs(config, device_count, chip)
+    return estimate(
+        spec,
+        cluster,
+        layout_of(config, device_count),
+        global_batch=config.global_batch,
+        seq_len=config.seq_len,
+        assumptions=assumptions,
     )
 
 
@@ -260,6 +307,15 @@ class Trainer:
             )(model, {"tokens": tokens, "targets": targets})
         optimizer.update(model, grads)
         return loss
+
+    def step_call(self) -> tuple:
+        """`(step, args)`: the jitted training step and the arguments of its next call.
+
+        `step(*args)` trains one step on batch `self.step` (it updates the model
+        and optimizer in place); call it under `jax.set_mesh(self.mesh)`. For
+        `sf.profile(step, *args)`.
+        """
+        return self._train_step, (self.model, self.optimizer, self.batch(self.step))
 
     def memory_analysis(self):
         """The compiled training step's `memory_analysis()` (per device; compiles, runs nothing)."""
