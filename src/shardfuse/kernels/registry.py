@@ -64,6 +64,13 @@ def triton_status(platform: str) -> Status:
     return True, f"sm_{capability}: triton and jax-triton available"
 
 
+def native_cpu_status(platform: str) -> Status:
+    """The C++ CPU kernels: the extension built and loadable (else the build's reason), on CPU."""
+    from shardfuse.kernels.attention.native_cpu import status
+
+    return status(platform)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One implementation of an op: where its function lives and whether it can run here.

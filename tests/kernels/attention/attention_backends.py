@@ -234,7 +234,41 @@ TRITON_GPU = Triton(
     marks=(pytest.mark.gpu,),
 )
 
-BACKENDS = (XLA, PALLAS_TPU, TRITON_INTERPRET, TRITON_GPU)
+
+@dataclasses.dataclass(frozen=True)
+class NativeCpu(Backend):
+    """The C++ kernels (XLA FFI custom calls); skipped where the extension is not built."""
+
+    def supports_head_dim(self, head_dim, dtype):
+        return head_dim <= 512
+
+
+_NATIVE_DEFAULT = (
+    *_XLA_DEFAULT,
+    "causal_gqa8_2_113x97",
+    "d128_blocks_8x24",
+    "segments_causal_200_d128",
+    "window_softcap_gqa8_2_shuffled_256",
+    "bf16_window_softcap_segments_gqa8_2",
+    "bf16_causal_gqa_300",
+)
+NATIVE_CPU = NativeCpu(
+    "native_cpu",
+    "native_cpu",
+    dtypes=("float32", "bfloat16"),
+    requires=("shardfuse._native",),
+    default=_NATIVE_DEFAULT,
+    slow=tuple(name for name in CASE if name not in _NATIVE_DEFAULT),  # everything else
+    poisoned=(
+        "masked_rows_40x24",
+        "window_segments_48x80",
+        "segments_causal_200_d128",
+        "bf16_window_softcap_segments_gqa8_2",
+    ),
+    deterministic=("causal_segments_97x113", "bf16_causal_gqa_300"),
+)
+
+BACKENDS = (XLA, PALLAS_TPU, TRITON_INTERPRET, TRITON_GPU, NATIVE_CPU)
 
 BY_NAME = {backend.name: backend for backend in (REFERENCE, *BACKENDS)}
 

@@ -48,6 +48,13 @@ ATTENTION = registry.register(
             "Triton flash attention kernels through jax-triton, forward and backward",
             registry.triton_status,
         ),
+        registry.Backend(
+            "native_cpu",
+            _MODULE + "native_cpu",
+            "flash_attention",
+            "C++ flash attention (XLA FFI custom calls, native/), forward and backward",
+            registry.native_cpu_status,
+        ),
     ],
     # What `implementation=None` tries, best first, per platform.
     preference={
@@ -55,7 +62,7 @@ ATTENTION = registry.register(
         "gpu": ("triton", "xla"),
         "cuda": ("triton", "xla"),
         "rocm": ("xla",),
-        "cpu": ("xla",),
+        "cpu": ("native_cpu", "xla"),
     },
 )
 IMPLEMENTATIONS = ATTENTION.names

@@ -1,0 +1,71 @@
+// CPU flash attention, forward and backward, on row-major [B, T, H, D] queries and
+// [B, S, K, D] keys/values (float32 or bfloat16; float32 accumulation), masks on
+// absolute positions (causal, window, segment ids) and an optional logit softcap.
+#pragma once
+
+#include "kernels.h"
+
+namespace shardfuse {
+
+constexpr int kBlockQ = 64;    // queries per tile
+constexpr int kBlockKV = 128;  // keys per tile (a multiple of 2 * kLanes)
+
+inline float load_element(const void* x, size_t index, bool bf16) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[index])
+              : static_cast<const float*>(x)[index];
+}
+
+inline void store_element(void* x, size_t index, float value, bool bf16) {
+  if (bf16)
+    static_cast<uint16_t*>(x)[index] = f32_to_bf16(value);
+  else
+    static_cast<float*>(x)[index] = value;
+}
+
+// s = cap * tanh(s / cap) in place over n (a multiple of kLanes) scores; tanh saved if asked.
+inline void apply_softcap(float* s, int n, float cap, float* tanh_out) {
+  const Vec inv = splat(1.0f / cap), c = splat(cap);
+  for (int x = 0; x < n; x += kLanes) {
+    Vec t = vtanh(load(s + x) * inv);
+    if (tanh_out) store(tanh_out + x, t);
+    store(s + x, c * t);
+  }
+}
+
+struct TileMask {
+  bool every_row_sees = true, every_col_seen = true;
+  uint8_t row_sees[kBlockQ] = {};
+  uint8_t col_seen[kBlockKV] = {};
+};
+
+// mask[r * kBlockKV + c]: query t0 + r sees key s0 + c (padding rows/columns never do).
+inline TileMask tile_mask(const Problem& p, int b, int t0, int rows, int s0, uint8_t* mask) {
+  TileMask tm;
+  const int cols = std::min(kBlockKV, p.S - s0);
+  for (int r = 0; r < kBlockQ; ++r) {
+    uint8_t* row = mask + r * kBlockKV;
+    std::fill_n(row, kBlockKV, uint8_t{0});
+    if (r >= rows) continue;
+    for (int c = 0; c < cols; ++c) {
+      uint8_t seen = p.visible(b, t0 + r, s0 + c);
+      row[c] = seen;
+      tm.row_sees[r] |= seen;
+      tm.col_seen[c] |= seen;
+    }
+  }
+  for (int r = 0; r < rows; ++r) tm.every_row_sees &= tm.row_sees[r] != 0;
+  for (int c = 0; c < kBlockKV; ++c) tm.every_col_seen &= tm.col_seen[c] != 0;
+  return tm;
+}
+
+// out [B, T, H, D] in the inputs' dtype; lse float32 [B, H, T] (-inf where nothing is seen).
+void attention_forward(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
+                       void* out, float* lse);
+
+// From lse (its -inf replaced by 0) and delta = rowsum(d_out * out) - d_lse, both float32
+// [B, H, T]: float32 dq [B, T, H, D], dk and dv [B, S, K, D]. d_out is in the inputs' dtype.
+void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
+                        const void* d_out, bool bf16, const float* lse, const float* delta,
+                        float* dq, float* dk, float* dv);
+
+}  // namespace shardfuse

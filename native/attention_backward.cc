@@ -1,0 +1,203 @@
+// Flash attention backward on the CPU (FlashAttention-2, Dao 2023), from the saved lse:
+// per (batch, kv head, block of keys), for each query head of the group and each query
+// block it sees, recompute p = exp(s - lse), then
+//   dV += p^T dO,  dP = dO V^T,  dS = p (dP - delta) [tanh' for the softcap],
+//   dK += dS^T Q,  dQ += dS K,
+// five register-tiled matmuls per tile. dK and dV belong to the work item; dQ is summed
+// into one float32 buffer per thread, reduced in thread order at the end. Items go to
+// threads by a static longest-first schedule, so the sums, and the results, are the
+// same every run.
+#include <numeric>
+
+#include "attention.h"
+
+namespace shardfuse {
+
+namespace {
+
+// Row-major float32 copies [n, Dp] (zero padded) of x's [.., n, .., D] slices; `scale`d.
+void pack_rows(const void* x, bool bf16, int n, int heads, int head, int D, int Dp, float scale,
+               size_t base, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const size_t src = base + (static_cast<size_t>(r) * heads + head) * D;
+    for (int d = 0; d < D; ++d) dst[r * Dp + d] = scale * load_element(x, src + d, bf16);
+  }
+}
+
+// Assigns items of the given costs to threads, longest first onto the least loaded thread.
+std::vector<std::vector<int>> schedule(const std::vector<double>& cost, int threads) {
+  std::vector<int> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost[a] > cost[b]; });
+  std::vector<std::vector<int>> plan(threads);
+  std::vector<double> load(threads, 0.0);
+  for (int item : order) {
+    int t = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    plan[t].push_back(item);
+    load[t] += cost[item];
+  }
+  return plan;
+}
+
+}  // namespace
+
+void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
+                        const void* d_out, bool bf16, const float* lse, const float* delta,
+                        float* dq, float* dk, float* dv) {
+  const int nq = (p.T + kBlockQ - 1) / kBlockQ, nk = (p.S + kBlockKV - 1) / kBlockKV;
+  const int Dp = p.Dp(), G = p.G(), Tp = nq * kBlockQ, Sp = nk * kBlockKV;
+  const std::vector<Tile> tiles = classify_tiles(p, kBlockQ, kBlockKV);
+
+  // Packed float32 operands: per query head Q * scale and dO [Tp, Dp]; per kv head
+  // K [Sp, Dp], and K, V transposed per block [nk, Dp, kBlockKV].
+  const size_t q_head = static_cast<size_t>(Tp) * Dp, kv_head = static_cast<size_t>(Sp) * Dp;
+  std::vector<float> qs(q_head * p.B * p.H, 0.0f), dos(q_head * p.B * p.H, 0.0f);
+  std::vector<float> kn(kv_head * p.B * p.K, 0.0f), kt(kv_head * p.B * p.K, 0.0f);
+  std::vector<float> vt(kv_head * p.B * p.K, 0.0f);
+  parallel_for(p.B * p.H, [&](int item, int) {
+    const int b = item / p.H, h = item % p.H;
+    const size_t base = static_cast<size_t>(b) * p.T * p.H * p.D;
+    pack_rows(q, bf16, p.T, p.H, h, p.D, Dp, p.scale, base, qs.data() + q_head * item);
+    pack_rows(d_out, bf16, p.T, p.H, h, p.D, Dp, 1.0f, base, dos.data() + q_head * item);
+  });
+  parallel_for(p.B * p.K, [&](int item, int) {
+    const int b = item / p.K, kvh = item % p.K;
+    const size_t base = static_cast<size_t>(b) * p.S * p.K * p.D;
+    float* k_rows = kn.data() + kv_head * item;
+    pack_rows(k, bf16, p.S, p.K, kvh, p.D, Dp, 1.0f, base, k_rows);
+    float* kt_head = kt.data() + kv_head * item;
+    float* vt_head = vt.data() + kv_head * item;
+    for (int s = 0; s < p.S; ++s) {
+      const size_t src = base + (static_cast<size_t>(s) * p.K + kvh) * p.D;
+      const size_t col = static_cast<size_t>(s / kBlockKV) * Dp * kBlockKV + s % kBlockKV;
+      for (int d = 0; d < p.D; ++d) {
+        kt_head[col + d * kBlockKV] = k_rows[static_cast<size_t>(s) * Dp + d];
+        vt_head[col + d * kBlockKV] = load_element(v, src + d, bf16);
+      }
+    }
+  });
+
+  // Work items (b, kv head, key block), costed by the tiles they visit.
+  const int items = p.B * p.K * nk;
+  std::vector<double> cost(items, 0.0);
+  for (int item = 0; item < items; ++item) {
+    const int j = item % nk, b = item / (nk * p.K);
+    for (int i = 0; i < nq; ++i) {
+      Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
+      cost[item] += tile == Tile::kSkip ? 0.0 : (tile == Tile::kFull ? 1.0 : 1.5);
+    }
+  }
+  const int threads = std::max(1, std::min(num_threads(), items));
+  const auto plan = schedule(cost, threads);
+  std::vector<std::vector<float>> dq_thread(threads);
+
+  run_threads(threads, [&](int thread) {
+    std::vector<float>& dq_acc = dq_thread[thread];
+    dq_acc.assign(q_head * p.B * p.H, 0.0f);
+    std::vector<float> probs(kBlockQ * kBlockKV), dprobs(kBlockQ * kBlockKV);
+    std::vector<float> tanh_buf(p.softcap > 0 ? kBlockQ * kBlockKV : 0);
+    std::vector<float> dk_blk(kBlockKV * Dp), dv_blk(kBlockKV * Dp);
+    std::vector<float> q_clean, k_clean;
+    std::vector<uint8_t> mask(kBlockQ * kBlockKV);
+    for (int item : plan[thread]) {
+      const int j = item % nk, kvh = (item / nk) % p.K, b = item / (nk * p.K);
+      const size_t kv_index = static_cast<size_t>(b) * p.K + kvh;
+      const float* kt_j = kt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * kBlockKV;
+      const float* vt_j = vt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * kBlockKV;
+      const float* kn_j = kn.data() + kv_head * kv_index + static_cast<size_t>(j) * kBlockKV * Dp;
+      std::fill(dk_blk.begin(), dk_blk.end(), 0.0f);
+      std::fill(dv_blk.begin(), dv_blk.end(), 0.0f);
+      for (int g = 0; g < G; ++g) {
+        const int h = kvh * G + g;
+        const size_t head = static_cast<size_t>(b) * p.H + h;
+        for (int i = 0; i < nq; ++i) {
+          const Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
+          if (tile == Tile::kSkip) continue;
+          const int t0 = i * kBlockQ, rows = std::min(kBlockQ, p.T - t0);
+          const float* q_i = qs.data() + q_head * head + static_cast<size_t>(t0) * Dp;
+          const float* do_i = dos.data() + q_head * head + static_cast<size_t>(t0) * Dp;
+          const float* k_src = kn_j;
+          const float* lse_i = lse + head * p.T + t0;
+          const float* delta_i = delta + head * p.T + t0;
+          float* pr = probs.data();
+          float* dpr = dprobs.data();
+          gemm<false>(rows, kBlockKV, Dp, q_i, Dp, 1, kt_j, kBlockKV, pr, kBlockKV);
+          if (p.softcap > 0) apply_softcap(pr, rows * kBlockKV, p.softcap, tanh_buf.data());
+          TileMask tm;
+          if (tile == Tile::kPartial) {
+            tm = tile_mask(p, b, t0, rows, j * kBlockKV, mask.data());
+            // Queries and keys this tile never pairs may hold NaN: 0 * NaN would leak.
+            if (!tm.every_row_sees) {
+              q_clean.assign(q_i, q_i + rows * Dp);
+              for (int r = 0; r < rows; ++r)
+                if (!tm.row_sees[r]) std::fill_n(q_clean.data() + r * Dp, Dp, 0.0f);
+              q_i = q_clean.data();
+            }
+            if (!tm.every_col_seen) {
+              k_clean.assign(kn_j, kn_j + kBlockKV * Dp);
+              for (int c = 0; c < kBlockKV; ++c)
+                if (!tm.col_seen[c]) std::fill_n(k_clean.data() + c * Dp, Dp, 0.0f);
+              k_src = k_clean.data();
+            }
+          }
+          for (int r = 0; r < rows; ++r) {
+            float* row = pr + r * kBlockKV;
+            const Vec l = splat(lse_i[r]);
+            for (int c = 0; c < kBlockKV; c += kLanes) store(row + c, vexp(load(row + c) - l));
+            if (tile == Tile::kPartial) {
+              const uint8_t* m = mask.data() + r * kBlockKV;
+              for (int c = 0; c < kBlockKV; ++c)
+                if (!m[c]) row[c] = 0.0f;
+            }
+          }
+          // dV += p^T dO (p read transposed through its strides).
+          gemm<true>(kBlockKV, Dp, rows, pr, 1, kBlockKV, do_i, Dp, dv_blk.data(), Dp);
+          gemm<false>(rows, kBlockKV, Dp, do_i, Dp, 1, vt_j, kBlockKV, dpr, kBlockKV);
+          for (int r = 0; r < rows; ++r) {
+            float* ds = dpr + r * kBlockKV;
+            const float* prow = pr + r * kBlockKV;
+            const Vec dl = splat(delta_i[r]);
+            for (int c = 0; c < kBlockKV; c += kLanes) {
+              Vec x = load(prow + c) * (load(ds + c) - dl);
+              if (p.softcap > 0) {
+                Vec t = load(tanh_buf.data() + r * kBlockKV + c);
+                x = x * (splat(1.0f) - t * t);
+              }
+              store(ds + c, x);
+            }
+            if (tile == Tile::kPartial) {
+              const uint8_t* m = mask.data() + r * kBlockKV;
+              for (int c = 0; c < kBlockKV; ++c)
+                if (!m[c]) ds[c] = 0.0f;
+            }
+          }
+          gemm<true>(kBlockKV, Dp, rows, dpr, 1, kBlockKV, q_i, Dp, dk_blk.data(), Dp);
+          float* dq_i = dq_acc.data() + q_head * head + static_cast<size_t>(t0) * Dp;
+          gemm<true>(rows, Dp, kBlockKV, dpr, kBlockKV, 1, k_src, Dp, dq_i, Dp);
+        }
+      }
+      const int s0 = j * kBlockKV, cols = std::min(kBlockKV, p.S - s0);
+      for (int c = 0; c < cols; ++c) {
+        const size_t dst = ((static_cast<size_t>(b) * p.S + s0 + c) * p.K + kvh) * p.D;
+        std::copy_n(dk_blk.data() + c * Dp, p.D, dk + dst);
+        std::copy_n(dv_blk.data() + c * Dp, p.D, dv + dst);
+      }
+    }
+  });
+
+  // dQ = scale * sum over threads (in thread order) of their dS K.
+  parallel_for(p.B * p.H, [&](int head, int) {
+    const int b = head / p.H, h = head % p.H;
+    for (int t = 0; t < p.T; ++t) {
+      float* dst = dq + ((static_cast<size_t>(b) * p.T + t) * p.H + h) * p.D;
+      for (int d = 0; d < p.D; ++d) {
+        float sum = 0.0f;
+        for (int th = 0; th < threads; ++th)
+          sum += dq_thread[th][q_head * head + static_cast<size_t>(t) * Dp + d];
+        dst[d] = p.scale * sum;
+      }
+    }
+  });
+}
+
+}  // namespace shardfuse

@@ -1,0 +1,132 @@
+// Flash attention forward on the CPU (FlashAttention-2, Dao 2023): for each
+// (batch, query head, block of kBlockQ queries), a loop over blocks of kBlockKV
+// keys keeps the running row maximum m, normaliser l and a float32 accumulator,
+// rescaled as m grows; lse = m + log l. Scores are one register-tiled matmul per
+// tile against K packed transposed, probabilities one more against V; the
+// exponentials are vectorised. Tiles nothing sees are skipped, tiles everything
+// sees run without a mask. Work items are independent: dynamically scheduled.
+#include "attention.h"
+
+namespace shardfuse {
+
+namespace {
+
+// K transposed per block [B, K, nk, Dp, kBlockKV] and V [B, K, nk * kBlockKV, Dp], float32,
+// zero padded.
+struct PackedKV {
+  int nk, Dp;
+  std::vector<float> kt, v;
+  const float* kt_block(int b, int kvh, int j, int K) const {
+    return kt.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * Dp * kBlockKV;
+  }
+  const float* v_block(int b, int kvh, int j, int K) const {
+    return v.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * kBlockKV * Dp;
+  }
+};
+
+PackedKV pack_kv(const Problem& p, const void* k, const void* v, bool bf16) {
+  PackedKV packed;
+  packed.nk = (p.S + kBlockKV - 1) / kBlockKV;
+  packed.Dp = p.Dp();
+  const size_t per_head = static_cast<size_t>(packed.nk) * kBlockKV * packed.Dp;
+  packed.kt.assign(per_head * p.B * p.K, 0.0f);
+  packed.v.assign(per_head * p.B * p.K, 0.0f);
+  parallel_for(p.B * p.K, [&](int item, int) {
+    const int b = item / p.K, kvh = item % p.K;
+    float* kt = packed.kt.data() + per_head * item;
+    float* vv = packed.v.data() + per_head * item;
+    for (int s = 0; s < p.S; ++s) {
+      const size_t src = ((static_cast<size_t>(b) * p.S + s) * p.K + kvh) * p.D;
+      const int j = s / kBlockKV, c = s % kBlockKV;
+      float* kt_col = kt + static_cast<size_t>(j) * packed.Dp * kBlockKV + c;
+      float* v_row = vv + static_cast<size_t>(s) * packed.Dp;
+      for (int d = 0; d < p.D; ++d) {
+        kt_col[d * kBlockKV] = load_element(k, src + d, bf16);
+        v_row[d] = load_element(v, src + d, bf16);
+      }
+    }
+  });
+  return packed;
+}
+
+}  // namespace
+
+void attention_forward(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
+                       void* out, float* lse) {
+  const int nq = (p.T + kBlockQ - 1) / kBlockQ;
+  const PackedKV kv = pack_kv(p, k, v, bf16);
+  const int nk = kv.nk, Dp = kv.Dp, G = p.G();
+  const std::vector<Tile> tiles = classify_tiles(p, kBlockQ, kBlockKV);
+
+  parallel_for(p.B * p.H * nq, [&](int item, int) {
+    const int i = item % nq, h = (item / nq) % p.H, b = item / (nq * p.H), kvh = h / G;
+    const int t0 = i * kBlockQ, rows = std::min(kBlockQ, p.T - t0);
+    // Per-item buffers: queries (scaled), scores, accumulator, a sanitised V block.
+    std::vector<float> qs(kBlockQ * Dp, 0.0f), scores(kBlockQ * kBlockKV);
+    std::vector<float> acc(kBlockQ * Dp, 0.0f), v_clean;
+    std::vector<float> m(kBlockQ, kNegInf), l(kBlockQ, 0.0f);
+    std::vector<uint8_t> mask(kBlockQ * kBlockKV);
+    for (int r = 0; r < rows; ++r) {
+      const size_t src = ((static_cast<size_t>(b) * p.T + t0 + r) * p.H + h) * p.D;
+      for (int d = 0; d < p.D; ++d) qs[r * Dp + d] = p.scale * load_element(q, src + d, bf16);
+    }
+    for (int j = 0; j < nk; ++j) {
+      const Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
+      if (tile == Tile::kSkip) continue;
+      float* s = scores.data();
+      gemm<false>(rows, kBlockKV, Dp, qs.data(), Dp, 1, kv.kt_block(b, kvh, j, p.K), kBlockKV, s,
+                  kBlockKV);
+      if (p.softcap > 0) apply_softcap(s, rows * kBlockKV, p.softcap, nullptr);
+      const float* v_blk = kv.v_block(b, kvh, j, p.K);
+      if (tile == Tile::kPartial) {
+        TileMask tm = tile_mask(p, b, t0, rows, j * kBlockKV, mask.data());
+        for (int x = 0; x < rows * kBlockKV; ++x)
+          if (!mask[x]) s[x] = kNegInf;
+        if (!tm.every_col_seen) {
+          // Keys nobody in this tile sees may hold NaN or inf: 0 * NaN would leak.
+          v_clean.assign(v_blk, v_blk + kBlockKV * Dp);
+          for (int c = 0; c < kBlockKV; ++c)
+            if (!tm.col_seen[c]) std::fill_n(v_clean.data() + c * Dp, Dp, 0.0f);
+          v_blk = v_clean.data();
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        float* row = s + r * kBlockKV;
+        Vec mx = splat(kNegInf);
+        for (int c = 0; c < kBlockKV; c += kLanes) {
+          Vec x = load(row + c);
+          mx = x > mx ? x : mx;
+        }
+        const float m_new = std::max(m[r], hmax(mx));
+        if (m_new == kNegInf) {  // nothing visible yet: p = 0, the accumulator stays 0
+          std::fill_n(row, kBlockKV, 0.0f);
+          continue;
+        }
+        const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first block
+        Vec sum{};
+        for (int c = 0; c < kBlockKV; c += kLanes) {
+          Vec e = vexp(load(row + c) - splat(m_new));
+          store(row + c, e);
+          sum += e;
+        }
+        l[r] = l[r] * alpha + hsum(sum);
+        m[r] = m_new;
+        if (alpha != 1.0f) {
+          float* a = acc.data() + r * Dp;
+          for (int d = 0; d < Dp; d += kLanes) store(a + d, load(a + d) * splat(alpha));
+        }
+      }
+      gemm<true>(rows, Dp, kBlockKV, s, kBlockKV, 1, v_blk, Dp, acc.data(), Dp);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const size_t dst = ((static_cast<size_t>(b) * p.T + t0 + r) * p.H + h) * p.D;
+      const bool seen = l[r] > 0.0f;
+      const float inv = seen ? 1.0f / l[r] : 0.0f;
+      for (int d = 0; d < p.D; ++d) store_element(out, dst + d, acc[r * Dp + d] * inv, bf16);
+      lse[(static_cast<size_t>(b) * p.H + h) * p.T + t0 + r] =
+          seen ? m[r] + std::log(l[r]) : kNegInf;
+    }
+  });
+}
+
+}  // namespace shardfuse

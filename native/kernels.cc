@@ -1,0 +1,86 @@
+// Threads and tile classification shared by the forward and backward kernels.
+#include "kernels.h"
+
+#include <cstdlib>
+
+namespace shardfuse {
+
+int num_threads() {
+  static const int threads = [] {
+    if (const char* env = std::getenv("SHARDFUSE_NATIVE_THREADS")) {
+      int n = std::atoi(env);
+      if (n > 0) return n;
+    }
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    return std::clamp(n, 1, 64);
+  }();
+  return threads;
+}
+
+void run_threads(int threads, const std::function<void(int)>& fn) {
+  if (threads <= 1) {
+    fn(0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) pool.emplace_back(fn, t);
+  fn(0);
+  for (auto& thread : pool) thread.join();
+}
+
+void parallel_for(int n, const std::function<void(int, int)>& fn) {
+  std::atomic<int> next{0};
+  run_threads(std::min(n, num_threads()), [&](int thread) {
+    for (int item = next.fetch_add(1); item < n; item = next.fetch_add(1)) fn(item, thread);
+  });
+}
+
+namespace {
+
+struct Range {
+  int64_t lo = std::numeric_limits<int64_t>::max();
+  int64_t hi = std::numeric_limits<int64_t>::min();
+  void add(int64_t x) {
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+  }
+};
+
+}  // namespace
+
+std::vector<Tile> classify_tiles(const Problem& p, int block_q, int block_kv) {
+  const int nq = (p.T + block_q - 1) / block_q, nk = (p.S + block_kv - 1) / block_kv;
+  std::vector<Range> qpos(nq), kpos(nk);
+  for (int t = 0; t < p.T; ++t) qpos[t / block_q].add(p.q_pos[t]);
+  for (int s = 0; s < p.S; ++s) kpos[s / block_kv].add(p.kv_pos[s]);
+  std::vector<Tile> tiles(static_cast<size_t>(p.B) * nq * nk);
+  for (int b = 0; b < p.B; ++b) {
+    std::vector<Range> qseg(nq), kseg(nk);
+    if (p.has_segments) {
+      for (int t = 0; t < p.T; ++t) qseg[t / block_q].add(p.q_seg[b * p.T + t]);
+      for (int s = 0; s < p.S; ++s) kseg[s / block_kv].add(p.kv_seg[b * p.S + s]);
+    }
+    for (int i = 0; i < nq; ++i) {
+      for (int j = 0; j < nk; ++j) {
+        const Range &q = qpos[i], &k = kpos[j];
+        // Masks on differences q_pos - kv_pos, as masks.py defines them.
+        bool some = !(p.causal && k.lo > q.hi) && !(p.left >= 0 && q.lo - k.hi > p.left) &&
+                    !(p.right >= 0 && k.lo - q.hi > p.right);
+        bool every = (!p.causal || k.hi <= q.lo) && (p.left < 0 || q.hi - k.lo <= p.left) &&
+                     (p.right < 0 || k.hi - q.lo <= p.right);
+        if (p.has_segments) {
+          const Range &qs = qseg[i], &ks = kseg[j];
+          some = some && !(qs.hi < ks.lo || ks.hi < qs.lo);
+          every = every && qs.lo == qs.hi && ks.lo == ks.hi && qs.lo == ks.lo;
+        }
+        bool padded = (i + 1) * block_q > p.T || (j + 1) * block_kv > p.S;
+        tiles[(static_cast<size_t>(b) * nq + i) * nk + j] =
+            !some ? Tile::kSkip : (every && !padded ? Tile::kFull : Tile::kPartial);
+      }
+    }
+  }
+  return tiles;
+}
+
+}  // namespace shardfuse

@@ -1,0 +1,206 @@
+// shardfuse._native: the CPU attention kernels as XLA FFI handlers, and a minimal
+// CPython module handing them to Python as FFI capsules (no binding library: the
+// module only returns capsules and a few build facts). Python registers them with
+// jax.ffi.register_ffi_target (shardfuse/kernels/attention/native_cpu.py).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <exception>
+#include <string>
+
+#include "attention.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace shardfuse {
+namespace {
+
+// Checks shapes and dtypes (a malformed call is an error, never a crash) and fills p.
+ffi::Error make_problem(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_pos,
+                        const ffi::Buffer<ffi::S32>& kv_pos, const ffi::Buffer<ffi::S32>& q_seg,
+                        const ffi::Buffer<ffi::S32>& kv_seg, bool causal, int64_t window_left,
+                        int64_t window_right, float softcap, float scale, bool has_segments,
+                        Problem* p, bool* bf16) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4)
+    return ffi::Error::InvalidArgument("q, k and v must have rank 4");
+  const auto type = q.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("q must be float32 or bfloat16");
+  if (k.element_type() != type || v.element_type() != type)
+    return ffi::Error::InvalidArgument("q, k and v must share one dtype");
+  for (int a = 0; a < 4; ++a)
+    if (kd[a] != vd[a]) return ffi::Error::InvalidArgument("k and v shapes differ");
+  p->B = static_cast<int>(qd[0]);
+  p->T = static_cast<int>(qd[1]);
+  p->H = static_cast<int>(qd[2]);
+  p->D = static_cast<int>(qd[3]);
+  p->S = static_cast<int>(kd[1]);
+  p->K = static_cast<int>(kd[2]);
+  if (kd[0] != qd[0] || kd[3] != qd[3] || p->K == 0 || p->H % p->K != 0)
+    return ffi::Error::InvalidArgument("k, v must be [B, S, K, D] with H % K == 0");
+  if (q_pos.element_count() != static_cast<size_t>(p->T) ||
+      kv_pos.element_count() != static_cast<size_t>(p->S))
+    return ffi::Error::InvalidArgument("positions must be [T] and [S]");
+  if (has_segments && (q_seg.element_count() != static_cast<size_t>(p->B) * p->T ||
+                       kv_seg.element_count() != static_cast<size_t>(p->B) * p->S))
+    return ffi::Error::InvalidArgument("segment ids must be [B, T] and [B, S]");
+  p->causal = causal;
+  p->left = window_left;
+  p->right = window_right;
+  p->softcap = softcap;
+  p->scale = scale;
+  p->has_segments = has_segments;
+  p->q_pos = q_pos.typed_data();
+  p->kv_pos = kv_pos.typed_data();
+  p->q_seg = q_seg.typed_data();
+  p->kv_seg = kv_seg.typed_data();
+  *bf16 = type == ffi::DataType::BF16;
+  return ffi::Error::Success();
+}
+
+template <typename Fn>
+ffi::Error guarded(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("shardfuse native attention: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_pos,
+                   ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   bool causal, int64_t window_left, int64_t window_right, float softcap,
+                   float scale, bool has_segments) {
+  Problem p;
+  bool bf16;
+  ffi::Error error = make_problem(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window_left,
+                                  window_right, softcap, scale, has_segments, &p, &bf16);
+  if (error.failure()) return error;
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count() ||
+      lse->element_count() != static_cast<size_t>(p.B) * p.H * p.T)
+    return ffi::Error::InvalidArgument("out must be like q and lse [B, H, T]");
+  return guarded([&] {
+    attention_forward(p, q.untyped_data(), k.untyped_data(), v.untyped_data(), bf16,
+                      out->untyped_data(), lse->typed_data());
+  });
+}
+
+ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_pos,
+                    ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
+                    ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                    ffi::Result<ffi::Buffer<ffi::F32>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dk,
+                    ffi::Result<ffi::Buffer<ffi::F32>> dv, bool causal, int64_t window_left,
+                    int64_t window_right, float softcap, float scale, bool has_segments) {
+  Problem p;
+  bool bf16;
+  ffi::Error error = make_problem(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window_left,
+                                  window_right, softcap, scale, has_segments, &p, &bf16);
+  if (error.failure()) return error;
+  const size_t rows = static_cast<size_t>(p.B) * p.H * p.T;
+  if (d_out.element_type() != q.element_type() || d_out.element_count() != q.element_count() ||
+      lse.element_count() != rows || delta.element_count() != rows ||
+      dq->element_count() != q.element_count() || dk->element_count() != k.element_count() ||
+      dv->element_count() != v.element_count())
+    return ffi::Error::InvalidArgument("backward operands do not match q, k, v");
+  return guarded([&] {
+    attention_backward(p, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                       d_out.untyped_data(), bf16, lse.typed_data(), delta.typed_data(),
+                       dq->typed_data(), dk->typed_data(), dv->typed_data());
+  });
+}
+
+}  // namespace
+}  // namespace shardfuse
+
+#define SHARDFUSE_ATTRS(binding)                 \
+  binding.Attr<bool>("causal")                   \
+      .Attr<int64_t>("window_left")              \
+      .Attr<int64_t>("window_right")             \
+      .Attr<float>("softcap")                    \
+      .Attr<float>("scale")                      \
+      .Attr<bool>("has_segments")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseAttentionForward, shardfuse::Forward,
+                              SHARDFUSE_ATTRS(ffi::Ffi::Bind()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Ret<ffi::AnyBuffer>()
+                                                  .Ret<ffi::Buffer<ffi::F32>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseAttentionBackward, shardfuse::Backward,
+                              SHARDFUSE_ATTRS(ffi::Ffi::Bind()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::AnyBuffer>()
+                                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                                  .Ret<ffi::Buffer<ffi::F32>>()));
+
+namespace {
+
+PyObject* capsule(void* fn) { return PyCapsule_New(fn, nullptr, nullptr); }
+
+PyObject* registrations(PyObject*, PyObject*) {
+  PyObject* dict = PyDict_New();
+  if (!dict) return nullptr;
+  PyObject* fwd = capsule(reinterpret_cast<void*>(&ShardfuseAttentionForward));
+  PyObject* bwd = capsule(reinterpret_cast<void*>(&ShardfuseAttentionBackward));
+  if (!fwd || !bwd || PyDict_SetItemString(dict, "shardfuse_attention_forward", fwd) ||
+      PyDict_SetItemString(dict, "shardfuse_attention_backward", bwd)) {
+    Py_XDECREF(fwd);
+    Py_XDECREF(bwd);
+    Py_DECREF(dict);
+    return nullptr;
+  }
+  Py_DECREF(fwd);
+  Py_DECREF(bwd);
+  return dict;
+}
+
+PyObject* build_info(PyObject*, PyObject*) {
+#if defined(__AVX512F__)
+  const char* isa = "avx512";
+#elif defined(__AVX2__)
+  const char* isa = "avx2";
+#elif defined(__AVX__)
+  const char* isa = "avx";
+#else
+  const char* isa = "generic";
+#endif
+  return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i}", "isa", isa, "lanes", shardfuse::kLanes,
+                       "threads", shardfuse::num_threads(), "block_q", shardfuse::kBlockQ,
+                       "block_kv", shardfuse::kBlockKV);
+}
+
+PyMethodDef methods[] = {
+    {"registrations", registrations, METH_NOARGS,
+     "{target name: XLA FFI handler capsule} for jax.ffi.register_ffi_target (platform cpu)."},
+    {"build_info", build_info, METH_NOARGS,
+     "The target ISA, vector lanes, threads and tile sizes the kernels were built with."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_native",
+                          "shardfuse's C++ CPU kernels (XLA FFI custom calls).", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module_def); }
