@@ -1,5 +1,7 @@
 """The one FLOPs/MFU definition: its conventions, and every reader agreeing on it."""
 
+import doctest
+
 import pytest
 
 from shardfuse import flops, models
@@ -94,3 +96,8 @@ def test_trainer_mfu_equals_planner_mfu():
     # the planner's MFU had its step taken as long as the measured one
     planner_mfu = e.mfu * e.step_time_s / record["step_time_s"]
     assert record["mfu"] == pytest.approx(planner_mfu, rel=1e-12)
+
+
+def test_docstring_examples():
+    for module in (flops, bench_flops):
+        assert doctest.testmod(module).failed == 0, module.__name__

@@ -1,6 +1,7 @@
 """`sf.profile` and `shardfuse profile`: categories that sum to the step, collectives named."""
 
 import argparse
+import doctest
 import json
 import os
 import subprocess
@@ -13,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.planner import Layout
+from shardfuse.profile import api, hlo, report, timeline
 from shardfuse.profile import cli as profile_cli
-from shardfuse.profile import hlo, report, timeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,3 +160,8 @@ def test_cli_error_is_one_line(argv, message):
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+
+
+@pytest.mark.parametrize("module", [api, hlo, timeline], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    assert doctest.testmod(module).failed == 0
