@@ -111,6 +111,7 @@ def profile(
     return summarize(
         parsed,
         hlo.classify_program(hlo_text) if hlo_text else None,
+        scopes=hlo.op_scopes(hlo_text) if hlo_text else None,
         step_time_s=statistics.mean(walls),
         trace_dir=trace_dir,
         predicted=_predicted_terms(predicted),
@@ -128,6 +129,7 @@ def summarize(
     *,
     step_time_s: float,
     trace_dir: str,
+    scopes: dict | None = None,
     predicted: dict | None = None,
     predicted_label: str = "",
     layout=None,
@@ -135,7 +137,7 @@ def summarize(
     seq_len=None,
     top: int = 10,
 ) -> report.Profile:
-    """A `Profile` from a parsed trace and the op -> category map of its program."""
+    """A `Profile` from a parsed trace and the op -> category (and -> scope) maps of its program."""
     if not parsed.steps:
         raise ValueError(f"the trace {parsed.path} has no {STEP_NAME!r} step annotation")
 
@@ -186,7 +188,13 @@ def summarize(
             )
     ranked = [n for n, _ in op_time.most_common() if op_category[n] != hlo.CONTROL][:top]
     top_ops = tuple(
-        dict(name=n, category=op_category[n], seconds=op_time[n], calls=round(op_calls[n], 3))
+        dict(
+            name=n,
+            category=op_category[n],
+            seconds=op_time[n],
+            calls=round(op_calls[n], 3),
+            scope=(scopes or {}).get(n, ""),
+        )
         for n in ranked
     )
     window = sum(e - s for s, e in parsed.steps) / n_steps

@@ -14,7 +14,9 @@ Categories (`CATEGORIES`):
   timeline gives them only the time none of their ops covers;
 - "attention": any op whose source is an attention kernel (shardfuse's
   `kernels/attention/` and `collectives/ring_attention/`) or whose op name
-  says attention (`jax.nn.dot_product_attention`, cuDNN fused attention);
+  says attention (`jax.nn.dot_product_attention`, cuDNN fused attention),
+  and every compute op of a computation whose compute ops are at least half
+  attention (a fused score matmul can lose the kernel's frames);
 - "matmul": `dot`, `convolution`, a fusion calling one, a GEMM custom call;
 - "other": everything else (elementwise, reductions, copies, layout changes).
 
@@ -40,6 +42,7 @@ _COLLECTIVE_OPCODES = {
     "recv": "collective-permute",
 }
 _CONTROL_OPCODES = ("while", "conditional", "call", "async-start", "async-done")
+_BOOKKEEPING_OPCODES = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 _MATMUL_OPCODES = ("dot", "convolution", "ragged-dot", "scaled-dot")
 _MATMUL_TARGET = re.compile(r"gemm|matmul|cublas|onednn\$(matmul|conv)|dot", re.IGNORECASE)
 _ATTENTION_SOURCE = re.compile(r"kernels/attention/|collectives/ring_attention/")
@@ -80,6 +83,36 @@ def classify_name(name: str) -> str:
     if re.search(r"\bdot\b|dot-general|gemm|matmul|convolution", lowered):
         return "matmul"
     return "other"
+
+
+_PLUMBING = re.compile(
+    r"^(while|body|cond|closed_call|shard_map|branch_\d+_fun|jvp\(.*\)|checkpoint|remat)$"
+)
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> a short source scope from its `op_name` ("bwd " for the backward pass).
+
+    Example:
+      >>> from shardfuse.profile.hlo import op_scopes
+      >>> path = "jit(f)/transpose(jvp())/while/body/mlp/up/dot_general"
+      >>> line = f'  %dot.3 = f32[2]{{0}} dot(%a, %b), metadata={{op_name="{path}"}}'
+      >>> op_scopes(line)
+      {'dot.3': 'bwd mlp/up/dot_general'}
+    """
+    scopes = {}
+    for line in hlo_text.splitlines():
+        match, op_name = _INSTRUCTION.match(line), _OP_NAME.search(line)
+        if match is None or op_name is None:
+            continue
+        parts = [
+            p
+            for p in op_name.group(1).split("/")
+            if p and not _PLUMBING.match(p) and not p.startswith(("jit(", "transpose("))
+        ]
+        backward = "bwd " if "transpose(" in op_name.group(1) else ""
+        scopes[match.group(1)] = backward + "/".join(parts[-3:])
+    return scopes
 
 
 def _tables(lines):
@@ -151,7 +184,7 @@ def classify_program(hlo_text: str) -> dict[str, str]:
     sources = _frame_sources(_tables(lines))
     opcodes_in: dict[str, set] = {}  # computation -> the opcodes in it
     fusions_in: dict[str, list] = {}  # computation -> the computations its fusions call
-    instructions = []  # (name, opcode, line)
+    instructions = []  # (name, opcode, line, computation)
     computation = None
     for line in lines:
         header = _COMPUTATION.match(line)
@@ -166,7 +199,7 @@ def classify_program(hlo_text: str) -> dict[str, str]:
             opcodes_in.setdefault(computation, set()).add(opcode)
             if opcode == "fusion":
                 fusions_in.setdefault(computation, []).extend(_CALLS.findall(line))
-        instructions.append((name, opcode, line))
+        instructions.append((name, opcode, line, computation))
 
     def holds_matmul(called, depth=0):
         if opcodes_in.get(called, set()) & set(_MATMUL_OPCODES):
@@ -174,7 +207,7 @@ def classify_program(hlo_text: str) -> dict[str, str]:
         return depth < 4 and any(holds_matmul(c, depth + 1) for c in fusions_in.get(called, ()))
 
     categories = {}
-    for name, opcode, line in instructions:
+    for name, opcode, line, _ in instructions:
         kind = _collective_kind(opcode)
         if kind is not None:
             categories[name] = kind
@@ -198,4 +231,23 @@ def classify_program(hlo_text: str) -> dict[str, str]:
             target and _MATMUL_TARGET.search(target.group(1))
         )
         categories[name] = "matmul" if matmul else "other"
+    return _attention_computations(categories, instructions)
+
+
+def _attention_computations(categories: dict, instructions: list) -> dict:
+    """Relabel the compute ops of a computation that is mostly attention as attention.
+
+    XLA keeps one op's metadata when it fuses or simplifies several, and some
+    keep none of the kernel's frames (a score matmul fused in a flash-attention
+    loop body); the ops around them say what the body is.
+    """
+    members: dict = {}
+    for name, opcode, _, computation in instructions:
+        if opcode not in _BOOKKEEPING_OPCODES and categories[name] in COMPUTE:
+            members.setdefault(computation, []).append(name)
+    for names in members.values():
+        attention = sum(categories[n] == "attention" for n in names)
+        if 2 * attention >= len(names):
+            for n in names:
+                categories[n] = "attention"
     return categories

@@ -55,8 +55,8 @@ class Profile:
       overlapped: seconds per step of each collective kind hidden under compute.
       collectives: kind -> `{"calls": per device and step, "seconds": exposed + overlapped}`
         for every kind seen.
-      top_ops: the ops taking the most time, `{"name", "category", "seconds", "calls"}`
-        per device and step.
+      top_ops: the ops taking the most time, `{"name", "category", "seconds", "calls",
+        "scope"}` per device and step (scope: where the op comes from, its `op_name`).
       device_busy_s: device -> seconds per step it was not idle.
       predicted: planner term -> predicted seconds (None without a configuration).
       predicted_label: what the prediction is for (the cluster and layout).
@@ -140,11 +140,12 @@ class Profile:
         )
         out.append(f"collectives seen: {seen or 'none'}")
         out.append("")
-        out.append(f"top ops (per device and step):{'':<24}{'ms':>9}{'calls':>7}  category")
+        out.append(f"top ops (per device and step){'':<6}{'ms':>9}{'calls':>7}  category: scope")
         for op in self.top_ops:
+            scope = f": {op['scope']}" if op.get("scope") else ""
             out.append(
-                f"  {op['name'][:52]:<52}{op['seconds'] * ms:>9.3f}{op['calls']:>7g}  "
-                f"{op['category']}"
+                f"  {op['name'][:32]:<32}{op['seconds'] * ms:>9.3f}{op['calls']:>7g}  "
+                f"{op['category']}{scope}"
             )
         if self.predicted is not None:
             out += ["", *self._planner_lines()]
