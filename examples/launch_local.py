@@ -85,15 +85,20 @@ def launch(command, num_processes=2, devices_per_process=4, timeout=600.0, env=N
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-processes", type=int, default=2)
-    parser.add_argument("--devices-per-process", type=int, default=4)
+    # shardfuse.cli's one-line errors (exit status 2); the launcher itself starts no JAX backend
+    from shardfuse.cli import ArgumentParser, positive_int
+
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-processes", type=positive_int, default=2)
+    parser.add_argument("--devices-per-process", type=positive_int, default=4)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
+    if not args.timeout > 0:
+        parser.error(f"--timeout={args.timeout} must be > 0 (seconds)")
     return launch(command, args.num_processes, args.devices_per_process, args.timeout)
 
 

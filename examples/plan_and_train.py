@@ -14,8 +14,6 @@ is what the planner's memory test compiles (tests/planner/test_memory.py).
 Usage: python examples/plan_and_train.py [--steps 20]
 """
 
-import argparse
-
 # A Llama-style model small enough for CPU: GQA (8 query heads, 4 key/value
 # heads of 8), SwiGLU, RMSNorm, 4 layers, vocabulary 128.
 MODEL = dict(vocab=128, features=64, heads=8, kv_heads=4, hidden=128, layers=4)
@@ -46,11 +44,14 @@ def train(the_plan, *, steps=20, log=print):
     return Trainer(from_plan(config(steps), the_plan), log=log).run()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
+def main(argv=None):
     import jax
+
+    from shardfuse.cli import ArgumentParser, positive_int
+
+    parser = ArgumentParser(description=__doc__.splitlines()[0])  # bad arguments: one line, exit 2
+    parser.add_argument("--steps", type=positive_int, default=20)
+    args = parser.parse_args(argv)
 
     jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts
     plans = plan_for_cpu()

@@ -13,29 +13,32 @@ environment variables), loads only its rows of every batch, and process 0 prints
 and writes the JSON log; orbax coordinates the checkpoint writes.
 """
 
-import argparse
 import json
 import os
 import sys
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def make_parser():
+    """The options; a bad one ends the program with one line `...: error: ...`, status 2."""
+    # (imported here: JAX reads JAX_NUM_CPU_DEVICES when it is first imported)
+    from shardfuse.cli import ArgumentParser, non_negative_int, positive_int
+
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--mesh", default="data=2,sequence=2,model=2", help="AXIS=SIZE,... (default %(default)s)"
     )
     p.add_argument(
         "--plan", action="store_true", help="take the mesh and options from sf.plan (not --mesh)"
     )
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--features", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=non_negative_int, default=20)
+    p.add_argument("--batch", type=positive_int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--features", type=positive_int, default=64)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--kv-heads", type=positive_int, default=2)
+    p.add_argument("--hidden", type=positive_int, default=128)
+    p.add_argument("--vocab", type=positive_int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (fsdp)")
     p.add_argument(
@@ -46,17 +49,19 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--microbatches",
-        type=int,
+        type=positive_int,
         default=1,
         help="gradient accumulation microbatches; pipeline microbatches with a pipeline axis",
     )
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
-    p.add_argument("--virtual-stages", type=int, default=1, help="interleaved: chunks per stage")
+    p.add_argument(
+        "--virtual-stages", type=positive_int, default=1, help="interleaved: chunks per stage"
+    )
     p.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
     p.add_argument("--text-file", default=None, help="UTF-8 text (default: the shipped corpus)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here if present")
-    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=positive_int, default=10)
     p.add_argument("--log-json", default=None)
     p.add_argument("--device", default=None, help="sf.hardware chip for the MFU estimate")
     p.add_argument(
@@ -65,13 +70,32 @@ def parse_args(argv=None):
         help="arrange devices so every mesh axis crosses processes (for testing)",
     )
     p.add_argument("--coordinator", default=None, help="host:port of process 0")
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--num-processes", type=positive_int, default=None)
+    p.add_argument("--process-id", type=non_negative_int, default=None)
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        trainer = setup(args)
+    except (ValueError, TypeError, OSError) as error:  # the library's checks of the arguments
+        parser.error(str(error))
+    losses = trainer.run()
+    from shardfuse.parallel import distributed
+
+    if losses and distributed.is_primary():
+        print(json.dumps({"first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
+    return 0
+
+
+def setup(args):
+    """The `Trainer` the arguments describe (ValueError when they do not fit together)."""
     from shardfuse.parallel import distributed  # before any backend starts
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -115,11 +139,7 @@ def main(argv=None):
         config, best = planned(config, jax.device_count())
         if distributed.is_primary():
             print(f"plan: {best.summary()}", flush=True)
-    trainer = Trainer(config, log=lambda line: print(line, flush=True))
-    losses = trainer.run()
-    if losses and distributed.is_primary():
-        print(json.dumps({"first_loss": losses[0], "last_loss": losses[-1]}), flush=True)
-    return 0
+    return Trainer(config, log=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

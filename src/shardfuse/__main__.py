@@ -8,8 +8,9 @@ shardfuse plan            the best parallel layouts for a model on a cluster (co
 shardfuse profile         a training step's time by category, from a jax.profiler trace
 """
 
-import argparse
 import sys
+
+from shardfuse.cli import ArgumentParser
 
 
 def _use_cpu_devices(count: int) -> None:
@@ -20,7 +21,7 @@ def _use_cpu_devices(count: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="shardfuse", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="shardfuse", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--cpu-devices", type=int, default=8, help="number of CPU devices to simulate (default 8)"
     )

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from shardfuse import hardware, models
+from shardfuse.cli import fail
 from shardfuse.planner.options import (
     CP_STRATEGIES,
     REMAT_POLICIES,
@@ -144,8 +145,7 @@ def main(args) -> int:
         print(f"shardfuse plan: {error}", file=sys.stderr)
         return EXIT_NO_PLAN
     except (ValueError, TypeError, OSError) as error:
-        print(f"shardfuse plan: {error}", file=sys.stderr)
-        return 2
+        return fail("shardfuse plan", error)
     if args.json:
         print(json.dumps([p.to_dict() for p in plans], indent=2))
         return 0

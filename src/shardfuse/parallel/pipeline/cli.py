@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from shardfuse.cli import fail
 from shardfuse.parallel.pipeline.schedule import SCHEDULES, schedule_table
 
 
@@ -46,8 +47,7 @@ def main(args) -> int:
             args.schedule, args.stages, args.microbatches, v, forward_only=args.forward_only
         )
     except ValueError as error:
-        print(f"shardfuse pipeline: {error}", file=sys.stderr)
-        return 2
+        return fail("shardfuse pipeline", error)
     figures = table.to_dict()
     if args.plot:
         try:
