@@ -41,7 +41,10 @@ class Norm(nnx.Module):
     """RMSNorm (`scale` `[F]`) or LayerNorm (`scale` and `bias` `[F]`), replicated `P()`.
 
     With `fsdp_axis` (ZeRO-3) the parameters are sharded `P(fsdp_axis)` and
-    gathered where used per shard.
+    gathered where used: per shard (inside a block's `jax.shard_map` or a
+    manual region) by an all-gather, outside one by a reshard to `P()` (on
+    Explicit axes as on Auto ones); either way the gradient comes back
+    sharded like the parameter.
 
     Per token: `x` `[..., F]` keeps its sharding (no communication). Integer or
     bool `x` raises TypeError; empty inputs give empty outputs.
@@ -79,7 +82,7 @@ class Norm(nnx.Module):
     ):
         if kind not in NORMS:
             raise ValueError(f"kind={kind!r} must be one of {NORMS}")
-        self.kind, self.eps, self.mesh = kind, float(eps), mesh
+        self.kind, self.eps, self.mesh, self.features = kind, float(eps), mesh, features
         stage = 0 if fsdp_axis is None else 3
         self.zero = fsdp.zero_options(
             mesh, zero=stage, fsdp_axis=fsdp_axis, reshard_after_forward=True, reduce_dtype=None
@@ -106,11 +109,24 @@ class Norm(nnx.Module):
         return gather(scale), gather(bias)
 
     def __call__(self, x):
-        """Normalizes `x` `[..., F]` over its last axis; same shape, dtype and sharding."""
+        """Normalizes `x` `[..., F]` over its last axis; same shape, dtype and sharding.
+
+        Raises:
+          TypeError: `x` is not floating point.
+          ValueError: `x`'s last dimension is not `features`.
+        """
         _sharding.check_activations(x)
+        if x.ndim < 1 or x.shape[-1] != self.features:
+            raise ValueError(f"x has shape {x.shape}; Norm expects [..., features={self.features}]")
         scale, bias = self.params()
         if _sharding.in_manual_region(self.mesh):
             scale, bias = self.gathered(scale, bias, x)
+        elif self.zero.param_axis is not None:
+            # ZeRO-3 outside any shard_map: gather the fsdp shards (a reshard on Explicit axes,
+            # whose type rules refuse `x * scale` with F sharded on one side and the batch over
+            # the same axis on the other); the gradient is reduce-scattered back.
+            whole = lambda v: None if v is None else _sharding.place(v, self.mesh, P())  # noqa: E731
+            scale, bias = whole(scale), whole(bias)
         return normalize(self.kind, x, scale, bias, self.eps)
 
 
