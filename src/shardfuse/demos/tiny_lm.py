@@ -171,7 +171,11 @@ def train(steps=30, layers=2, seq_len=64, batch=4, vocab=64, features=64, log=pr
         # Ring (zigzag) order once at the input; the loss does not care about order.
         tokens = to_ring_layout(tokens, ring, "zigzag")
         targets = to_ring_layout(targets, ring, "zigzag")
-        loss = float(train_step(model, optimizer, tokens, targets))
+        # Traced under the mesh, as JAX asks for Explicit axes: the loss's gradient (the
+        # transpose of optax's label gather) builds its zeros on the context mesh; newer JAX
+        # cannot shard them without one (ShardingTypeError on the scatter).
+        with jax.set_mesh(mesh):
+            loss = float(train_step(model, optimizer, tokens, targets))
         times.append(time.perf_counter() - step_start)
         losses.append(loss)
         if step == 0 or (step + 1) % 5 == 0 or step == steps - 1:
