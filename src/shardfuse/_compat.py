@@ -15,6 +15,11 @@ The differences:
   older JAX always does. `race_detector_params` asks for the recording behaviour
   ("warn") where the field exists, so one test can run a kernel, then ask
   `races_found()`, on every version.
+- The `scan` primitive's parameters: older JAX records how many of its operands are
+  constants and carries (`num_consts`, `num_carry`); newer JAX records their tree
+  (`ft_in`, unpacked into consts, carry and xs). `scan_operand_counts` reads either.
+- Pallas remote DMAs and semaphore signals: newer JAX deprecates `device_id_type`;
+  mesh coordinates are the default everywhere, so the kernels pass none (no helper).
 """
 
 import dataclasses
@@ -22,7 +27,7 @@ import functools
 
 import jax
 
-__all__ = ["JAX_VERSION", "race_detector_params", "races_found"]
+__all__ = ["JAX_VERSION", "race_detector_params", "races_found", "scan_operand_counts"]
 
 JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__)
 
@@ -68,3 +73,16 @@ def races_found() -> bool:
     if races is None:
         raise RuntimeError("no Pallas kernel ran under the race detector (detect_races=True)")
     return bool(races.races_found)
+
+
+def scan_operand_counts(params) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a `scan` equation: its operands (and its body's inputs)
+    are the constants, then the carry, then the scanned-over `xs`.
+
+    Args:
+      params: the `params` of a jaxpr equation whose primitive is `scan`.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

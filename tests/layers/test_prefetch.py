@@ -23,6 +23,7 @@ from jax.extend import core as jax_core
 from jax.sharding import AxisType, NamedSharding
 
 import shardfuse as sf
+from shardfuse._compat import scan_operand_counts
 from shardfuse.layers import prefetch
 from shardfuse.layers.stack import Stack
 from tests.parallel import hlo_collectives
@@ -170,7 +171,8 @@ def test_next_gather_does_not_depend_on_the_current_layer():
         ]
         if not gathers:
             continue
-        tainted = {body.invars[scan.params["num_consts"]]}  # activations / cotangent carry
+        num_consts, _ = scan_operand_counts(scan.params)
+        tainted = {body.invars[num_consts]}  # activations / cotangent carry
         for eqn in body.eqns:
             if any(isinstance(v, jax_core.Var) and v in tainted for v in eqn.invars):
                 tainted.update(eqn.outvars)

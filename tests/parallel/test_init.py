@@ -85,13 +85,29 @@ def _draws(key, fuse):
     return [*draws, jax.vmap(lambda k: jax.random.normal(wrap(k), (4, 6)))(keys)]
 
 
+def _ulps(a, b) -> int:
+    """The largest distance between `a` and `b` in units in the last place (float32)."""
+    a, b = (np.asarray(x, np.float32).view(np.int32).astype(np.int64) for x in (a, b))
+    return int(np.max(np.abs(a - b), initial=0))
+
+
 def test_fused_key_gives_threefry_values_bitwise():
-    """The same values as the threefry key, bitwise (both jitted: eager rounding may differ)."""
+    """The same bits as the threefry key, bitwise; the same values (both jitted: eager rounding
+    may differ) to the last place or two: newer XLA compiles `erf_inv` (the truncated normal)
+    differently once it is fused with the hash into one loop, e.g. 19 of 771 lecun_normal
+    values 1-2 ulps apart on jax 0.12 (bitwise on jax 0.10), from bitwise equal uniforms."""
     key = jax.random.key(7)
+    bits = [jax.random.bits(key, shape) for _, shape, _ in DRAWS]
+    fused_bits = jax.jit(lambda k: [jax.random.bits(fused_key(k), s) for _, s, _ in DRAWS])(key)
+    for case, a, b in zip(DRAWS, fused_bits, bits, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"bits {case}")
     want = jax.jit(_draws, static_argnums=1)(key, False)
     got = jax.jit(_draws, static_argnums=1)(key, True)
     for case, a, b in zip([*DRAWS, "vmap"], got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(case))
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            assert _ulps(a, b) <= 2, (case, _ulps(a, b))
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(case))
     normal = INITIALIZERS["normal"]  # a raw uint32[2] key too
     from_raw = jax.jit(lambda k: normal(fused_key(k), (2, 9, 13)))(jax.random.PRNGKey(7))
     np.testing.assert_array_equal(np.asarray(from_raw), np.asarray(want[2]))

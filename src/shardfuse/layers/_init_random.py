@@ -15,8 +15,11 @@ implementation with the same key data, `split` and `fold_in` and the SAME
 random bits, computed by the unrolled hash from broadcasted iotas: one
 elementwise expression from the flat index to the initializer's output,
 which XLA fuses into a single loop writing each device's shard in place.
-Values are bitwise those of the threefry key (`tests/parallel/test_init.py`),
-on every mesh and on one device.
+The bits are bitwise those of the threefry key, and so the values are on
+every mesh and on one device (`tests/parallel/test_init.py`); against the
+unfused threefry program, values that go through `erf_inv` (a truncated
+normal) may differ in the last place or two where XLA compiles `erf_inv`
+differently inside the fused loop (jax 0.12 does, jax 0.10 does not).
 
 Arrays of 2**32 elements or more, and `jax_threefry_partitionable=False`,
 take threefry's own bits (same values, the unfused program).
