@@ -53,8 +53,8 @@ class StageVJP:
       >>> stage = lambda w, x: jnp.tanh(x @ w)
       >>> w, x = jnp.full((3, 3), 0.5), jnp.ones((2, 3))
       >>> plan = StageVJP(stage, w, x)
-      >>> [leaf.shape for leaf in plan.stored]  # from tanh; w and x are inputs, not stored
-      [(2, 3), (2, 3)]
+      >>> {leaf.shape for leaf in plan.stored}  # tanh residuals (how many: up to JAX), not w or x
+      {(2, 3)}
       >>> y, stored = plan.forward(w, x)
       >>> d_w, d_x = plan.backward(w, x, stored, jnp.ones_like(y))
       >>> expected = jax.vjp(stage, w, x)[1](jnp.ones_like(y))
