@@ -31,6 +31,7 @@ for any chip of that table whose link figures are known.
 import dataclasses
 import math
 
+from shardfuse.flops import matmul_flops
 from shardfuse.hardware import Device
 from shardfuse.hardware import device as hardware_device
 from shardfuse.models import ModelShape
@@ -193,10 +194,10 @@ def ring_cost(
         _check(name, value)
     n = ring_size
     if op == "all_gather_matmul":
-        flops_per_step = 2 * (rows / n) * contract * (cols / n)
+        flops_per_step = matmul_flops(rows / n, cols / n, contract)
         bytes_per_step = (rows / n) * contract * dtype_bytes  # one chunk of x
     else:
-        flops_per_step = 2 * (rows / n) * (contract / n) * cols
+        flops_per_step = matmul_flops(rows / n, cols, contract / n)
         bytes_per_step = (rows / n) * cols * PARTIAL_SUM_BYTES  # one float32 partial sum
     bandwidth = hardware.ring_bandwidth(bidirectional and n > 1)
     latency = hardware.step_latency_us * 1e-6

@@ -39,13 +39,14 @@ for X bytes per device. The ring's own ppermute uses one link either way.
 import dataclasses
 import math
 
+from shardfuse import flops
 from shardfuse import hardware as hw
 from shardfuse.collectives.collective_matmul.cost_model import PRESETS, Hardware
 from shardfuse.collectives.ring_attention.ulysses import kv_heads_after_expansion
 
 STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 FALLBACK_DEVICE = "h100-sxm"  # the figures strategy=None uses where the chip is unknown (CPU)
-BACKWARD_FLOPS_RATIO = 2.5
+BACKWARD_FLOPS_RATIO = flops.BACKWARD_OVER_FORWARD
 LSE_BYTES = 4
 
 
@@ -131,10 +132,7 @@ def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
       >>> visible_pairs(4, 4, causal=True), visible_pairs(2, 4, causal=True)
       (10, 7)
     """
-    if not causal:
-        return q_len * kv_len
-    low = max(kv_len - q_len + 1, 1)  # query i sees min(i + S - T + 1, S) keys, at least 0
-    return kv_len * (kv_len + 1) // 2 - (low - 1) * low // 2
+    return flops.visible_pairs(q_len, kv_len, causal=causal)
 
 
 def _all_to_all_s(nbytes, n, hardware, latency):
@@ -226,7 +224,7 @@ def strategy_costs(
         latency_us = hardware.step_latency_us
     latency = _check_latency(latency_us) * 1e-6
     B, T, S, H, K, D, e = batch, seq_len, kv_seq_len, heads, kv_heads, head_dim, dtype_bytes
-    t_f = 4 * B * H * D * visible_pairs(T, S, causal) / n / (hardware.tflops * 1e12)
+    t_f = flops.attention_flops(B, T, S, H, D, causal=causal) / n / (hardware.tflops * 1e12)
     t_b = BACKWARD_FLOPS_RATIO * t_f
     costs = []
 
