@@ -104,11 +104,11 @@ def test_gather_output_and_partition_specs():
     specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(column, nnx.Param)))
     assert specs == {"kernel": P(None, "model"), "bias": P("model")}
     assert nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(row, nnx.Param))) == {
-        "kernel": P("model", None),
+        "kernel": P("model"),  # canonical specs: no trailing None
         "bias": P(),
     }
     assert column.kernel[...].sharding.spec == P(None, "model")
-    assert row.kernel[...].sharding.spec == P("model", None)
+    assert row.kernel[...].sharding.spec == P("model")
     x = jax.random.normal(jax.random.key(0), (2, 8, 16))
     y = column(x)
     assert_sharded_as(y, mesh, P("data", "sequence", None))

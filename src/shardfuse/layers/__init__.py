@@ -11,11 +11,18 @@ reused from the second call on), under `nnx.jit`, `jax.jit` (through
 axes, with or without `jax.set_mesh`. Keywords: `model_axis` (tensor
 parallel), `sequence_axis` (context parallel), `data_axis` (batch);
 `place_on_mesh` readies an `nnx.Optimizer` so that a jitted training step
-compiles once.
+compiles once (parameters are created in `canonical_spec` form, the form a
+jitted step returns them in).
 """
 
 from shardfuse.layers import reference, remat
-from shardfuse.layers._sharding import in_manual_region, place, place_on_mesh, sharded_param
+from shardfuse.layers._sharding import (
+    canonical_spec,
+    in_manual_region,
+    place,
+    place_on_mesh,
+    sharded_param,
+)
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear
@@ -31,6 +38,7 @@ __all__ = [
     "ParallelTransformerBlock",
     "RowParallelLinear",
     "Stack",
+    "canonical_spec",
     "in_manual_region",
     "place",
     "place_on_mesh",

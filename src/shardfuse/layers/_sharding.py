@@ -143,6 +143,24 @@ def place(x, mesh, spec: P):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def canonical_spec(spec) -> P:
+    """`spec` with its trailing None entries stripped: `P(None)` -> `P()`, `P(m, None)` -> `P(m)`.
+
+    The form a jitted computation gives its outputs. Every parameter of the
+    layers is created with it, so that a training step handing the
+    parameters back gives them the very sharding they came in with: a step
+    that compiled for `P("model", None)` would otherwise compile again for
+    the `P("model")` it returned (the two are equivalent but unequal). (On
+    Explicit axes an array's sharding shows its type, one entry per
+    dimension, whatever spec made it; the specs agree up to trailing Nones.)
+    """
+    spec = P() if spec is None else spec
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries, unreduced=spec.unreduced, reduced=spec.reduced)
+
+
 def sharded_param(initializer, key, shape, dtype, mesh, spec: P) -> nnx.Param:
     """An `nnx.Param` created directly with sharding `spec` and carrying it as metadata.
 
@@ -159,7 +177,8 @@ def sharded_param(initializer, key, shape, dtype, mesh, spec: P) -> nnx.Param:
         `nnx.initializers` function.
       key: a PRNG key.
       shape, dtype: the parameter's global shape and dtype.
-      mesh, spec: where it lives: `NamedSharding(mesh, spec)`.
+      mesh, spec: where it lives: `NamedSharding(mesh, spec)`, stored in its
+        canonical form (`canonical_spec`: trailing Nones stripped).
 
     Example usage::
 
@@ -173,6 +192,7 @@ def sharded_param(initializer, key, shape, dtype, mesh, spec: P) -> nnx.Param:
       >>> w[...].sharding.spec, w[...].addressable_shards[0].data.shape
       (P('fsdp', 'model'), (4, 4))
     """
+    spec = canonical_spec(spec)
     make = jax.jit(
         lambda key: initializer(fused_key(key), shape, dtype),
         out_shardings=NamedSharding(mesh, spec),
@@ -311,7 +331,9 @@ def place_on_mesh(node, mesh):
             return x
         return jax.device_put(x, replicated)
 
-    if isinstance(node, nnx.Object):
+    # (an NNX module or optimizer is an `nnx.Pytree`, no longer an `nnx.Object`, in flax 0.12:
+    # updated in place, so that the caller's own reference is the one placed)
+    if isinstance(node, (nnx.Object, nnx.Pytree)):
         nnx.update(node, jax.tree.map(put, nnx.state(node)))
         return node
     return jax.tree.map(put, node)

@@ -25,9 +25,42 @@ from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
 
 
+def features_of(module) -> int | None:
+    """The activation width F that `module` takes: its `in_features` or `features` (else None).
+
+    `nnx.Linear` and the linear layers declare `in_features`; `Norm`, `ParallelMLP`,
+    `ParallelSelfAttention`, `ParallelTransformerBlock` and `Stack` declare `features`.
+    None for a module that declares neither (its width is then not checked).
+    """
+    for name in ("in_features", "features"):
+        width = getattr(module, name, None)
+        if isinstance(width, int) and not isinstance(width, bool):
+            return width
+    return None
+
+
+def check_head(head, features: int | None, *, source: str = "the stack"):
+    """ValueError unless `head` takes the width `features` that `source` gives it.
+
+    Checked before any tracing, so that a head built for another width fails here,
+    naming both widths, not deep inside a traced matmul. Nothing to check when
+    either width is unknown (None).
+    """
+    width = features_of(head)
+    if width is None or features is None or width == features:
+        return
+    raise ValueError(
+        f"the head {type(head).__name__} takes {width} features, but the width of {source} "
+        f"is {features}; build the head for {features} features (or {source} for {width})"
+    )
+
+
 def stacked_spec(spec, layer_axis) -> P:
-    """`P(layer_axis, *spec)`: the sharding of a block parameter stacked on the layer axis."""
-    return P(layer_axis, *(spec or ()))
+    """`P(layer_axis, *spec)`: the sharding of a block parameter stacked on the layer axis.
+
+    In canonical form (`_sharding.canonical_spec`: no trailing Nones).
+    """
+    return _sharding.canonical_spec(P(layer_axis, *(spec or ())))
 
 
 class Stack(nnx.Module):
@@ -81,7 +114,7 @@ class Stack(nnx.Module):
       >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(32, 4, 64, mesh=mesh,
       ...               zero=3, rngs=rngs), 3, mesh=mesh, prefetch=True, rngs=nnx.Rngs(0))
       >>> stack.blocks.mlp.up.kernel[...].sharding.spec
-      P(None, 'fsdp', None)
+      P(None, 'fsdp')
       >>> y = stack(jnp.ones((8, 16, 32)))
       >>> y.shape, y.sharding.spec
       ((8, 16, 32), P(('data', 'fsdp'), None, None))
@@ -148,6 +181,7 @@ class Stack(nnx.Module):
         state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_sharding.is_variable)
         # The block's structure holding stacked values: `blocks.<path>` is the [L, ...] parameter.
         self.blocks = nnx.merge(graphdef, state)
+        self.features = features_of(self.blocks)  # the blocks' width (None: not declared)
         self.prefetch = prefetch
         if prefetch:  # checks before any tracing
             self._prefetch_plan()
