@@ -28,7 +28,7 @@ from shardfuse.layers import (
     place,
     sharded_param,
 )
-from shardfuse.layers.stack import Stack
+from shardfuse.layers.stack import Stack, check_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,7 @@ class LMHead(nnx.Module):
     """Final RMSNorm and column-parallel unembedding: `[B, T, F]` -> logits `[B, T, vocab]`."""
 
     def __init__(self, features: int, vocab: int, *, mesh, layer_kwargs, rngs: nnx.Rngs):
+        self.features = features  # the width it takes (what `check_head` reads)
         self.norm = Norm(features, mesh=mesh, rngs=rngs)
         self.unembed = ColumnParallelLinear(
             features,
@@ -194,8 +195,26 @@ class LlamaLM(nnx.Module):
         x = embed_lookup(self.embed[...], tokens, self.mesh)
         return place(x, self.mesh, self.blocks.blocks.io_spec())  # the blocks' layout
 
+    def check_widths(self):
+        """ValueError unless the embedding and the head have the block stack's width F.
+
+        (A head built for another width would otherwise fail deep inside its traced matmul.)
+        """
+        features = self.blocks.features
+        if features is not None and self.embed.shape[-1] != features:
+            raise ValueError(
+                f"the embedding has width {self.embed.shape[-1]} (shape {self.embed.shape}) but "
+                f"the block stack takes {features} features"
+            )
+        check_head(self.head, features, source="the block stack")
+
     def __call__(self, tokens):
-        """tokens int `[B, T]` (ring layout order over `sequence`) -> logits `[B, T, vocab]`."""
+        """tokens int `[B, T]` (ring layout order over `sequence`) -> logits `[B, T, vocab]`.
+
+        Raises:
+          ValueError: the embedding or the head not of the stack's width (`check_widths`).
+        """
+        self.check_widths()
         return self.head(self.blocks(self.embed_tokens(tokens)))
 
 

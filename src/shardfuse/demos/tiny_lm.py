@@ -27,6 +27,7 @@ from shardfuse.layers import (
     sharded_param,
 )
 from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS
+from shardfuse.layers.stack import check_head
 
 
 class TinyLM(nnx.Module):
@@ -88,8 +89,29 @@ class TinyLM(nnx.Module):
             **layer_kwargs,
         )
 
+    def check_widths(self):
+        """ValueError unless the embedding, final norm and head have the blocks' width F.
+
+        (A head built for another width would otherwise fail deep inside its traced matmul.)
+        """
+        if not len(self.blocks):
+            return
+        features = self.blocks[0].features
+        if self.embed.shape[-1] != features:
+            raise ValueError(
+                f"the embedding has width {self.embed.shape[-1]} (shape {self.embed.shape}) but "
+                f"the blocks take {features} features"
+            )
+        check_head(self.norm, features, source="the blocks")
+        check_head(self.head, features, source="the blocks")
+
     def __call__(self, tokens):
-        """tokens int `[B, T]` in ring (zigzag) order -> logits `[B, T, vocab]`."""
+        """tokens int `[B, T]` in ring (zigzag) order -> logits `[B, T, vocab]`.
+
+        Raises:
+          ValueError: the embedding or the head not of the blocks' width (`check_widths`).
+        """
+        self.check_widths()
         x = jnp.take(self.embed[...], tokens, axis=0)
         attention = self.blocks[0].attention if len(self.blocks) else None
         if attention is not None and in_manual_region(self.mesh):

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.layers import _sharding
-from shardfuse.layers.stack import Stack
+from shardfuse.layers.stack import Stack, check_head
 from shardfuse.parallel.pipeline.program import (
     Config,
     cross_entropy,
@@ -140,6 +140,11 @@ class Pipeline(nnx.Module):
 
     def _check_batch(self, x, targets=None, weights=None):
         _sharding.check_activations(x)
+        features = self.stack.features
+        if features is not None and (x.ndim < 1 or x.shape[-1] != features):
+            raise ValueError(
+                f"x has shape {x.shape}; the stack's blocks take [B, T, features={features}]"
+            )
         m = self.num_microbatches
         if x.ndim < 1 or x.shape[0] % m:
             raise ValueError(
@@ -187,8 +192,13 @@ class Pipeline(nnx.Module):
         Returns:
           The scalar float32 loss; differentiable with respect to the stack,
           the head and `x`.
+
+        Raises:
+          ValueError: `x` or the head (its `in_features` or `features`) not of the
+            stack's width, or a batch that does not split into the microbatches.
         """
         self._check_batch(x, targets, weights)
+        check_head(head, self.stack.features, source="the stack")
         if weights is None:
             weights = jnp.ones(targets.shape, jnp.float32)
         if targets_spec is None:
