@@ -10,8 +10,13 @@ atol 4e-5 in float32. The default slice is small; the issue's full grid
 
 import itertools
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
+from tests.parallel import pipeline_models
 from tests.parallel.pipeline_models import check_lm_case, check_mlp_case
 
 # The default slice: the split (zero-bubble) and the plain backward, both wrapping around the
@@ -162,3 +167,53 @@ def test_bad_input_named_before_tracing():
             jnp.ones((4, 5), jnp.int32),
             head=nnx.Linear(8, 4, rngs=nnx.Rngs(0)),
         )
+
+
+def _program_outputs(jaxpr):
+    """Output shapes of every `_train_program` call in a jaxpr (nested ones included)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("name") == "_train_program":
+            found.append([v.aval.shape for v in eqn.outvars])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _program_outputs(sub)
+    return found
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
+def test_input_gradient_only_when_differentiated(schedule):
+    # The pipeline keeps the gradient of its input (a buffer of the batch's size) only when
+    # the caller differentiates the input: with it (argnums on x, as an embedding before the
+    # pipeline would), without it, and undifferentiated, the loss and EVERY gradient leaf
+    # equal the plain model's; NaN-poisoned buffers.
+    mesh = jax.make_mesh((2,), ("pipeline",), devices=jax.devices()[:2])
+    model = pipeline_models.MLPModel(mesh, schedule=schedule, m=4, v=1, layers=2)
+    model.pipe.poison_buffers = True
+    tokens, targets, weights = pipeline_models.mlp_batch(4)
+    x = jnp.take(model.embed[...], tokens, axis=0)
+
+    def pipelined(model, x):
+        return model.pipe.loss(x, targets, head=model.head, weights=weights)
+
+    def plain(model, x):
+        s, w = pipeline_models.cross_entropy(model.head(model.pipe.stack(x)), targets, weights)
+        return s / w
+
+    rtol, atol = pipeline_models.RTOL, pipeline_models.ATOL
+    for argnums in ((0,), (0, 1)):
+        loss, grads = nnx.jit(nnx.value_and_grad(pipelined, argnums=argnums))(model, x)
+        want_loss, want = nnx.jit(nnx.value_and_grad(plain, argnums=argnums))(model, x)
+        np.testing.assert_allclose(loss, want_loss, rtol=rtol, atol=atol)
+        pipeline_models.assert_trees_close(grads[0], want[0])
+        step = nnx.value_and_grad(pipelined, argnums=argnums)
+        (outputs,) = _program_outputs(jax.make_jaxpr(step)(model, x).jaxpr)
+        assert (x.shape in outputs) == (argnums == (0, 1)), outputs
+        if argnums == (0, 1):  # the input gradient, as the plain model's
+            assert np.all(np.isfinite(grads[1]))
+            np.testing.assert_allclose(grads[1], want[1], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(
+        nnx.jit(pipelined)(model, x), nnx.jit(plain)(model, x), rtol=rtol, atol=atol
+    )
+    (outputs,) = _program_outputs(jax.make_jaxpr(pipelined)(model, x).jaxpr)
+    assert x.shape not in outputs, outputs
+    np.testing.assert_allclose(model.pipe.forward(x), model.pipe.stack(x), rtol=rtol, atol=atol)

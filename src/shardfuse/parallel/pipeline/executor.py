@@ -16,8 +16,11 @@ its action `(kind, microbatch, chunk)` from the table's row `t`:
   the stage's VJP (`residuals.StageVJP`) in ring buffers next to the stage
   input, and B applies the VJP to them without a forward. The input
   gradient goes to the previous virtual stage by `ppermute` (on virtual
-  stage 0 it is the gradient of the pipeline's input); without a split
-  backward the parameter gradient is accumulated too.
+  stage 0 it is the gradient of the pipeline's input, kept in an `[m, b, ...]`
+  buffer only when asked for: `input_gradient=False` when the caller does
+  not differentiate the input, so that nothing of the batch's size is held
+  and the temp memory of 1F1B stays flat in m); without a split backward the
+  parameter gradient is accumulated too.
 - W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier
   (recomputed, or from the same stored residuals as its B).
 
@@ -103,10 +106,15 @@ def _take(tree, index):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
 
 
-def _put(buffer, index, value, keep):
-    """`buffer[index] = value` where `keep`, else unchanged (a select, NaN-safe)."""
-    old = lax.dynamic_index_in_dim(buffer, index, 0, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), index, 0)
+def _put(buffer, index, value, keep, axis=0):
+    """`buffer[index] = value` (along `axis`) where `keep`, else unchanged (a select, NaN-safe)."""
+    old = lax.dynamic_index_in_dim(buffer, index, axis, keepdims=False)
+    return lax.dynamic_update_index_in_dim(buffer, jnp.where(keep, value, old), index, axis)
+
+
+def _microbatch(tree, index):
+    """Microbatch `index` of `[b, m, ...]` leaves: `[b, ...]`."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 1, keepdims=False), tree)
 
 
 def _put_at(buffer, first, second, value, keep):
@@ -239,6 +247,7 @@ def run_schedule(
     weights,
     poison=False,
     residuals="recompute",
+    input_gradient=True,
 ):
     """The per-shard program (call it inside a full-manual `jax.shard_map`).
 
@@ -250,17 +259,23 @@ def run_schedule(
       pipeline_axis: the pipeline mesh axis.
       stage_params: this device's chunks, leaves `[v, L/(p v), ...]`.
       head_params: the head's local parameters (None in forward-only runs).
-      x: `[m, b, ...]` local microbatches; targets, weights: `[m, b, ...]` (or None).
+      x: `[b, m, ...]` local microbatches (microbatch `i` is `x[:, i]`: the batch
+        reshaped, never transposed, so that no copy of it is made); targets,
+        weights: `[b, m, ...]` (or None).
       poison: fill every buffer and every unused transfer with NaN (tests).
       residuals: "recompute" (a B or W tick reruns the stage forward from the
         kept stage input) or "stored" (the F tick keeps the stage VJP's
         residuals in ring buffers `[v, slots, ...]` per leaf, the stage
         input's slots; B and W apply the VJP to them, no forward).
+      input_gradient: keep the gradient of `x` (an `[m, b, ...]` buffer, the
+        size of the input); False when the input is not differentiated: `dx`
+        is then None and no buffer of the batch's size is allocated.
 
     Returns:
-      forward-only: `y` `[m, b, ...]` (the last stage's outputs; zeros elsewhere).
+      forward-only: `y` `[b, m, ...]` (the last stage's outputs; zeros elsewhere).
       training: `(loss_sum, weight_sum, stage_grads, head_grads, dx)`, unreduced
-      over the pipeline axis except the stage gradients.
+      over the pipeline axis except the stage gradients (`dx` None without
+      `input_gradient`).
     """
     p, v = table.num_stages, table.virtual_stages
     slots = table.buffer_slots
@@ -269,7 +284,7 @@ def run_schedule(
     stored_mode = check_residuals(residuals) == "stored" and not forward_only
     stage = lax.axis_index(pipeline_axis)
     fill = jnp.nan if poison else 0.0
-    act = x[0]
+    act = x[:, 0]
     tables = np.stack([table.kind, table.microbatch, table.chunk, *arrival_tables(table)], -1)
     perm_forward = [(s, (s + 1) % p) for s in range(p)]
     perm_backward = [(s, (s - 1) % p) for s in range(p)]
@@ -297,19 +312,26 @@ def run_schedule(
         last = (c == v - 1) & (stage == p - 1)
         carry = dict(carry)
         carry["inputs"] = _put2(carry["inputs"], f_c, f_slot, carry["from_prev"], f_ok)
-        x_in = jnp.where(first, _take(x, i), carry["inputs"][c, slot])
+        x_in = jnp.where(first, _microbatch(x, i), carry["inputs"][c, slot])
         params = _take(stage_params, c)
         is_f = kind == F
         if forward_only:
             y = stage_fn(params, x_in)
-            carry["out"] = _put(carry["out"], i, y, is_f & last)
+            carry["out"] = _put(carry["out"], i, y, is_f & last, axis=1)
             send_f, send_b = y, None
         else:
             carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
             cotangent = carry["grads_in"][c, slot]
             plan = StageVJP(stage_fn, params, x_in) if stored_mode else None
             stored = (carry["stored"], c, slot)
-            operands = (params, x_in, cotangent, _take(targets, i), _take(weights, i), stored)
+            operands = (
+                params,
+                x_in,
+                cotangent,
+                _microbatch(targets, i),
+                _microbatch(weights, i),
+                stored,
+            )
             y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, new_stored = _tick_compute(
                 kind, operands, stage_fn, head_fn, head_params, split, plan
             )
@@ -331,7 +353,8 @@ def run_schedule(
                 d_params,
             )
             is_b = kind == B
-            carry["dx"] = _put(carry["dx"], i, d_x, is_b & first)
+            if input_gradient:
+                carry["dx"] = _put(carry["dx"], i, d_x, is_b & first, axis=1)
             send_f, send_b = y, jnp.where(is_b, d_x, fill)
         send_f = jnp.where(is_f, send_f, fill)
         carry["from_prev"] = lax.ppermute(send_f, pipeline_axis, perm_forward)
@@ -354,9 +377,10 @@ def run_schedule(
             weight=jnp.zeros((), jnp.float32),
             head_grads=jax.tree.map(jnp.zeros_like, head_params),
             stage_grads=jax.tree.map(jnp.zeros_like, stage_params),
-            dx=jnp.zeros(x.shape, x.dtype),
             stored=[],
         )
+        if input_gradient:
+            carry["dx"] = jnp.zeros(x.shape, x.dtype)
         if stored_mode:
             # Residuals vary over the pipeline too (each stage keeps its own microbatches').
             plan = StageVJP(stage_fn, _take(stage_params, 0), incoming)
@@ -380,4 +404,5 @@ def run_schedule(
     carry, _ = lax.scan(tick, carry, rows)
     if forward_only:
         return carry["out"]
-    return carry["loss"], carry["weight"], carry["stage_grads"], carry["head_grads"], carry["dx"]
+    dx = carry["dx"] if input_gradient else None
+    return carry["loss"], carry["weight"], carry["stage_grads"], carry["head_grads"], dx

@@ -7,7 +7,11 @@ splits the batch into microbatches (microbatch i = rows i, i + m, ...), runs
 (with every axis Auto: `run_on_mesh`), reduces what the stages hold
 (loss and token count over every axis they vary over, head and input
 gradients over the pipeline axis) and divides by the token count.
-`pipelined_loss` is the `jax.custom_vjp` of `Pipeline.loss`.
+`pipelined_loss` is the `jax.custom_vjp` of `Pipeline.loss`; its forward
+rule sees which arguments are differentiated (`symbolic_zeros`) and asks the
+executor for the input gradient, a buffer of the batch's size, only when the
+input is (e.g. an embedding before the pipeline), so that a step that does
+not differentiate the input holds nothing that grows with m.
 """
 
 import functools
@@ -16,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import run_on_mesh, spec_axes
@@ -73,8 +78,13 @@ class Config:
         fields.setdefault("loss_fn", None)
         fields.setdefault("targets_spec", None)
         fields.setdefault("residuals", "recompute")
+        fields.setdefault("input_gradient", True)
         self.__dict__.update(fields)
+        self._fields = fields
         self._key = tuple((k, _frozen(v)) for k, v in sorted(fields.items()))
+
+    def replace(self, **changes):
+        return Config(**{**self._fields, **changes})
 
     def __hash__(self):
         return hash(self._key)
@@ -122,12 +132,22 @@ def _from_stages(config, tree):
 
 
 def _microbatches(x, m):
-    """`[B, ...]` -> `[m, B/m, ...]`, microbatch i = rows i, i + m, ..."""
-    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+    """`[B, ...]` -> `[B/m, m, ...]`, microbatch i = `[:, i]` = rows i, i + m, ...
+
+    A reshape, not a transpose: no copy of the batch (a `[m, B/m, ...]` layout
+    would materialize one, temp memory that grows with m at fixed microbatch size).
+    """
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:])
+
+
+def _microbatch_spec(spec):
+    """The spec of `_microbatches`' result from that of the batch: the batch axes stay on dim 0."""
+    entries = tuple(spec)
+    return P(entries[0] if entries else None, None, *entries[1:])
 
 
 def _unmicrobatch(x):
-    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+    return x.reshape(-1, *x.shape[2:])
 
 
 def _constrain(tree, mesh, specs):
@@ -148,16 +168,14 @@ def _stage_fn(config):
 def _run(config, forward_only, stack_values, head_values, x, targets, weights):
     """The pipelined program (traced under jit): outputs for forward-only or training."""
     table = schedule_table(config.schedule, config.p, config.m, config.v, forward_only=forward_only)
-    x_spec = P(None, *config.io_spec)
-    out_specs = (
-        x_spec if forward_only else (P(), P(), _stage_out_specs(config), config.head_specs, x_spec)
-    )
+    x_spec = _microbatch_spec(config.io_spec)
+    dx_spec = x_spec if config.input_gradient else None
 
     def program(mesh, stack_values, head_values, x, targets, weights):
         stages, stage_specs = _to_stages(config, stack_values, config.layer_specs)
         stages = _constrain(stages, mesh, stage_specs)
         x = _constrain(_microbatches(x, config.m), mesh, x_spec)
-        t_spec = P(None, *config.targets_spec) if config.targets_spec is not None else P()
+        t_spec = _microbatch_spec(config.targets_spec) if config.targets_spec is not None else P()
         in_specs = [stage_specs, x_spec]
         args = [stages, x]
         if not forward_only:
@@ -181,6 +199,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
                 weights=weights,
                 poison=config.poison,
                 residuals=config.residuals,
+                input_gradient=config.input_gradient,
             )
             if forward_only:
                 return lax.psum(result, config.pipeline_axis)
@@ -188,13 +207,12 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
             loss_sum = lax.psum(loss_sum, tuple(sorted(varying_axes(loss_sum))))
             weight_sum = lax.psum(weight_sum, tuple(sorted(varying_axes(weight_sum))))
             head_grads = jax.tree.map(lambda g: lax.psum(g, config.pipeline_axis), head_grads)
-            dx = lax.psum(dx, config.pipeline_axis)
+            if dx is not None:
+                dx = lax.psum(dx, config.pipeline_axis)
             stage_grads = jax.tree.map(lambda g: g[None], stage_grads)
             return loss_sum, weight_sum, stage_grads, head_grads, dx
 
-        body_specs = out_specs
-        if not forward_only:
-            body_specs = (P(), P(), stage_specs, config.head_specs, x_spec)
+        body_specs = x_spec if forward_only else (P(), P(), stage_specs, config.head_specs, dx_spec)
         outputs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=body_specs)(
             *args
         )
@@ -206,22 +224,22 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
             lambda g: (g * scale).astype(g.dtype), _from_stages(config, stage_grads)
         )
         head_grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), head_grads)
-        dx = (_unmicrobatch(dx) * scale).astype(dx.dtype)
+        if dx is not None:
+            dx = (_unmicrobatch(dx) * scale).astype(dx.dtype)
         return loss_sum * scale, stage_grads, head_grads, dx
 
     final_specs = (
         P(*config.io_spec)
         if forward_only
-        else (P(), config.layer_specs, config.head_specs, P(*config.io_spec))
+        else (
+            P(),
+            config.layer_specs,
+            config.head_specs,
+            P(*config.io_spec) if config.input_gradient else None,
+        )
     )
     return run_on_mesh(program, config.mesh, final_specs)(
         stack_values, head_values, x, targets, weights
-    )
-
-
-def _stage_out_specs(config):
-    return jax.tree.map(
-        lambda s: P(config.pipeline_axis, None, None, *tuple(s)[1:]), config.layer_specs
     )
 
 
@@ -263,10 +281,19 @@ def _train_program(config, stack_values, head_values, x, targets, weights):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pipelined_loss(config, stack_values, head_values, x, targets, weights):
+    # Undifferentiated: nothing asks for the input gradient.
+    config = config.replace(input_gradient=False)
     return _train_program(config, stack_values, head_values, x, targets, weights)[0]
 
 
 def _fwd(config, stack_values, head_values, x, targets, weights):
+    # symbolic_zeros: every leaf is a CustomVJPPrimal(value, perturbed). `x` is perturbed
+    # when the caller differentiates through it (an embedding before the pipeline); only
+    # then does the executor keep the input gradient, `[B, T, F]`.
+    config = config.replace(input_gradient=x.perturbed)
+    stack_values, head_values, x, targets, weights = custom_vjp_primal_tree_values(
+        (stack_values, head_values, x, targets, weights)
+    )
     loss, stage_grads, head_grads, dx = _train_program(
         config, stack_values, head_values, x, targets, weights
     )
@@ -275,14 +302,16 @@ def _fwd(config, stack_values, head_values, x, targets, weights):
 
 def _bwd(config, residuals, cotangent):
     stage_grads, head_grads, dx = residuals
+    if isinstance(cotangent, SymbolicZero):
+        return None, None, None, None, None
     scale = lambda g: (g * cotangent).astype(g.dtype)  # noqa: E731
     return (
         jax.tree.map(scale, stage_grads),
         jax.tree.map(scale, head_grads),
-        scale(dx),
+        None if dx is None else scale(dx),
         None,
         None,
     )
 
 
-pipelined_loss.defvjp(_fwd, _bwd)
+pipelined_loss.defvjp(_fwd, _bwd, symbolic_zeros=True)
