@@ -485,6 +485,8 @@ class MatmulConfig:
                 return NotImplementedError, "matmul_all_reduce"
             if self.dtype == "float16":
                 return NotImplementedError, "float16"
+            if self.dtype == "bfloat16" and self.precision in ("highest", HIGHEST):
+                return NotImplementedError, "precision"
         return None
 
 

@@ -182,7 +182,7 @@ CORNERS = (
 )
 
 
-@pytest.mark.parametrize("n", budget_params(3, 150))
+@pytest.mark.parametrize("n", budget_params(3, 60))
 def test_flash_attention_matches_reference(n):
     # The default budget draws the cheap implementations; -m slow adds pallas_tpu (TPU
     # interpret mode, about 25 s a configuration on a loaded 2-core machine).

@@ -223,7 +223,7 @@ CORNERS = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("n", budget_params(2, 120))
+@pytest.mark.parametrize("n", budget_params(2, 40))
 def test_ring_attention_matches_reference(n):
     tally = sa.Tally("sf.ring_attention")
     sa.run_with_examples(lambda c: check_ring(c, tally), sa.ring_configs(), n, CORNERS)
@@ -385,7 +385,8 @@ def first_failure(check, strategy, examples, max_examples):
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_generator_catches_planted_bugs(mutation, monkeypatch):
-    """Each planted mutation makes the generated differential check fail (budget 12)."""
+    """Each planted mutation makes the generated differential check fail within 12 random
+    draws (measured: 4 to 8 draws for the attention mutations, 1 for the matmul one)."""
     from tests.differential import test_attention_diff as flash
     from tests.differential import test_collective_matmul_diff as matmul
 
@@ -395,7 +396,8 @@ def test_generator_catches_planted_bugs(mutation, monkeypatch):
         mutate(patch)
         flash._program.cache_clear()
         matmul._program.cache_clear()
-        failure = first_failure(check, strategy, examples, 12)
+        # Random draws only (the @example corners left out): the generator itself must find it.
+        failure = first_failure(check, strategy, (), 12)
     flash._program.cache_clear()
     matmul._program.cache_clear()
     print(f"{mutation}: {failure}")
