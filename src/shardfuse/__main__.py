@@ -2,7 +2,7 @@
 
 shardfuse info            versions, devices, usable implementations and why not
 shardfuse demo            every op against its reference on 8 CPU devices
-shardfuse bench           the benchmark suites of bench/: table, JSON, compare, plot
+shardfuse bench           the benchmark suites (shardfuse.bench.suites): table, JSON, compare, plot
 shardfuse pipeline        a pipeline schedule as a grid: ticks, bubble, in-flight microbatches
 shardfuse plan            the best parallel layouts for a model on a cluster (cost model)
 shardfuse profile         a training step's time by category, from a jax.profiler trace

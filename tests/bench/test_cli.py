@@ -13,7 +13,8 @@ import pytest
 from shardfuse.bench import cli, report
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH_DIR = REPO / "bench"
+# The suites installed with the package (here: the checkout's src/, on PYTHONPATH).
+BENCH_DIR = cli.SUITES_DIR
 # One group of the quick matmul suite: 3 implementations, a few seconds.
 ONE_GROUP = "llama3-8b-T256-qkv"
 
@@ -48,7 +49,7 @@ def _parse(*argv):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """Runs `shardfuse bench --quick` on one matmul group from an empty folder, without
-    --json (so the suites are found beside src/ and the JSON goes to the default place);
+    --json (so the suites are the installed ones and the JSON goes to the default place);
     returns (output, the JSON path it printed, plot)."""
     tmp = tmp_path_factory.mktemp("bench")
     plot = tmp / "run.png"
@@ -178,6 +179,17 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--bench-dir"):
         cli.find_bench_dir(tmp_path)
     assert set(cli.suites(BENCH_DIR)) >= {"attention", "matmul"}
+
+
+def test_suites_are_part_of_the_package():
+    """No checkout needed: the default folder is the package's own, whatever the working
+    directory (a wheel installs it; tests/test_packaging.py checks the wheel's files)."""
+    assert cli.find_bench_dir() == BENCH_DIR.resolve()
+    assert BENCH_DIR.parent == Path(cli.__file__).resolve().parent
+    assert set(cli.suites(BENCH_DIR)) == {
+        "attention", "collective_matmul", "context_parallel", "layers", "matmul", "memory",
+        "pipeline", "ring_attention",
+    }  # fmt: skip
 
 
 def test_suites_run_once_under_benchmark_disable():

@@ -71,7 +71,7 @@ per layer (+10-16%) and was faster (0.83-0.90x): on the switch tick a B then
 runs the layers' forward once instead of twice; on the uniform tick both
 modes run the same FLOPs (every tick a forward and a backward), so that gain
 is XLA's scheduling, not saved compute. At the bench's wider stage
-(`bench/bench_pipeline.py --bench-quick`: 8 residual-MLP layers F=512,
+(`shardfuse bench --suite pipeline --quick`: 8 residual-MLP layers F=512,
 hidden 1792, T=64, m=16, 3 rounds) "stored" was 0.92x (1f1b) and 0.94x
 (zb-h1) the step time for 2.5x the temp memory (114.1 MB vs 44.9 MB): the
 saved forward pays once compute dominates. "stored" is the option for

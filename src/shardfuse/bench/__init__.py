@@ -1,8 +1,9 @@
 """Benchmark harness of shardfuse: scales, FLOP formulas, measurement, results, CLI.
 
-The suites themselves live in the repository's `bench/` folder (pytest-benchmark,
-one module per op family); this package holds what they share and what
-`shardfuse bench` needs to run them, report, compare and plot. See bench/README.md.
+The suites (pytest-benchmark, one module per op family) are `shardfuse.bench.suites`,
+installed with the package; this package holds what they share and what
+`shardfuse bench` needs to run them, report, compare and plot, and
+`shardfuse.bench.tools` the stand-alone benchmark programs. See docs/benchmarks.md.
 Model shapes and device figures are not here: they live in `shardfuse.models`
 and `shardfuse.hardware`, which the library reads too.
 

@@ -1,4 +1,7 @@
-"""`shardfuse bench`: runs the pytest-benchmark suites of `bench/`, reports, compares, plots.
+"""`shardfuse bench`: runs the pytest-benchmark suites, reports, compares, plots.
+
+The suites are installed with the package (`shardfuse.bench.suites`), so the
+command works from a wheel, in any working directory.
 
 The suites run in this process through `pytest.main`, serially, with a
 progress bar; pytest-benchmark writes the run's JSON (to `--json PATH`, else
@@ -31,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--suite",
         action="append",
         metavar="NAME",
-        help="run bench/bench_NAME.py only (repeatable; default: every suite)",
+        help="run the suite bench_NAME.py only (repeatable; default: every suite)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="the small scale (CPU: a few minutes in all)"
@@ -71,26 +74,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load", metavar="PATH", help="do not run: report (and compare, plot) a saved run"
     )
     parser.add_argument(
-        "--bench-dir", metavar="DIR", help="the folder of the suites (default: ./bench)"
+        "--bench-dir",
+        metavar="DIR",
+        help="a folder of suites to run instead of the installed ones (shardfuse.bench.suites)",
     )
 
 
+# The suites installed with the package: a folder of bench_*.py, conftest.py and pytest.ini.
+SUITES_DIR = Path(__file__).resolve().parent / "suites"
+
+
 def find_bench_dir(explicit=None) -> Path:
-    """The `bench/` folder: `explicit`, else ./bench, else the one beside `src/` of this checkout.
+    """The folder of the suites: `explicit`, else the installed `shardfuse.bench.suites`.
+
+    Example:
+      >>> from shardfuse.bench.cli import find_bench_dir
+      >>> find_bench_dir().name
+      'suites'
 
     Raises:
-      FileNotFoundError: none has a `conftest.py` (an installed wheel has no suites).
+      FileNotFoundError: the folder has no `conftest.py` and `pytest.ini` beside its suites.
     """
-    if explicit is not None:
-        candidates = [Path(explicit)]
-    else:  # this file is src/shardfuse/bench/cli.py of a checkout: parents[3] is its root
-        candidates = [Path.cwd() / "bench", Path(__file__).resolve().parents[3] / "bench"]
-    for candidate in candidates:
-        if (candidate / "conftest.py").is_file() and (candidate / "pytest.ini").is_file():
-            return candidate.resolve()
+    candidate = Path(explicit) if explicit is not None else SUITES_DIR
+    if (candidate / "conftest.py").is_file() and (candidate / "pytest.ini").is_file():
+        return candidate.resolve()
     raise FileNotFoundError(
-        f"no benchmark suites found in {', '.join(str(c) for c in candidates)}: run from a "
-        "shardfuse checkout or pass --bench-dir DIR"
+        f"--bench-dir {candidate}: no benchmark suites there (a folder of bench_*.py with "
+        f"conftest.py and pytest.ini, as in {SUITES_DIR})"
     )
 
 

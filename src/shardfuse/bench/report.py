@@ -117,7 +117,7 @@ def print_skipped(skipped, console=None) -> None:
 
     Args:
       skipped: `[{"case": nodeid, "reason": text}, ...]`, the "skipped" list that
-        `bench/conftest.py` writes under the JSON's "shardfuse" key. Reasons start
+        `shardfuse/bench/suites/conftest.py` writes under the JSON's "shardfuse" key. Reasons start
         with the implementation ("shardfuse.triton cannot run this case: ...").
       console: a rich Console (default: a new one).
 

@@ -39,7 +39,7 @@ bfloat16 compute; GELU/LayerNorm blocks 3.90x in float32. "full" keeps the
 block input only (26-38x less). What one more layer adds to the compiled
 temp memory of a `Stack`'s grad step is 3.4-4.1x less under "selective"
 (under "none" the scan also keeps a copy of each layer's weights);
-`bench/bench_memory.py` has the table.
+`shardfuse/bench/suites/bench_memory.py` has the table.
 """
 
 import jax

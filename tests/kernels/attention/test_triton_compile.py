@@ -4,7 +4,8 @@
 the ptxas bundled with triton, shared memory from the compiled metadata. The
 default run compiles the head dim 128 bfloat16 kernels with every mask option
 on (the most registers); `-m slow` compiles the whole table that
-`scripts/triton_compile_stats.py` writes to bench/results/triton_compile_stats.md.
+`python -m shardfuse.bench.tools.triton_compile_stats` writes to
+bench/results/triton_compile_stats.md.
 """
 
 import pytest

@@ -4,7 +4,7 @@ How a kernel is compiled and measured (`triton.compile` for a `GPUTarget`,
 `ptxas -v`, jax-triton's pointer alignment) is `shardfuse.kernels.triton.compile_stats`;
 this module picks the kernels, the shapes, the masking variants and the configs.
 
-Used by `scripts/triton_compile_stats.py` (which writes
+Used by `shardfuse.bench.tools.triton_compile_stats` (which writes
 `bench/results/triton_compile_stats.md`) and by the compile tests.
 """
 

@@ -6,7 +6,7 @@ An `AttentionKernelConfig` is the tile shape and the launch options of one kerne
 (GPU generation, padded head dim, input class) to the four kernels' configs.
 
 How the table was chosen: no GPU was available to time configurations, so
-`scripts/triton_compile_stats.py --search` compiled candidate configs (the
+`python -m shardfuse.bench.tools.triton_compile_stats --search` compiled candidate configs (the
 Triton fused-attention tutorial's A100/H100 choices first: 128 x 64 forward
 tiles, 32 x 128 dK/dV and 128 x 32 dQ tiles, then smaller tiles, more warps,
 fewer pipeline stages) for each generation, head dim and input class, in
@@ -17,7 +17,7 @@ per-block limit (A100 166912 B, H100 232448 B).
 memory of every default. float32 inputs use exact IEEE dots (no TF32, to
 match the HIGHEST-precision oracle) on FMA units, which need far smaller
 tiles and do not fit above head dim 64. Re-tune on the target GPU with
-`scripts/bench_triton_attention.py` and edit the table.
+`python -m shardfuse.bench.tools.triton_attention` and edit the table.
 
 Generations: "sm80" (A100, compute capability 8.x) and "sm90" (H100/H200,
 9.x; newer GPUs use the sm90 table). Head dims are padded to the next power
@@ -80,7 +80,8 @@ def _configs(forward, dkdv, dq, delta=(128, 16, 4, 1)):
 
 
 # (generation, padded head dim, "16bit" | "float32") -> configs, filled in by
-# `scripts/triton_compile_stats.py --search`. Tuples: (block_m, block_n, num_warps, num_stages).
+# `python -m shardfuse.bench.tools.triton_compile_stats --search`.
+# Tuples: (block_m, block_n, num_warps, num_stages).
 _16BIT = {
     ("sm80", 16): ((128, 64, 8, 3), (32, 128, 8, 3), (128, 32, 8, 3)),
     ("sm80", 32): ((128, 64, 8, 3), (32, 64, 4, 1), (128, 32, 8, 3)),

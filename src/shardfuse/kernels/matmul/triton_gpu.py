@@ -13,7 +13,7 @@ on sm_90; 4 warps spilled 240 bytes on sm_80 once the `addend` tile joins the
 accumulator), 64 x 64 x 32 for float32 (IEEE dots, no TF32). Every entry compiles
 for its architecture with 0 register spills and shared memory within the
 per-block limit (`tests/kernels/matmul/test_triton.py` checks it without a GPU
-through `compile_stats`). They were not timed on a GPU: re-tune with bench/.
+through `compile_stats`). They were not timed on a GPU: re-tune with `shardfuse bench`.
 """
 
 import dataclasses

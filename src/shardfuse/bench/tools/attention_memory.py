@@ -1,6 +1,6 @@
 """Compiled temp memory of attention forward+backward as S grows (xla path vs reference).
 
-Usage: python scripts/attention_memory.py [--seq-lens 4096 8192 16384] [--json]
+Usage: python -m shardfuse.bench.tools.attention_memory [--seq-lens 4096 8192 16384] [--json]
 
 Sets XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= itself (before JAX
 starts), since XLA:CPU's YNNPACK fusion otherwise hides temporaries.

@@ -8,8 +8,9 @@ S = T from 1k to 16k, causal and not. FLOPs: `shardfuse.flops.attention_flops`
 paper; the backward time is (forward + backward) -
 forward. Each time is the median of `--repeats` calls after a warm-up call.
 
-    python scripts/bench_triton_attention.py --out bench/results/triton_attention_h100.md
-    python scripts/bench_triton_attention.py --impl xla --seq-lens 256 --head-dims 64  # CPU smoke
+    python -m shardfuse.bench.tools.triton_attention --out bench/results/triton_attention_h100.md
+    python -m shardfuse.bench.tools.triton_attention --impl xla --seq-lens 256 --head-dims 64
+    # (the last: a CPU smoke run)
 
 Implementations: `triton` (`sf.flash_attention(implementation="triton")`),
 `cudnn` and `xla` (`jax.nn.dot_product_attention(implementation=...)`), and
@@ -92,7 +93,8 @@ def main(argv=None):
     lines = [
         f"# Flash attention throughput on {device.device_kind}",
         "",
-        f"`python scripts/bench_triton_attention.py` on {datetime.date.today().isoformat()}, "
+        "`python -m shardfuse.bench.tools.triton_attention` on "
+        f"{datetime.date.today().isoformat()}, "
         f"jax {jax.__version__}, {args.dtype}, {TOKENS} tokens per batch, hidden {HIDDEN}; "
         "TFLOP/s as in the FlashAttention-2 paper (backward = 2.5 x forward FLOPs), "
         f"in brackets % of the dense peak ({peak_text}, from shardfuse.hardware).",

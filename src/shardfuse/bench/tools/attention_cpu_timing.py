@@ -1,6 +1,8 @@
 """CPU time of attention: xla vs reference vs jax.nn.dot_product_attention.
 
-Usage: python scripts/attention_cpu_timing.py [--seq-len 4096] [--repeats 3] [--block 256 ...]
+Usage:
+    python -m shardfuse.bench.tools.attention_cpu_timing [--seq-len 4096] [--repeats 3] \
+        [--block 256 ...]
 
 Forward and forward+backward, B=1, H=8, D=64, causal, float32; median of
 `--repeats` calls after a compile call. Timings on shared machines are noisy:

@@ -17,8 +17,8 @@ given as a fraction of it. FLOPs: `shardfuse.flops.attention_flops` (masks
 counted exactly, backward 2.5 x forward). Forward outputs are checked against
 `jax.nn` (max abs difference printed).
 
-    python bench/peers.py                       # the whole matrix, 3 rounds
-    python bench/peers.py --seq 2048 --rounds 2 --json bench/results/peers.json
+    python -m shardfuse.bench.tools.peers         # the whole matrix, 3 rounds
+    python -m shardfuse.bench.tools.peers --seq 2048 --rounds 2 --json bench/results/peers.json
 """
 
 import argparse
@@ -169,7 +169,7 @@ def main(argv=None):
         record = dict(
             date=datetime.datetime.now().isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(),
-            command="python bench/peers.py " + " ".join(argv or []),
+            command="python -m shardfuse.bench.tools.peers " + " ".join(argv or []),
             jax=jax.__version__,
             native=info,
             roofline_flops_per_s=roof,

@@ -1,0 +1,12 @@
+"""Stand-alone benchmark and compile-statistics programs.
+
+Run each as `python -m shardfuse.bench.tools.NAME`:
+
+
+- `peers`: the default CPU attention against tokamax and `jax.nn`, with a matmul roofline;
+- `attention_cpu_timing`: CPU time of attention, xla vs reference vs `jax.nn`;
+- `attention_memory`: compiled temp memory of attention forward+backward as S grows;
+- `triton_attention`: the Triton flash attention against cuDNN and XLA on an NVIDIA GPU;
+- `triton_compile_stats`: registers, spills and shared memory of the Triton kernels for
+  sm_80/sm_90, compiled without a GPU (writes `bench/results/triton_compile_stats.md`).
+"""
