@@ -176,11 +176,13 @@ def test_more_recomputation_costs_time_and_saves_memory():
 
 
 def test_pipeline_bubble_per_schedule():
+    """An async pipeline (Megatron's) pays the closed-form bubble of each schedule."""
     model, c = models.get("llama3-8b"), hardware.cluster("h100")
     bubble = {}
+    async_ = Assumptions(pipeline_executor="async", pipeline_recompute=False)
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
         lay = Layout(pipeline=4, model=2, schedule=schedule, virtual_stages=v, num_microbatches=8)
-        e = estimate(model, c, lay, global_batch=8, seq_len=4096)
+        e = estimate(model, c, lay, global_batch=8, seq_len=4096, assumptions=async_)
         bubble[schedule] = next(t.value for t in e.time if t.name == "pipeline_bubble")
     assert bubble["gpipe"] == pytest.approx(bubble["1f1b"])
     assert bubble["interleaved"] == pytest.approx(bubble["1f1b"] / 2)
@@ -190,3 +192,39 @@ def test_pipeline_bubble_per_schedule():
     onef = estimate(model, c, Layout(pipeline=4, model=2, num_microbatches=8), global_batch=8,
                     seq_len=4096)  # fmt: skip
     assert gpipe.memory_bytes > onef.memory_bytes  # 8 microbatches in flight instead of 4
+
+
+def test_lockstep_pipeline_is_the_executor_table():
+    """shardfuse's executor: every tick lasts its slowest stage's action; the backward reruns
+    the stage forward (residuals="recompute"); with collectives every tick runs the whole VJP."""
+    from shardfuse.parallel.pipeline.schedule import B, F, W, schedule_table
+    from shardfuse.planner import pipeline_time
+
+    model, c = models.get("llama3-8b"), hardware.cluster("h100")
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        lay = Layout(pipeline=8, schedule=schedule, virtual_stages=v, num_microbatches=16)
+        e = estimate(model, c, lay, global_batch=16, seq_len=4096)
+        terms = {t.name: t for t in e.time}
+        work = sum(terms[k].value for k in ("compute", "elementwise"))
+        forward = work / 3
+        reruns = 2 if schedule == "zb-h1" else 1
+        assert terms["pipeline_recompute"].value == pytest.approx(reruns * forward)
+        unit = 1 / (16 * v)
+        if schedule == "zb-h1":
+            cost = {F: forward * unit, B: (work - forward) / 2 * unit + forward * unit}
+            cost[W] = cost[B]
+        else:
+            cost = {F: forward * unit, B: (work - forward) * unit + forward * unit, W: 0.0}
+        table = schedule_table(schedule, 8, 16, v)
+        expected = sum(max([cost.get(int(k), 0.0) for k in row]) for row in table.kind)
+        pipelined = work + terms["pipeline_recompute"].value + terms["pipeline_bubble"].value
+        assert pipelined == pytest.approx(expected)
+    # the tick counts of many microbatches are extrapolated from two small tables: exact
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        exact = dict(pipeline_time._mix_of(schedule_table(schedule, 8, 96, v)))
+        assert dict(pipeline_time.tick_mix(schedule, 8, 96, v)) == pytest.approx(exact)
+    # a stage with tensor-parallel collectives: every tick evaluates forward + VJP + head
+    lay = Layout(pipeline=4, model=2, num_microbatches=8)
+    e = estimate(model, c, lay, global_batch=8, seq_len=4096)
+    bubble = next(t for t in e.time if t.name == "pipeline_bubble")
+    assert "every tick runs the stage forward, its VJP" in bubble.formula

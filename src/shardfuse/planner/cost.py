@@ -14,23 +14,19 @@ charged its visible keys only).
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
-there is no flash attention, at HBM bandwidth) + exposed communication +
-pipeline bubble. Collectives are ring algorithms on the link the mesh axis maps to
-(an axis whose devices share a node uses the intra-node link, any other the
-inter-node one): all-gather and reduce-scatter move (n - 1) / n of the full
-buffer, all-reduce twice that, plus (n - 1) link latencies. Tensor
-parallelism (Megatron with sequence parallelism): 4 all-gathers/reduce-
-scatters of the `[mb, s / C, h]` activation per layer forward, 4 backward, 4
-more when "full" remat recomputes the forward; hidden behind (T - 1) / T of
-the layer's matmuls when they run as collective-matmul rings (the ring
-schedule of `collectives.collective_matmul`). Ring attention sends K/V
-C - 1 times forward and (K/V and dK/dV) 2 (C - 1) times backward, hidden
-behind (C - 1) / C of the attention compute. Data parallelism all-reduces
-the gradients (ZeRO-0/1), reduce-scatters them over F (ZeRO-2, then
-all-gathers the updated parameters), or gathers the parameters every
-microbatch forward and backward (ZeRO-3). The pipeline bubble is
-(P - 1) / m of the pipelined work for GPipe and 1F1B, (P - 1) / (v m) for the
-interleaved schedule and (P - 1) / (3 m) for ZB-H1 (Qi et al. 2023).
+there is no flash attention, at HBM bandwidth) + exposed communication (every
+collective: `comm`; a term's `total` is the whole collective, its value what
+the overlap model leaves exposed) + the pipeline's recompute, sends and bubble
+(`pipeline_time`). The efficiency and the overlap are per hardware generation
+(`efficiency`, with their sources) unless `Assumptions` fixes them.
+Pipelines run as the executor runs them: shardfuse's executor (the default
+`Assumptions.pipeline_executor="lockstep"`) is a scan over the schedule's
+ticks, each lasting its slowest stage's action, and reruns the stage forward
+in every backward (B, and W for zb-h1) with `residuals="recompute"`; when the
+stage communicates every tick evaluates the whole stage VJP and the head.
+"async" pipelines (Megatron, the published runs' systems) pay the closed-form
+bubble: (P - 1) / m of the pipelined work for GPipe and 1F1B, (P - 1) / (v m)
+for the interleaved schedule and (P - 1) / (3 m) for ZB-H1 (Qi et al. 2023).
 
 Memory (per device, the most loaded pipeline stage): parameters, gradients
 and optimizer state divided over F per ZeRO stage; activations per layer
@@ -50,12 +46,20 @@ from shardfuse import flops
 from shardfuse.flops import mean_visible_keys as mean_visible_keys  # its old home
 from shardfuse.hardware import Cluster
 from shardfuse.models import ModelShape
+from shardfuse.planner.comm import (
+    data_parallel_terms,
+    exposed_term,
+    ring,
+    tensor_parallel_term,
+)
+from shardfuse.planner.efficiency import attention_efficiency
 from shardfuse.planner.memory import (
     memory_terms,
     params_per_device,
     saved_elements_per_token,
 )
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.pipeline_time import pipeline_terms
 from shardfuse.planner.terms import Term
 
 # Elementwise traffic per token and layer, in h-sized tensors read or written (two
@@ -64,8 +68,6 @@ from shardfuse.planner.terms import Term
 # dropout out, AV in).
 ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
-# Pipeline bubble relative to GPipe/1F1B's (P - 1) / m, per schedule.
-_BUBBLE = {"gpipe": 1.0, "1f1b": 1.0, "zb-h1": 1.0 / 3.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +133,6 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
     return link.gb_per_s * 1e9, link.latency_us * 1e-6, link.name
 
 
-def _ring(n, full_bytes, bandwidth, latency, factor=1.0):
-    """Ring all-gather / reduce-scatter of `full_bytes` over n devices (factor 2: all-reduce)."""
-    if n <= 1:
-        return 0.0
-    return factor * ((n - 1) / n * full_bytes / bandwidth + (n - 1) * latency)
-
-
 def estimate(
     model: ModelShape,
     cluster: Cluster,
@@ -180,12 +175,14 @@ def estimate(
         )
     n = cluster.num_devices
     P, D, F, C, T = (layout.pipeline, layout.data, layout.fsdp, layout.sequence, layout.model)
-    v, mb, m = layout.virtual_stages, layout.microbatch_size, layout.num_microbatches
+    mb, m = layout.microbatch_size, layout.num_microbatches
     h, L = model.hidden, model.num_layers
     B, s = global_batch, seq_len
     peak_flops = flops.peak_flops_per_s(cluster.device, a.compute_dtype)
     peak = peak_flops / 1e12
-    rate = peak_flops * a.compute_efficiency
+    efficiency = a.efficiency_for(cluster.device)
+    overlap = a.overlap_for(cluster.device)
+    rate = peak_flops * efficiency
 
     # ---- FLOPs (shardfuse.flops) ----
     visible = mean_visible_keys(s, model.window, a.causal_skip)
@@ -194,13 +191,21 @@ def estimate(
     hardware_flops = flops.hardware_flops(
         model, seq_len=s, batch=B, remat=layout.remat, causal_skip=a.causal_skip
     )
-    compute = hardware_flops / n / rate
+    # Attention cores run as flash-attention kernels (their own efficiency) or, without
+    # flash attention, as batched matmuls; recomputed once more under "full",
+    # "selective" and "offload" remat.
+    attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
+    reruns = 1 if layout.remat in ("full", "selective", "offload") else 0
+    attention_flops = (flops.TRAINING_OVER_FORWARD + reruns) * tokens * L * attention_hw
+    attention_rate = rate
+    if a.flash_attention and a.compute_efficiency is None:
+        attention_rate = peak_flops * attention_efficiency(cluster.device)
+    compute = (hardware_flops - attention_flops) / n / rate + attention_flops / n / attention_rate
     layers_dev = L / P
     training = flops.TRAINING_OVER_FORWARD
     # forward + backward matmuls and attention cores
     matmul_time = training * tokens * L * flops.layer_matmul_flops(model) / n / rate
-    attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
-    attention_time = training * tokens * L * attention_hw / n / rate
+    attention_time = training * tokens * L * attention_hw / n / attention_rate
 
     # ---- communication ----
     act = a.activation_bytes
@@ -210,24 +215,23 @@ def estimate(
             "compute",
             compute,
             f"{hardware_flops:.3e} hardware FLOPs / {n} devices / ({peak:g} TFLOP/s x "
-            f"{a.compute_efficiency:g})",
+            f"{efficiency:.3g} matmul efficiency of {cluster.device.name}"
+            + (
+                f"; the {attention_flops:.3e} of attention at {attention_rate / peak_flops:.3g}"
+                if attention_rate != rate
+                else ""
+            )
+            + ")",
         )
     ]
+    layer_microbatches = m * layers_dev
     if T > 1:
-        bw, lat, name = axis_link(cluster, layout, "model")
-        collectives = 8 + (4 if layout.remat == "full" else 0)
-        per_layer = _ring(T, mb_tokens * h * act, bw, lat) * collectives
-        tp = m * layers_dev * per_layer
-        hidden = (T - 1) / T * matmul_time if a.tp_overlap else 0.0
-        time_terms.append(
-            Term(
-                "tensor_parallel",
-                max(0.0, tp - hidden),
-                f"{m * layers_dev:g} layer-microbatches x {collectives} all-gather/reduce-scatter "
-                f"of [{mb}, {s // C}, {h}] over model={T} on {name} = {tp:.3g} s"
-                + (f", minus {hidden:.3g} s hidden behind the matmul rings" if hidden else ""),
-            )
-        )
+        tp_term, tp_collectives = tensor_parallel_term(
+            T=T, mb=mb, s=s, C=C, h=h, act=act, layer_microbatches=layer_microbatches,
+            remat=layout.remat, link=axis_link(cluster, layout, "model"), matmul_s=matmul_time,
+            a=a, overlap=overlap,
+        )  # fmt: skip
+        time_terms.append(tp_term)
     if C > 1:
         bw, lat, name = axis_link(cluster, layout, "sequence")
         kv_heads = max(model.kv_heads / T, 1.0)
@@ -236,65 +240,16 @@ def estimate(
         if strategy == "ulysses":
             q_bytes = mb_tokens * model.heads / T * model.head_dim * act
             local = 2 * q_bytes + kv_bytes  # q, out and k, v
-            cp = m * layers_dev * 2 * _ring(C, local, bw, lat)
-            hidden = 0.0
+            cp = layer_microbatches * 2 * ring(C, local, bw, lat)
+            window = 0.0
         else:  # ring, ulysses_ring (modelled as ring), all_gather
             hops = 3 + (1 if layout.remat == "full" else 0)
-            cp = m * layers_dev * hops * (C - 1) * (kv_bytes / bw + lat)
+            cp = layer_microbatches * hops * (C - 1) * (kv_bytes / bw + lat)
             overlapped = a.cp_overlap and strategy != "all_gather"
-            hidden = (C - 1) / C * attention_time if overlapped else 0.0
-        time_terms.append(
-            Term(
-                "context_parallel",
-                max(0.0, cp - hidden),
-                f"{strategy} attention over sequence={C} on {name}: {cp:.3g} s of K/V traffic"
-                + (f", minus {hidden:.3g} s hidden behind attention" if hidden else ""),
-            )
-        )
-    if P > 1:
-        bw, lat, name = axis_link(cluster, layout, "pipeline")
-        send = mb_tokens * h * act / (T if a.sequence_parallel else 1)
-        pp = 2 * v * m * (send / bw + lat)
-        time_terms.append(
-            Term(
-                "pipeline_p2p",
-                0.0 if a.pp_overlap else pp,
-                f"2 x {v} chunks x {m} microbatches ppermute of {send / 1e6:.3g} MB on {name}",
-            )
-        )
-    params_dev = params_per_device(model, layout, a)
-    if D * F > 1:
-        g = params_dev * a.grad_comm_bytes
-        bw_d, lat_d, name_d = axis_link(cluster, layout, "data")
-        bw_f, lat_f, name_f = axis_link(cluster, layout, "fsdp")
-        if layout.zero <= 1:
-            bw, lat = (
-                (min(bw_d, bw_f), max(lat_d, lat_f))
-                if F > 1 and D > 1
-                else ((bw_f, lat_f) if F > 1 else (bw_d, lat_d))
-            )
-            dp = _ring(D * F, g, bw, lat, factor=2.0)
-            what = f"all-reduce of {g / 1e9:.3g} GB gradients over data x fsdp={D * F}"
-        elif layout.zero == 2:
-            dp = 2 * _ring(F, g, bw_f, lat_f) + _ring(D, g / F, bw_d, lat_d, factor=2.0)
-            what = f"reduce-scatter + all-gather of {g / 1e9:.3g} GB over fsdp={F}"
-        else:
-            gathers = 2 + (1 if layout.remat == "full" else 0)
-            dp = m * (gathers + 1) * _ring(F, g, bw_f, lat_f)
-            dp += _ring(D, g / F, bw_d, lat_d, factor=2.0)
-            what = f"{m} microbatches x ({gathers} parameter all-gathers + 1 reduce-scatter) "
-            what += f"of {g / 1e9:.3g} GB over fsdp={F}"
-        if D > 1 and layout.zero >= 2:
-            what += f", all-reduce of the shards over data={D}"
-        window = compute * (1.0 if layout.zero == 3 else 2.0 / 3.0) * a.dp_overlap
-        time_terms.append(
-            Term(
-                "data_parallel",
-                max(0.0, dp - window),
-                f"{what}: {dp:.3g} s" + (f", minus {window:.3g} s overlapped" if window else ""),
-            )
-        )
-    per_token = saved_elements_per_token(model, layout, a)
+            window = (C - 1) / C * attention_time if overlapped else 0.0
+        what = f"{strategy} attention over sequence={C} on {name}: K/V traffic"
+        time_terms.append(exposed_term("context_parallel", cp, window, overlap, what))
+    per_token = saved_elements_per_token(model, layout, a, s)
     # Memory-bound elementwise work (norms, residual adds, activation, and the
     # softmax over materialised scores without flash attention): each op reads
     # and writes its tensors once per pass; backward ~2 passes, recompute 1 more.
@@ -306,37 +261,33 @@ def estimate(
     passes = 3 + (1 if layout.remat == "full" else 0)
     hbm = cluster.device.hbm_gb_per_s * 1e9
     elementwise = tokens / (D * F * C * P) * L * traffic * passes / hbm
-    time_terms.append(
+    time_terms.insert(
+        1,
         Term(
             "elementwise",
             elementwise,
             f"{traffic / 1e3:.4g} kB per token and layer x {passes} passes x "
             f"{tokens / (D * F * C * P) * L:.4g} token-layers / {hbm / 1e9:g} GB/s HBM",
-        )
+        ),
     )
     if layout.remat == "offload":
         moved = 2 * tokens / n * L * (per_token["full_layer"] - per_token["saved"]) * act
         t_host = moved / (a.offload_gb_per_s * 1e9)
-        time_terms.append(
-            Term(
-                "offload",
-                max(0.0, t_host - compute),
-                f"{moved / 1e9:.3g} GB to the host and back at {a.offload_gb_per_s:g} GB/s, "
-                "hidden behind compute",
-            )
-        )
+        what = f"{moved / 1e9:.3g} GB to the host and back at {a.offload_gb_per_s:g} GB/s"
+        time_terms.append(exposed_term("offload", t_host, compute, overlap, what))
     if P > 1:
-        pipelined = sum(t.value for t in time_terms if t.name != "pipeline_p2p")
-        factor = 1.0 / v if layout.schedule == "interleaved" else _BUBBLE[layout.schedule]
-        bubble = (P - 1) / m * factor * pipelined
-        time_terms.append(
-            Term(
-                "pipeline_bubble",
-                bubble,
-                f"({P} - 1) / {m} microbatches x {factor:.3g} ({layout.schedule}) "
-                f"x {pipelined:.3g} s",
-            )
-        )
+        head_s = flops.TRAINING_OVER_FORWARD * flops.logits_flops(model) * mb_tokens / T / rate
+        send = mb_tokens * h * act / (T if a.sequence_parallel else 1)
+        time_terms += pipeline_terms(
+            layout, a, time_terms, head_s=head_s, send_bytes=send, overlap=overlap,
+            link=axis_link(cluster, layout, "pipeline"),
+        )  # fmt: skip
+    params_dev = params_per_device(model, layout, a)
+    if D * F > 1:
+        time_terms += data_parallel_terms(
+            layout=layout, params_dev=params_dev, a=a, compute_s=compute, overlap=overlap,
+            links=(axis_link(cluster, layout, "data"), axis_link(cluster, layout, "fsdp")),
+        )  # fmt: skip
     step_time = sum(t.value for t in time_terms)
 
     # ---- memory ----

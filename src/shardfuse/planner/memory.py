@@ -44,13 +44,18 @@ def collective_buffers(model_size: int) -> float:
     return 3 + 10 / model_size if model_size > 1 else 0.0
 
 
-def saved_elements_per_token(model: ModelShape, layout: Layout, a: Assumptions) -> dict:
+def saved_elements_per_token(
+    model: ModelShape, layout: Layout, a: Assumptions, seq_len: int = 1
+) -> dict:
     """Elements each block keeps per token for its backward pass, per device, by policy.
 
     Returns `{"full_layer": ..., "saved": ..., "lse": ..., "scores": ..., "qkvo": ...}`:
     a whole layer's saved tensors (the "none" policy), what `layout.remat`
     keeps, the float32 row statistics of flash attention, the bytes of
-    materialised scores (no flash attention), and q, k, v and o.
+    materialised scores per token (no flash attention: Korthikanti et al.
+    2022's `5 a s^2 b` per layer, i.e. `attention_scores_bytes_per_key` bytes
+    per local head and key, `seq_len` keys per query, kept by the "none"
+    policy only), and q, k, v and o.
 
     Example:
       >>> from shardfuse import models
@@ -76,7 +81,7 @@ def saved_elements_per_token(model: ModelShape, layout: Layout, a: Assumptions) 
     out = 2 * heads * d
     mlp = (6 if swiglu else 2) * f / t
     up = (2 if swiglu else 1) * f / t  # the MLP up-projection's output
-    scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key
+    scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key * seq_len
     full = residual + qkv + out + mlp
     policy = layout.remat
     if policy == "none":

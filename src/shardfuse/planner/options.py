@@ -4,11 +4,13 @@ A `Layout` is one point of the search space: the mesh sizes over the axes
 `pipeline, data, fsdp, sequence, model` (outermost to innermost) and the
 options of the layers, the pipeline and ZeRO. `Assumptions` are the numbers
 the cost model cannot know from the model and the hardware tables: the
-fraction of peak FLOP/s a matmul reaches, the precision, which collectives
-overlap with compute. Two presets: `Assumptions()` (shardfuse's layers:
-overlapped collective matmuls and ring attention, causal blocks skipped) and
-`Assumptions.megatron_2021()` (the setting of Narayanan et al. 2021: fp16
-mixed precision, no tensor-parallel overlap, no causal skipping).
+fraction of peak FLOP/s a matmul reaches (default: per hardware generation,
+`planner.efficiency`), the precision, which collectives overlap with compute
+and how much of them hides (default: per hardware), and how the pipeline
+executor runs. Presets (`Assumptions.preset(name)`, `PRESETS`): "shardfuse"
+(the default: shardfuse's layers and pipeline executor as they run today),
+"megatron-2021", "megatron-2022", "megascale", "llama3", "maxtext", "palm"
+(the systems of the published runs in tests/planner/test_validation.py).
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes th
 
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost -> innermost
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
@@ -106,9 +109,26 @@ class Assumptions:
     """What the cost model assumes beyond the model and hardware tables.
 
     Attributes:
+      name: the preset these assumptions come from ("shardfuse", "megatron-2021", ...;
+        "custom" when a field was changed by hand), recorded in every plan's JSON.
       compute_efficiency: fraction of the dense peak FLOP/s that the matmuls and
-        attention reach (one number for all; large-GEMM A100/H100 figures are
-        0.6-0.75 of peak; 0.7 reproduces Narayanan et al. 2021 Table 1 within 10%).
+        attention reach; None (default): the device's, `efficiency.matmul_efficiency`
+        (measured MAMF per generation x one layer-shape factor; sources there).
+      overlap: fraction of an overlappable collective's time that hides behind the
+        compute running beside it; None (default): the device's,
+        `efficiency.overlap_fraction` (GPUs 0.85, TPUs 0.95, CPUs 0: stated).
+      pipeline_executor: "lockstep" (shardfuse's executor: one `lax.scan` over
+        the schedule's ticks, a `ppermute` every tick, so every tick lasts as long as
+        its slowest stage's action) or "async" (Megatron-style: stages run their
+        own order, the bubble is the schedule's closed form).
+      pipeline_recompute: a backward tick reruns the stage forward from the kept
+        stage input (`Pipeline(residuals="recompute")`, the default; zb-h1 reruns it
+        in B and in W); False: residuals kept (`residuals="stored"`, Megatron).
+      pipeline_uniform_ticks: when the stage communicates (tensor, sequence or
+        ZeRO-3 collectives inside it), every tick of shardfuse's executor evaluates
+        the whole stage forward, its VJP and the head, whatever its action (the
+        devices must run the same collectives in the same order); False: each
+        tick computes only its action.
       compute_dtype: the dtype whose peak is used ("bfloat16", "float16", "float32").
       activation_bytes: bytes per activation element saved for the backward pass.
       param_bytes, grad_bytes, optimizer_bytes: bytes per parameter of the
@@ -146,7 +166,12 @@ class Assumptions:
       False
     """
 
-    compute_efficiency: float = 0.7
+    name: str = "shardfuse"
+    compute_efficiency: float | None = None
+    overlap: float | None = None
+    pipeline_executor: str = "lockstep"
+    pipeline_recompute: bool = True
+    pipeline_uniform_ticks: bool = True
     compute_dtype: str = "bfloat16"
     activation_bytes: int = 2
     param_bytes: int = 2
@@ -169,12 +194,56 @@ class Assumptions:
     reserved_fraction: float = 0.1
 
     def __post_init__(self):
-        if not 0 < self.compute_efficiency <= 1:
+        if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"compute_efficiency={self.compute_efficiency!r} must be in (0, 1]")
+        if self.overlap is not None and not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap={self.overlap!r} must be in [0, 1]")
+        _choice("pipeline_executor", self.pipeline_executor, PIPELINE_EXECUTORS)
         if not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
         if not 0 <= self.reserved_fraction < 1:
             raise ValueError(f"reserved_fraction={self.reserved_fraction!r} must be in [0, 1)")
+
+    def efficiency_for(self, device) -> float:
+        """`compute_efficiency`, or the device's (`efficiency.matmul_efficiency`) when None."""
+        from shardfuse.planner.efficiency import matmul_efficiency
+
+        if self.compute_efficiency is not None:
+            return self.compute_efficiency
+        return matmul_efficiency(device)
+
+    def overlap_for(self, device) -> float:
+        """`overlap`, or the device's (`efficiency.overlap_fraction`) when None."""
+        from shardfuse.planner.efficiency import overlap_fraction
+
+        return overlap_fraction(device) if self.overlap is None else self.overlap
+
+    def to_dict(self, device=None) -> dict:
+        """Every field (JSON-ready); with `device`, the efficiency and overlap resolved for it."""
+        out = dataclasses.asdict(self)
+        if device is not None:
+            out["compute_efficiency"] = self.efficiency_for(device)
+            out["overlap"] = self.overlap_for(device)
+        return out
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "Assumptions":
+        """The assumptions of a named system (`PRESETS`), with `overrides` applied.
+
+        Raises:
+          ValueError: an unknown name (the message lists `PRESETS`).
+
+        Example:
+          >>> from shardfuse.planner.options import Assumptions
+          >>> Assumptions.preset("megatron-2022").sequence_parallel
+          True
+        """
+        if name not in PRESETS:
+            raise ValueError(f"assumptions preset {name!r} is not one of {tuple(PRESETS)}")
+        a = PRESETS[name]()
+        if overrides:
+            a = dataclasses.replace(a, **overrides)
+        return a
 
     @classmethod
     def megatron_2021(cls) -> "Assumptions":
@@ -187,6 +256,7 @@ class Assumptions:
         computed in full (no causal skipping), no flash attention.
         """
         return cls(
+            name="megatron-2021",
             compute_dtype="float16",
             causal_skip=False,
             tp_overlap=False,
@@ -194,12 +264,72 @@ class Assumptions:
             dp_overlap=0.0,
             sequence_parallel=False,
             flash_attention=False,
+            pipeline_executor="async",
+            pipeline_recompute=False,
+            pipeline_uniform_ticks=False,
         )
+
+    @classmethod
+    def megatron_2022(cls) -> "Assumptions":
+        """Korthikanti et al. 2022 (Megatron-LM with sequence parallelism, selective recompute).
+
+        As `megatron_2021` (A100s, no flash attention, no causal skipping), with bf16
+        and Megatron sequence parallelism; its all-gathers and reduce-scatters are not
+        overlapped with the matmuls.
+        """
+        return dataclasses.replace(
+            cls.megatron_2021(), name="megatron-2022", compute_dtype="bfloat16",
+            sequence_parallel=True,
+        )  # fmt: skip
+
+    @classmethod
+    def megascale(cls) -> "Assumptions":
+        """Jiang et al. 2024 (MegaScale, Megatron-based): TP and DP communication overlapped.
+
+        Tensor-parallel all-gathers/reduce-scatters fused with the matmuls, the data-
+        parallel reduce-scatter/all-gather overlapped with the first and last
+        microbatches, FlashAttention-2, an async interleaved 1F1B pipeline.
+        """
+        return dataclasses.replace(
+            cls.megatron_2022(), name="megascale", tp_overlap=True, dp_overlap=1.0,
+            flash_attention=True,
+        )  # fmt: skip
+
+    @classmethod
+    def llama3(cls) -> "Assumptions":
+        """Dubey et al. 2024 (Llama 3, Meta's 4D parallelism on H100s).
+
+        FSDP over the data axis overlapped with compute, tensor parallelism with
+        sequence parallelism (not overlapped), flash attention, an async interleaved
+        pipeline keeping its activations (no stage recompute).
+        """
+        return dataclasses.replace(
+            cls.megatron_2022(), name="llama3", dp_overlap=1.0, flash_attention=True,
+        )  # fmt: skip
+
+    @classmethod
+    def maxtext(cls) -> "Assumptions":
+        """MaxText on TPU (XLA: async collectives overlapped, flash attention, no pipeline)."""
+        return cls(name="maxtext", causal_skip=False, tp_overlap=True, dp_overlap=1.0,
+                   pipeline_executor="async", pipeline_recompute=False,
+                   pipeline_uniform_ticks=False)  # fmt: skip
+
+    @classmethod
+    def palm(cls) -> "Assumptions":
+        """Chowdhery et al. 2022 (PaLM on TPU v4): as `maxtext`, no sequence parallelism.
+
+        12-way model parallelism with the activations replicated over it (the
+        sequence length need not divide by it), no flash attention (2022).
+        """
+        return dataclasses.replace(
+            cls.maxtext(), name="palm", sequence_parallel=False, flash_attention=False,
+        )  # fmt: skip
 
     @classmethod
     def float32(cls, **overrides) -> "Assumptions":
         """Everything float32 with Adam (the 8-CPU-device tests): 4 + 4 + 8 bytes per parameter."""
         kwargs = dict(
+            name="float32",
             compute_dtype="float32",
             activation_bytes=4,
             param_bytes=4,
@@ -209,3 +339,15 @@ class Assumptions:
         )
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+PRESETS = {
+    "shardfuse": Assumptions,
+    "megatron-2021": Assumptions.megatron_2021,
+    "megatron-2022": Assumptions.megatron_2022,
+    "megascale": Assumptions.megascale,
+    "llama3": Assumptions.llama3,
+    "maxtext": Assumptions.maxtext,
+    "palm": Assumptions.palm,
+    "float32": Assumptions.float32,
+}

@@ -139,7 +139,7 @@ def plan(
       >>> from shardfuse.planner import plan
       >>> plans = plan(models.get("llama3-70b"), hardware.cluster("h100", nodes=8),
       ...              global_batch=512, seq_len=8192, top_k=3)
-      >>> len(plans), plans[0].step_time_s <= plans[1].step_time_s
+      >>> len(plans), plans[0].step_time_s <= plans[1].step_time_s * 1.001  # ties: `TIE_RULE`
       (3, True)
     """
     if isinstance(model, str):

@@ -5,8 +5,13 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Term:
-    """One named number of an estimate: `value` in seconds, bytes or FLOPs, and how it arises."""
+    """One named number of an estimate: `value` in seconds, bytes or FLOPs, and how it arises.
+
+    `total`: for a communication term, the whole collective time, of which
+    `value` is the exposed part (None for the others).
+    """
 
     name: str
     value: float
     formula: str
+    total: float | None = None

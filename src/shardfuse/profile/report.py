@@ -29,11 +29,11 @@ IDLE_LIMIT = 0.30
 
 # planner term -> the measured labels it predicts
 PLANNER_COUNTERPARTS = (
-    ("compute", ("compute",), ("matmul", "attention")),
+    ("compute", ("compute", "pipeline_recompute"), ("matmul", "attention")),
     ("elementwise", ("elementwise", "offload"), ("other",)),
     (
         "communication (exposed)",
-        ("tensor_parallel", "context_parallel", "data_parallel", "pipeline_p2p"),
+        ("tensor_parallel", "context_parallel", "fsdp_gather", "data_parallel", "pipeline_p2p"),
         COLLECTIVES,
     ),
     ("bubble / idle", ("pipeline_bubble",), ("idle",)),
