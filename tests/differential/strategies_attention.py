@@ -175,9 +175,14 @@ def masks(draw, T, S):
     return causal, window, softcap, segments
 
 
+def rarely(draw, percent):
+    """True in about `percent` % of the draws (st.integers favours its bounds: not used)."""
+    return draw(st.sampled_from([False] * (100 - percent) + [True] * percent))
+
+
 def maybe_bad(draw, probability_percent=8):
     """One invalid attention argument, or None (most draws)."""
-    if draw(st.integers(0, 99)) >= probability_percent:
+    if not rarely(draw, probability_percent):
         return None
     return draw(st.sampled_from(sorted(ATTENTION_REFUSALS)))
 
@@ -274,7 +279,7 @@ def flash_configs(draw, implementations=FLASH_IMPLEMENTATIONS):
     weights = {"reference": 2, "xla": 4, "pallas_tpu": 1, "triton": 1}
     implementation = draw(st.sampled_from([i for i in implementations for _ in range(weights[i])]))
     bad = maybe_bad(draw)
-    if bad is None and draw(st.integers(0, 99)) < 2:
+    if bad is None and rarely(draw, 2):
         bad = "block"
     H, K = heads_for(draw, bad)
     interpreted = implementation in ("pallas_tpu", "triton")
@@ -383,8 +388,8 @@ class RingConfig:
 @st.composite
 def ring_configs(draw, implementations=(None, "xla", "reference")):
     """`RingConfig`s over the option space of `sf.ring_attention`."""
-    bad = maybe_bad(draw, 10)
-    if bad is None and draw(st.integers(0, 99)) < 4:
+    bad = maybe_bad(draw, 8)
+    if bad is None and rarely(draw, 4):
         bad = draw(st.sampled_from(["axis", "strategy_axes"]))
     strategy = draw(st.sampled_from(["ring", "ring", "all_gather", "ulysses", "ulysses_ring",
                                      "ulysses_ring", None]))  # fmt: skip
@@ -499,7 +504,7 @@ def matmul_configs(draw, implementations=(None, "reference", "xla")):
     rank = draw(st.sampled_from([2, 3]))
     axis = draw(st.sampled_from([0, -2] if rank == 2 else [0, 1, -2, -3]))
     bad = None
-    if draw(st.integers(0, 99)) < 8:
+    if rarely(draw, 8):
         bad = draw(st.sampled_from(["dtype_mismatch", "axis_name"] + (["axis"] if op !=
                                    "matmul_all_reduce" else [])))  # fmt: skip
     extra = 0

@@ -171,14 +171,13 @@ def _corner(**overrides):
     return sa.FlashConfig(**{**base, **overrides})
 
 
-# Known-dangerous corners, always run first: every mask at once with T < S and T > S,
-# MQA with a single query, a fully masked row (segments 4 with a window of 0), bf16.
+# Known-dangerous corners, always run first: every mask at once with T < S and with T > S,
+# MQA, permuted positions, odd tiles; bf16 with fully masked rows (a window of 0 across
+# segment boundaries).
 CORNERS = (
     _corner(),
     _corner(T=53, S=37, H=4, K=1, positions="permuted", block=(5, 7)),
-    _corner(T=1, S=33, H=4, K=1, window=None, softcap=None, segments=0, block=None),
-    _corner(implementation="reference", T=20, S=20, window=(0, 0), segments=4),
-    _corner(dtype="bfloat16", H=4, K=4, T=64, S=64, window=None, block=None),
+    _corner(dtype="bfloat16", H=4, K=4, T=20, S=20, window=(0, 0), segments=4, block=None),
 )
 
 
@@ -223,5 +222,6 @@ def test_flash_generator_covers_the_option_space():
     wanted |= {("dtype", d) for d in ("float32", "bfloat16", "float16")}
     wanted |= {("heads", hk) for hk in sa.HEADS}
     wanted |= {(m, True) for m in ("causal", "window", "softcap", "segments", "T!=S", "odd")}
-    wanted |= {("bad", None), ("bad", "heads"), ("bad", "window")}
     assert wanted <= seen, wanted - seen
+    refusals = {value for key, value in seen if key == "bad" and value is not None}
+    assert ("bad", None) in seen and len(refusals) >= 3, refusals

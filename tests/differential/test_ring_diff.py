@@ -230,13 +230,32 @@ def test_ring_attention_matches_reference(n):
     tally.report()
 
 
-@pytest.mark.parametrize("n", budget_params(2, 120))
-def test_ring_generator_stays_mostly_valid(n):
-    """The refused fraction of the drawn configurations (without running them)."""
-    tally = sa.Tally("sf.ring_attention draws")
-    sa.run_with_examples(lambda c: tally.count(c.refusal() is not None), sa.ring_configs(),
-                         max(n, 200))  # fmt: skip
+def test_ring_generator_covers_the_option_space():
+    """400 draws (not run): the refused fraction stays small, and every strategy, layout,
+    mesh kind, axis type, mode, placement and mask is drawn."""
+    tally, seen = sa.Tally("sf.ring_attention draws"), set()
+
+    def collect(c):
+        tally.count(c.refusal() is not None)
+        seen.update({("strategy", c.strategy), ("layout", c.layout), ("mesh", c.mesh_shape),
+                     ("explicit", c.explicit), ("mode", c.mode), ("placement", c.placement),
+                     ("causal", c.causal), ("window", c.window is not None),
+                     ("segments", bool(c.segments)), ("softcap", c.softcap is not None),
+                     ("divisible", c.T % (c.seq_size * 2) == 0), ("heads", (c.H, c.K)),
+                     ("data", c.data_axis), ("model", c.model_axis),
+                     ("dtype", c.dtype)})  # fmt: skip
+
+    sa.run_with_examples(collect, sa.ring_configs(), 400)
     tally.report()
+    wanted = {("strategy", s) for s in ("ring", "all_gather", "ulysses", "ulysses_ring", None)}
+    wanted |= {("layout", x) for x in sa.RING_LAYOUTS}
+    wanted |= {("mesh", m) for m in ((1,), (2,), (4,), (8,), (2, 4), (4, 2), (2, 2))}
+    wanted |= {(k, v) for k in ("explicit", "causal", "window", "segments", "softcap",
+                                "divisible") for v in (True, False)}  # fmt: skip
+    wanted |= {("mode", "eager"), ("mode", "jit"), ("data", "data"), ("model", "model")}
+    wanted |= {("placement", p) for p in ("sharded", "replicated", "plain")}
+    wanted |= {("heads", hk) for hk in sa.HEADS} | {("dtype", "bfloat16")}
+    assert wanted <= seen, wanted - seen
 
 
 # ---------------------------------------------------------------------------------------
