@@ -262,7 +262,7 @@ def _check_drawn(case_and_jit):
     check_pipeline(case, jit=jit)
 
 
-@pytest.mark.parametrize("max_examples", budget_params(3, 60))
+@pytest.mark.parametrize("max_examples", budget_params(2, 15))
 def test_pipeline_matches_unpipelined(max_examples):
     run(
         _check_drawn,
