@@ -53,7 +53,11 @@ def contenders():
     missing = {}
     try:
         import tokamax
+        from absl import flags
 
+        # tokamax reads absl flags, which would parse this script's own argv: none are set.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
         for impl in ("xla", "xla_chunked"):
             table[f"tokamax.{impl}"] = lambda q, k, v, causal, impl=impl: (
                 tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)

@@ -1,0 +1,128 @@
+"""The native CPU backend beyond the shared test body: build on/off, dispatch, bad calls.
+
+The shared body (`test_attention_backends.py`, backend `native_cpu`) checks values,
+gradients, masked rows, NaN poisoning and determinism when the extension is built.
+Here: without the extension (or switched off at build time) the backend says why and
+dispatch falls back to `xla`; with it, `implementation=None` on CPU runs it, and a
+malformed call to the custom call itself is an error, never a crash.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.kernels import registry
+from shardfuse.kernels.attention import native_cpu
+
+
+def _inputs(dtype=jnp.float32, T=40, S=56, H=4, K=2, D=32):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, T, H, D)).astype(dtype)
+    k = jax.random.normal(keys[1], (2, S, K, D)).astype(dtype)
+    v = jax.random.normal(keys[2], (2, S, K, D)).astype(dtype)
+    return q, k, v
+
+
+def test_cpu_prefers_native_then_xla():
+    assert registry.get("attention").preference["cpu"] == ("native_cpu", "xla")
+
+
+def test_without_the_extension_status_says_why_and_dispatch_falls_back(monkeypatch):
+    def absent():
+        raise NotImplementedError(native_cpu._why_not_built())
+
+    monkeypatch.setattr(native_cpu, "_extension", absent)
+    ok, why = registry.get("attention").status("cpu")["native_cpu"]
+    assert not ok and "shardfuse._native" in why
+    q, k, v = _inputs()
+    with pytest.raises(NotImplementedError, match="shardfuse._native"):
+        sf.flash_attention(q, k, v, implementation="native_cpu")
+    out = sf.flash_attention(q, k, v, causal=True)  # None: native_cpu refuses, xla runs
+    ref = sf.attention_reference(q, k, v, causal=True)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_switched_off_build_is_named(monkeypatch, tmp_path):
+    note = tmp_path / "_native_build.txt"
+    note.write_text("the build was switched off (SHARDFUSE_NATIVE=0)\n")
+
+    class Files:
+        def joinpath(self, name):
+            return tmp_path / name
+
+    monkeypatch.setattr(native_cpu.importlib.resources, "files", lambda package: Files())
+    assert "SHARDFUSE_NATIVE=0" in native_cpu._why_not_built()
+
+
+needs_native = pytest.mark.skipif(
+    not native_cpu.status("cpu")[0], reason=native_cpu.status("cpu")[1]
+)
+
+
+@needs_native
+def test_default_on_cpu_is_native(monkeypatch):
+    calls = []
+    forward = native_cpu.forward
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(native_cpu, "forward", counting)
+    flash = native_cpu.protocol.differentiable(counting, native_cpu.backward)
+    monkeypatch.setattr(native_cpu, "_flash", flash)
+    q, k, v = _inputs()
+    sf.flash_attention(q, k, v)
+    assert calls, "implementation=None on CPU did not run native_cpu"
+
+
+@needs_native
+def test_float16_falls_back_to_xla():
+    q, k, v = _inputs(jnp.float16)
+    with pytest.raises(NotImplementedError, match="float32 and bfloat16"):
+        sf.flash_attention(q, k, v, implementation="native_cpu")
+    out = sf.flash_attention(q, k, v, causal=True)
+    assert out.dtype == jnp.float16 and bool(jnp.isfinite(out).all())
+
+
+@needs_native
+def test_malformed_custom_call_is_an_error_not_a_crash():
+    q, k, v = _inputs()
+    k = k[..., :16]  # head dims differ: api.py would refuse; the handler must too
+    pos = jnp.arange(40, dtype=jnp.int32)
+    call = jax.ffi.ffi_call(
+        "shardfuse_attention_forward",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 40), jnp.float32)),
+    )
+    seg = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(Exception, match="H % K|\\[B, S, K, D\\]"):
+        jax.block_until_ready(
+            call(q, k, k, pos, pos[:16], seg, seg, causal=np.bool_(False),
+                 window_left=np.int64(-1), window_right=np.int64(-1), softcap=np.float32(0),
+                 scale=np.float32(1), has_segments=np.bool_(False))
+        )  # fmt: skip
+
+
+@needs_native
+def test_matches_xla_under_vmap_and_jit_grad():
+    q, k, v = _inputs(T=33, S=65)
+
+    def loss(implementation, q, k, v):
+        out = sf.flash_attention(
+            q, k, v, causal=True, window=(16, 4), implementation=implementation
+        )
+        return jnp.sum(out**2)
+
+    grads = {
+        name: jax.jit(jax.grad(lambda q, k, v, n=name: loss(n, q, k, v), argnums=(0, 1, 2)))(
+            q, k, v
+        )
+        for name in ("native_cpu", "reference")
+    }
+    for a, b in zip(grads["native_cpu"], grads["reference"], strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    batched = jax.vmap(lambda q, k, v: sf.flash_attention(q, k, v, implementation="native_cpu"))
+    out = batched(q[:, None], k[:, None], v[:, None])[:, 0]
+    np.testing.assert_allclose(out, sf.attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
