@@ -16,11 +16,10 @@ its action `(kind, microbatch, chunk)` from the table's row `t`:
   the stage's VJP (`residuals.StageVJP`) in ring buffers next to the stage
   input, and B applies the VJP to them without a forward. The input
   gradient goes to the previous virtual stage by `ppermute` (on virtual
-  stage 0 it is the gradient of the pipeline's input, kept in an `[m, b, ...]`
-  buffer only when asked for: `input_gradient=False` when the caller does
-  not differentiate the input, so that nothing of the batch's size is held
-  and the temp memory of 1F1B stays flat in m); without a split backward the
-  parameter gradient is accumulated too.
+  stage 0 it is the gradient of the pipeline's input, kept in a `[b, m, ...]`
+  buffer the size of the batch only when asked for: `input_gradient=False`
+  when the caller does not differentiate the input); without a split
+  backward the parameter gradient is accumulated too.
 - W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier
   (recomputed, or from the same stored residuals as its B).
 
@@ -267,7 +266,7 @@ def run_schedule(
         kept stage input) or "stored" (the F tick keeps the stage VJP's
         residuals in ring buffers `[v, slots, ...]` per leaf, the stage
         input's slots; B and W apply the VJP to them, no forward).
-      input_gradient: keep the gradient of `x` (an `[m, b, ...]` buffer, the
+      input_gradient: keep the gradient of `x` (a `[b, m, ...]` buffer, the
         size of the input); False when the input is not differentiated: `dx`
         is then None and no buffer of the batch's size is allocated.
 
