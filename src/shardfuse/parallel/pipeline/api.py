@@ -4,16 +4,18 @@
 output. It composes with `jax.grad` / `nnx.value_and_grad` like any loss: it
 is a `jax.custom_vjp` whose forward runs the WHOLE schedule (forward and
 backward ticks, `executor.run_schedule`) and keeps the gradients of the
-stack, the head and the input as residuals; its backward scales them by the
-incoming cotangent. Undifferentiated it runs the same program and returns the
-loss; `Pipeline.forward` is the evaluation path (forward ticks only). The
-embedding runs before the pipeline and gets its gradient through the input's
-cotangent; a head that shares the embedding's `nnx.Param` (tied
-embeddings) gets the sum of both ends from autodiff.
+stack, the head and the input as residuals (the input's only when the caller
+differentiates the input: `custom_vjp(symbolic_zeros)` tells); its backward
+scales them by the incoming cotangent. Undifferentiated it runs the same
+program and returns the loss; `Pipeline.forward` is the evaluation path
+(forward ticks only). The embedding runs before the pipeline and gets its
+gradient through the input's cotangent; a head that shares the embedding's
+`nnx.Param` (tied embeddings) gets the sum of both ends from autodiff.
 
 Microbatch `i` is rows `i, i + m, i + 2m, ...` of the batch (a strided split:
-a batch sharded over the data axes stays where it is), so the loss, a sum
-over tokens divided by the total weight, does not depend on the split.
+a batch sharded over the data axes stays where it is, and `[B, ...]` ->
+`[B/m, m, ...]` is a reshape, no copy), so the loss, a sum over tokens
+divided by the total weight, does not depend on the split.
 """
 
 import jax.numpy as jnp
