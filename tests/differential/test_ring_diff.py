@@ -215,11 +215,15 @@ def _usp(mesh_shape, **overrides):
     return sa.RingConfig(**{**base, **overrides})
 
 
-# The corners a hand-picked matrix missed: USP, default zigzag layout, causal, 2-D meshes.
+# The corners a hand-picked matrix missed: USP, default zigzag layout, causal, 2-D meshes
+# (in both axis orders); and the ring of 8 with a length it does not divide, a window,
+# segment ids and MQA, on plain inputs under jit.
 CORNERS = (
     _usp((2, 4)),
     _usp((4, 2), mesh_names=("ring", "ulysses"), mode="jit", explicit=False, T=29, S=29,
          K=1, segments=2),
+    _usp((8,), strategy="ring", mesh_names=("sequence",), sequence_axis="sequence", T=45,
+         S=45, K=1, window=(7, None), segments=2, mode="jit", placement="plain"),
 )  # fmt: skip
 
 
