@@ -5,9 +5,22 @@ import doctest
 import pytest
 
 from shardfuse import hardware, models
-from shardfuse.planner import cli, constraints, cost, memory, options, plans, search
+from shardfuse.planner import (
+    cli,
+    comm,
+    constraints,
+    cost,
+    efficiency,
+    memory,
+    options,
+    pipeline_time,
+    plans,
+    published,
+    search,
+)
 
-MODULES = [hardware, models, options, cost, memory, constraints, plans, search, cli]
+MODULES = [hardware, models, options, cost, memory, constraints, plans, search, cli, efficiency,
+           comm, pipeline_time, published]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -66,7 +66,7 @@ def test_cli_json_round_trips(capsys):
     plans = json.loads(capsys.readouterr().out)
     assert len(plans) == 4
     times = [p["step_time_s"] for p in plans]
-    assert times[0] == min(times)
+    assert times[0] <= min(times) * 1.001  # plans within 0.1% are tied (search.TIE_RULE)
     direct = plan("llama3-8b", hardware.cluster("h100", nodes=2), global_batch=64, seq_len=4096,
                   top_k=4)  # fmt: skip
     assert plans == [json.loads(json.dumps(p.to_dict())) for p in direct]

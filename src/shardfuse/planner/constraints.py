@@ -1,16 +1,42 @@
-"""The divisibility rules a layout must keep: heads, MLP, sequence, layers, batch, ZeRO."""
+"""The divisibility rules a layout must keep: heads, MLP, sequence, layers, batch, ZeRO.
+
+Each message names the rule it breaks and the values (`heads=32 % model=3 != 0`):
+a pinned layout the planner cannot run is refused with these messages.
+"""
 
 from shardfuse.models import ModelShape
-from shardfuse.planner.options import Layout
+from shardfuse.planner.options import Assumptions, Layout
 
 
-def layout_constraints(model: ModelShape, layout: Layout, *, global_batch: int, seq_len: int):
+def sequence_shards(layout: Layout, assumptions: Assumptions | None = None) -> tuple[int, int]:
+    """`(ring chunks, model)`: how many pieces the sequence is cut into by what shards it.
+
+    The sequence axis cuts it into `C` pieces (`2 C` for a zigzag ring); the model
+    axis cuts it again only with Megatron sequence parallelism
+    (`Assumptions.sequence_parallel`): without it the activations are replicated
+    over `model`, and the sequence length need not divide by it (PaLM's 12-way
+    model parallelism at s = 2048).
+    """
+    a = assumptions or Assumptions()
+    C = layout.sequence
+    ring = 2 * C if C > 1 and layout.cp_strategy != "ulysses" else C
+    return ring, layout.model if a.sequence_parallel else 1
+
+
+def layout_constraints(
+    model: ModelShape,
+    layout: Layout,
+    *,
+    global_batch: int,
+    seq_len: int,
+    assumptions: Assumptions | None = None,
+):
     """The divisibility rules `layout` breaks (empty when valid), as messages.
 
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.constraints import layout_constraints
-      >>> from shardfuse.planner.options import Layout
+      >>> from shardfuse.planner.options import Assumptions, Layout
       >>> errors = layout_constraints(models.get("llama3-8b"), Layout(model=3), global_batch=8,
       ...                             seq_len=64)
       >>> errors[0]
@@ -25,9 +51,10 @@ def layout_constraints(model: ModelShape, layout: Layout, *, global_batch: int, 
         errors.append(f"ffn_hidden={model.ffn_hidden} % model={T} != 0")
     if model.kv_heads % T and T % model.kv_heads:
         errors.append(f"kv_heads={model.kv_heads} and model={T}: neither divides the other")
-    ring = 2 * C if C > 1 and layout.cp_strategy != "ulysses" else C
-    if seq_len % (ring * T):
-        errors.append(f"seq_len={seq_len} % (sequence chunks={ring} x model={T}) != 0")
+    ring, by_model = sequence_shards(layout, assumptions)
+    if seq_len % (ring * by_model):
+        what = f" x model={T} (sequence parallelism)" if by_model > 1 else ""
+        errors.append(f"seq_len={seq_len} % (sequence chunks={ring}{what}) != 0")
     if C > 1 and layout.cp_strategy == "ulysses":
         kv = max(model.kv_heads // T, 1)
         if (model.heads // T) % C or kv % C:

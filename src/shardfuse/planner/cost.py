@@ -288,6 +288,14 @@ def estimate(
             layout=layout, params_dev=params_dev, a=a, compute_s=compute, overlap=overlap,
             links=(axis_link(cluster, layout, "data"), axis_link(cluster, layout, "fsdp")),
         )  # fmt: skip
+    # The optimizer update is memory-bound: Adam reads the gradient, the master
+    # weights and both moments and writes the last three and the weights the step
+    # reads, once per step, on this device's ZeRO shard.
+    shard = F if layout.zero >= 1 else 1
+    touched = a.grad_bytes + 2 * a.optimizer_bytes + a.param_bytes
+    update = params_dev / shard * touched / hbm
+    time_terms.append(Term("optimizer", update, f"{params_dev:.4g} params / {shard} x {touched} "
+                           f"B read and written / {hbm / 1e9:g} GB/s HBM"))  # fmt: skip
     step_time = sum(t.value for t in time_terms)
 
     # ---- memory ----

@@ -69,7 +69,7 @@ def saved_elements_per_token(
     h, d, f = model.hidden, model.head_dim, model.ffn_hidden
     heads = model.heads / t
     kv_heads = max(model.kv_heads / t, 1.0)
-    token_split = t if a.sequence_parallel else 1
+    token_split = t if (a.sequence_parallel or a.residual_sharded) else 1
     swiglu = model.activation == "swiglu"
     # "none": what autodiff keeps, counted in shardfuse's layers with
     # `jax.ad_checkpoint.print_saved_residuals`: six h-sized tensors per token

@@ -146,6 +146,9 @@ class Assumptions:
       pp_overlap: pipeline sends overlap the next microbatch's compute.
       sequence_parallel: Megatron sequence parallelism (norms and residuals
         sharded over `model` too); False: they are replicated over `model`.
+      residual_sharded: the layer inputs saved for the backward pass are sharded over
+        `model` even without sequence parallelism (GSPMD's 2D sharding of PaLM splits
+        them along the hidden dimension); the sequence length need not divide by it.
       flash_attention: attention keeps no `[s, s]` scores; False keeps
         `attention_scores_bytes_per_key` bytes per head and key (Korthikanti et al.'s
         5: fp16 softmax output, its dropout mask and dropout output).
@@ -184,6 +187,7 @@ class Assumptions:
     dp_overlap: float = 1.0
     pp_overlap: bool = False
     sequence_parallel: bool = True
+    residual_sharded: bool = False
     flash_attention: bool = True
     attention_scores_bytes_per_key: int = 5
     embedding_sharded: bool = True
@@ -318,11 +322,13 @@ class Assumptions:
     def palm(cls) -> "Assumptions":
         """Chowdhery et al. 2022 (PaLM on TPU v4): as `maxtext`, no sequence parallelism.
 
-        12-way model parallelism with the activations replicated over it (the
-        sequence length need not divide by it), no flash attention (2022).
+        12-way model parallelism without Megatron's sequence parallelism (the sequence
+        length need not divide by it; GSPMD shards the saved layer inputs along the
+        hidden dimension instead), no flash attention (2022).
         """
         return dataclasses.replace(
-            cls.maxtext(), name="palm", sequence_parallel=False, flash_attention=False,
+            cls.maxtext(), name="palm", sequence_parallel=False, residual_sharded=True,
+            flash_attention=False,
         )  # fmt: skip
 
     @classmethod

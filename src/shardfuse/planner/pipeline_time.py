@@ -61,8 +61,8 @@ def lockstep_time(schedule: str, p: int, m: int, v: int, cost: dict) -> float:
     Example:
       >>> from shardfuse.parallel.pipeline.schedule import B, F, W
       >>> from shardfuse.planner.pipeline_time import lockstep_time
-      >>> lockstep_time("gpipe", 2, 2, 1, {F: 1.0, B: 3.0, W: 0.0})  # F F . / . F F ... B B
-      10.0
+      >>> lockstep_time("gpipe", 2, 2, 1, {F: 1.0, B: 3.0, W: 0.0})  # 3 F ticks, 3 B ticks
+      12.0
     """
     return sum(n * max((cost[k] for k in kinds), default=0.0)
                for kinds, n in tick_mix(schedule, p, m, v))  # fmt: skip

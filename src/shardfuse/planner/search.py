@@ -35,7 +35,7 @@ from shardfuse.planner.options import (
 from shardfuse.planner.plans import Plan
 
 SEARCHED_CP_STRATEGIES = ("ring", "all_gather", "ulysses")  # ulysses_ring: not modelled apart
-VIRTUAL_STAGES = (2, 4)
+MAX_VIRTUAL_STAGES = 8  # interleaved: virtual stages searched (2..8 that divide); pins: any
 # Remat policies by recomputation (and time): the search tries them in this order.
 REMAT_ORDER = ("none", "dots", "selective", "offload", "full")
 
@@ -63,8 +63,22 @@ def _subset(name, value, valid):
     return values
 
 
-def mesh_shapes(model: ModelShape, n: int, *, global_batch: int, seq_len: int, fixed=None):
+def mesh_shapes(
+    model: ModelShape,
+    n: int,
+    *,
+    global_batch: int,
+    seq_len: int,
+    fixed=None,
+    assumptions: Assumptions | None = None,
+    rejected: list | None = None,
+):
     """Mesh sizes `(pipeline, data, fsdp, sequence, model)` with product `n` that fit the model.
+
+    The sequence must divide by what shards it (`constraints.sequence_shards`:
+    the ring, and `model` only with sequence parallelism). Shapes that match
+    the pins in `fixed` but break a rule are appended to `rejected` as
+    `(shape, rule)` when a list is given.
 
     Example:
       >>> from shardfuse import models
@@ -74,21 +88,47 @@ def mesh_shapes(model: ModelShape, n: int, *, global_batch: int, seq_len: int, f
       True
     """
     fixed = fixed or {}
+    sp = (assumptions or Assumptions()).sequence_parallel
     ok = lambda axis, size: fixed.get(axis, size) == size  # noqa: E731
+
+    def reject(shape, rule):
+        if rejected is not None:
+            rejected.append((shape, rule))
+
     for T in _divisors(n):
-        if not ok("model", T) or model.heads % T or model.ffn_hidden % T:
+        if not ok("model", T):
+            continue
+        if model.heads % T or model.ffn_hidden % T:
+            reject({"model": T}, f"heads={model.heads} and ffn_hidden={model.ffn_hidden} % "
+                                 f"model={T} != 0")  # fmt: skip
             continue
         if model.kv_heads % T and T % model.kv_heads:
+            reject({"model": T}, f"kv_heads={model.kv_heads} and model={T}: neither divides")
             continue
+        by_model = T if sp else 1
         for C in _divisors(n // T):
             chunks = 2 * C if C > 1 else 1
-            if not ok("sequence", C) or seq_len % (chunks * T) and seq_len % (C * T):
+            if not ok("sequence", C):
+                continue
+            if seq_len % (chunks * by_model) and seq_len % (C * by_model):
+                reject(
+                    {"sequence": C, "model": T},
+                    f"seq_len={seq_len} % (sequence chunks="
+                    f"{chunks}" + (f" x model={T}, sequence parallel" if sp else "") + ") != 0",
+                )
                 continue
             for P in _divisors(n // (T * C)):
-                if not ok("pipeline", P) or model.num_layers % P:
+                if not ok("pipeline", P):
+                    continue
+                if model.num_layers % P:
+                    reject({"pipeline": P}, f"num_layers={model.num_layers} % pipeline={P} != 0")
                     continue
                 replicas = n // (T * C * P)
                 if global_batch % replicas:
+                    reject(
+                        {"pipeline": P, "sequence": C, "model": T},
+                        f"global_batch={global_batch} % (data x fsdp={replicas}) != 0",
+                    )
                     continue
                 for F in _divisors(replicas):
                     D = replicas // F
@@ -110,6 +150,8 @@ def plan(
     schedule=None,
     cp_strategy=None,
     microbatch_size=None,
+    virtual_stages=None,
+    calibration=None,
 ) -> list[Plan]:
     """The best layouts for training `model` on `cluster`, best (fastest predicted) first.
 
@@ -122,8 +164,13 @@ def plan(
       top_k: how many plans to return.
       mesh: axis -> size to pin (e.g. `{"model": 8, "pipeline": 2}`); the
         other axes are searched.
-      zero, remat, schedule, cp_strategy, microbatch_size: restrict an option to
-        one value or a tuple of values (default: all).
+      zero, remat, schedule, cp_strategy, microbatch_size, virtual_stages: restrict
+        an option to one value or a tuple of values (default: all; virtual stages:
+        any that divides the layers of a stage, searched up to `MAX_VIRTUAL_STAGES`).
+        Every field of a `Layout` can so be pinned.
+      calibration: a measured step (`sf.profile`'s `Profile`, its `to_json()` dict
+        or a JSON path) of one layout on this cluster: the assumptions'
+        efficiency is fitted to it (`planner.calibrate`) before the search.
 
     Returns:
       Up to `top_k` `Plan`s, sorted by predicted step time (then memory); every
@@ -131,7 +178,8 @@ def plan(
 
     Raises:
       ValueError: a bad argument (named, with what is valid).
-      PlanningError: no layout fits; the message says what would.
+      PlanningError: no layout fits, or none respects the rules (each rule that
+        failed is named, with its values); the message says what would.
 
     Example usage::
 
@@ -169,25 +217,39 @@ def plan(
     strategies = _subset("cp_strategy", cp_strategy, CP_STRATEGIES)
     if cp_strategy is None:
         strategies = SEARCHED_CP_STRATEGIES
-    if microbatch_size is not None:
-        sizes = (microbatch_size,) if isinstance(microbatch_size, int) else tuple(microbatch_size)
-        for size in sizes:
-            _check_positive_int("microbatch_size", size)
-    else:
-        sizes = None
+    sizes = _ints("microbatch_size", microbatch_size)
+    virtuals = _ints("virtual_stages", virtual_stages)
+    if virtuals is not None and any(v > 1 for v in virtuals) and "interleaved" not in schedules:
+        raise ValueError(f"virtual_stages={virtual_stages!r} > 1 needs schedule='interleaved'")
+    if calibration is not None:
+        from shardfuse.planner.calibrate import calibrate
+
+        a = calibrate(calibration, model=model, cluster=cluster, assumptions=a)
+    pinned = math.prod(fixed.values()) if fixed else 1
+    every_axis = len(fixed) == len(MESH_AXES)
+    if (pinned != cluster.num_devices) if every_axis else (cluster.num_devices % pinned):
+        raise PlanningError(
+            f"mesh {fixed}: the pinned sizes multiply to {pinned}, which "
+            + ("is not" if every_axis else "does not divide")
+            + f" the cluster's {cluster.num_devices} devices (rule: the mesh product is the "
+            "device count)"
+        )
 
     n = cluster.num_devices
     limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
     kwargs = dict(global_batch=global_batch, seq_len=seq_len, assumptions=a)
-    sizes_only = dict(global_batch=global_batch, seq_len=seq_len)
+    sizes_only = dict(global_batch=global_batch, seq_len=seq_len, assumptions=a)
     found, smallest, shapes = [], None, 0
+    rejected = []  # (what, rule) of pinned candidates that break a rule
     best_times = []  # a max-heap (negated) of the top_k step times so far
     compute_s = {policy: _compute_seconds(model, cluster, policy, **kwargs) for policy in remats}
+    max_v = max(virtuals) if virtuals else MAX_VIRTUAL_STAGES
     min_bubble = min(
-        1 / max(VIRTUAL_STAGES) if name == "interleaved" else 1 / 3 if name == "zb-h1" else 1
+        1 / max_v if name == "interleaved" else 1 / 3 if name == "zb-h1" else 1
         for name in schedules
     )
-    meshes = mesh_shapes(model, n, global_batch=global_batch, seq_len=seq_len, fixed=fixed)
+    meshes = list(mesh_shapes(model, n, global_batch=global_batch, seq_len=seq_len, fixed=fixed,
+                              assumptions=a, rejected=rejected))  # fmt: skip
     # Shapes without a pipeline or context parallelism first: they set the bound early.
     for P, D, F, C, T in sorted(meshes, key=lambda shape: (shape[0], shape[3])):
         shapes += 1
@@ -219,7 +281,9 @@ def plan(
                         continue
                     base = Layout(P, D, F, C, T, zero=z, remat=policy, microbatch_size=mb,
                                   num_microbatches=m, cp_strategy=cps[0])  # fmt: skip
-                    if layout_constraints(model, base, **sizes_only):
+                    broken = layout_constraints(model, base, **sizes_only)
+                    if broken:
+                        rejected += [(base.mesh_shape, rule) for rule in broken]
                         continue
                     first = estimate(model, cluster, base, **kwargs)
                     if smallest is None or first.memory_bytes < smallest[0].memory_bytes:
@@ -234,7 +298,8 @@ def plan(
                     candidates = [best_cp]
                     if P > 1:
                         candidates = [
-                            (None, layout) for layout in _schedules(model, best_cp[1], schedules)
+                            (None, layout)
+                            for layout in _schedules(model, best_cp[1], schedules, virtuals)
                         ]
                     elif "1f1b" not in schedules:  # no pipeline: the schedule is moot
                         candidates = [
@@ -243,7 +308,8 @@ def plan(
                     for e, layout in candidates:
                         if layout == best_cp[1]:
                             e = best_cp[0]
-                        elif layout_constraints(model, layout, **sizes_only):
+                        elif broken := layout_constraints(model, layout, **sizes_only):
+                            rejected += [(layout.mesh_shape, rule) for rule in broken]
                             continue
                         else:
                             e = estimate(model, cluster, layout, **kwargs)
@@ -258,15 +324,31 @@ def plan(
                         break
     if not found:
         raise PlanningError(_no_fit_message(model, cluster, global_batch, seq_len, smallest,
-                                            shapes, remats, zeros))  # fmt: skip
+                                            shapes, remats, zeros, rejected))  # fmt: skip
     found.sort(key=lambda item: item[0])
     return [
         Plan(model, cluster, global_batch, seq_len, layout, e, a) for _, layout, e in found[:top_k]
     ]
 
 
+TIE_RULE = (
+    "plans within 0.1% of each other's step time are tied; ties go to: no pipeline, "
+    "less recomputation (none < dots < selective < offload < full), the lower ZeRO stage, "
+    "no context parallelism, then the least memory"
+)
+
+
+def _ints(name, value):
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, int) else tuple(value)
+    for size in values:
+        _check_positive_int(name, size)
+    return values
+
+
 def _rank(e, layout):
-    """Sort key: step time (to 0.1%), then the simpler options, then memory."""
+    """Sort key (`TIE_RULE`): step time (to 0.1%), then the simpler options, then memory."""
     return (
         round(math.log(e.step_time_s) / math.log(1.001)),
         layout.pipeline > 1,
@@ -287,9 +369,8 @@ def _compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumptio
 
 def _best(model, cluster, kwargs, layouts):
     best = None
-    sizes_only = {k: v for k, v in kwargs.items() if k != "assumptions"}
     for layout in layouts:
-        if layout_constraints(model, layout, **sizes_only):
+        if layout_constraints(model, layout, **kwargs):
             continue
         e = estimate(model, cluster, layout, **kwargs)
         if e.fits and (best is None or e.step_time_s < best[0].step_time_s):
@@ -297,12 +378,15 @@ def _best(model, cluster, kwargs, layouts):
     return best
 
 
-def _schedules(model, base, schedules):
+def _schedules(model, base, schedules, virtuals=None):
     out = []
+    per_stage = model.num_layers // base.pipeline
     for name in schedules:
         if name == "interleaved":
-            for v in VIRTUAL_STAGES:
-                if model.num_layers % (base.pipeline * v) == 0:
+            tried = virtuals or [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per_stage % v == 0]
+            for v in tried:
+                # a pinned v that does not divide is kept: the constraints name the rule
+                if v > 1 and (virtuals or model.num_layers % (base.pipeline * v) == 0):
                     out.append(dataclasses.replace(base, schedule=name, virtual_stages=v))
         elif name == base.schedule:
             out.append(base)
@@ -311,13 +395,16 @@ def _schedules(model, base, schedules):
     return out
 
 
-def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, remats, zeros):
+def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, remats, zeros,
+                    rejected=()):  # fmt: skip
     where = f"{model.name} ({model.num_params() / 1e9:.3g}B parameters) on {cluster.describe()}"
     if smallest is None:
+        rules = sorted({rule for _, rule in rejected})
+        failed = f"; rules that failed: {'; '.join(rules[:8])}" if rules else ""
         return (
             f"no layout of {where} respects the divisibility rules for global_batch="
-            f"{global_batch}, seq_len={seq_len} ({shapes} mesh shapes tried): use a device "
-            "count, batch and sequence length that the heads, layers and batch divide"
+            f"{global_batch}, seq_len={seq_len} ({shapes} mesh shapes tried{failed}): use a "
+            "device count, batch and sequence length that the heads, layers and batch divide"
         )
     e, layout = smallest
     limit = e.memory_limit_bytes
@@ -332,6 +419,9 @@ def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, rem
     if layout.remat != "full" and "full" in remats:
         hints.append("remat='full'")
     hints.append("a smaller global batch or sequence length per microbatch")
+    rules = sorted({rule for _, rule in rejected})
+    if rules:
+        hints.append(f"(pinned layouts refused by the rules: {'; '.join(rules[:8])})")
     terms = ", ".join(f"{t.name} {t.value / 1e9:.3g} GB" for t in e.memory if t.value > 0)
     return (
         f"no layout of {where} fits in {limit / 1e9:.3g} GB per device: the smallest needs "
