@@ -105,3 +105,51 @@ def test_cli_as_a_command():
                           timeout=120, cwd=REPO)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[0]["mesh"]
+
+
+def test_cli_pins_every_field_and_records_assumptions(capsys):
+    argv = (
+        "--model llama3-8b --device h100 --nodes 2 --seq 4096 --batch 64 --json --top 3 "
+        "--mesh pipeline=2,model=2 --microbatch-size 2 --schedule interleaved "
+        "--virtual-stages 8 --zero 1 --remat selective --assumptions megatron-2022"
+    )
+    assert _run(argv.split()) == 0
+    plans = json.loads(capsys.readouterr().out)
+    for p in plans:
+        assert p["mesh"]["pipeline"] == 2 and p["mesh"]["model"] == 2
+        o = p["options"]
+        assert (o["microbatch_size"], o["schedule"], o["virtual_stages"]) == (2, "interleaved", 8)
+        assert (o["zero"], o["remat"]) == (1, "selective")
+        a = p["assumptions"]
+        assert a["name"] == "megatron-2022" and a["pipeline_executor"] == "async"
+        assert 0 < a["compute_efficiency"] < 1 and "overlap" in a
+        assert set(p["communication_total_s"]) >= {"tensor_parallel", "pipeline_p2p"}
+
+
+def test_cli_table_explains_columns_ties_and_alternatives(capsys):
+    argv = "--model llama3-8b --device h100 --nodes 2 --seq 4096 --batch 64 --top 3 --explain"
+    assert _run(argv.split()) == 0
+    out = capsys.readouterr().out
+    assert "columns: # rank; mesh sizes" in out and "ties: plans within 0.1%" in out
+    assert "why the next-best lost" in out and "\n  #2 " in out and "\n  #3 " in out
+    assert "assumptions 'shardfuse': matmul efficiency 0.653" in out
+
+
+def test_infeasible_pins_name_the_rule(capsys):
+    # PaLM's 12-way model parallelism at s = 2048: plans without sequence parallelism ...
+    palm = ("--model {\"name\":\"p\",\"hidden\":1536,\"heads\":48,\"kv_heads\":1,\"head_dim\":32,"
+            "\"ffn_hidden\":6144,\"num_layers\":4,\"vocab_size\":1200} --device v4 "
+            "--devices-per-node 24 --seq 2048 --batch 8 --mesh model=12")  # fmt: skip
+    assert _run(palm.split() + ["--assumptions", "palm"]) == 0
+    capsys.readouterr()
+    # ... and with it the rule that fails is named
+    assert _run(palm.split()) == cli.EXIT_NO_PLAN
+    err = capsys.readouterr().err
+    assert "seq_len=2048 % (sequence chunks=1 x model=12, sequence parallel) != 0" in err
+    argv = "--model llama3-8b --seq 4096 --batch 64 --mesh pipeline=3".split()
+    assert _run(argv) == cli.EXIT_NO_PLAN
+    assert "rule: the mesh product is the device count" in capsys.readouterr().err
+    argv = ("--model llama3-8b --seq 4096 --batch 64 --mesh pipeline=2,model=4 "
+            "--schedule interleaved --virtual-stages 3").split()  # fmt: skip
+    assert _run(argv) == cli.EXIT_NO_PLAN
+    assert "num_layers=32 % (pipeline=2 x virtual=3) != 0" in capsys.readouterr().err

@@ -1,8 +1,10 @@
 """`shardfuse plan`: the best parallel layouts for a model on a cluster, as a table or JSON.
 
     shardfuse plan --model llama3-70b --device h100 --nodes 8 --seq 8192 --batch 512
-    shardfuse plan ... --json            # a list of plans, best first
-    shardfuse plan ... --explain         # every term of the best plan
+    shardfuse plan ... --json            # a list of plans, best first (assumptions included)
+    shardfuse plan ... --explain         # every term of the best plan, why the next lost
+    shardfuse plan --model palm ... --mesh data=2,fsdp=256,model=12 --microbatch-size 4 \
+        --zero 3 --remat full --assumptions palm      # pin any field of the layout
 
 `--model` takes a name of `shardfuse.models` or a JSON object of
 `ModelSpec` fields (`{"name": "mine", "hidden": 4096, ...}`, or `@file.json`).
@@ -17,12 +19,14 @@ from shardfuse import hardware, models
 from shardfuse.cli import fail
 from shardfuse.planner.options import (
     CP_STRATEGIES,
+    MESH_AXES,
+    PRESETS,
     REMAT_POLICIES,
     SCHEDULES,
     ZERO_STAGES,
     Assumptions,
 )
-from shardfuse.planner.search import PlanningError, plan
+from shardfuse.planner.search import TIE_RULE, PlanningError, plan
 
 EXIT_NO_PLAN = 3
 
@@ -59,10 +63,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=only.format("pipeline schedules"))  # fmt: skip
     parser.add_argument("--cp-strategy", action="append", choices=CP_STRATEGIES,
                         help=only.format("context-parallel strategies"))  # fmt: skip
+    parser.add_argument("--mesh", type=parse_mesh, default={},
+                        help=f"pin mesh sizes, AXIS=SIZE,... with AXIS in {', '.join(MESH_AXES)}"
+                        " (the other axes are searched)")  # fmt: skip
+    parser.add_argument("--microbatch-size", type=int, action="append",
+                        help=only.format("microbatch sizes (sequences per replica)"))  # fmt: skip
+    parser.add_argument("--virtual-stages", type=int, action="append",
+                        help=only.format("virtual stages (interleaved; any that divides the "
+                                         "layers of a stage)"))  # fmt: skip
+    parser.add_argument("--assumptions", choices=tuple(PRESETS), default="shardfuse",
+                        help="assumptions preset: the system whose efficiency, overlap and "
+                        "pipeline executor are assumed (default shardfuse)")  # fmt: skip
     parser.add_argument(
         "--efficiency",
         type=float,
-        help=f"fraction of peak FLOP/s reached (default {Assumptions().compute_efficiency})",
+        help="fraction of peak FLOP/s the matmuls reach (default: the device's, "
+        "shardfuse.planner.efficiency)",
     )
     parser.add_argument(
         "--dtype",
@@ -70,6 +86,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="bfloat16",
         help="bfloat16: mixed precision (default); float32: everything float32",
     )
+
+
+def parse_mesh(text: str) -> dict:
+    """`"data=2,model=8"` -> `{"data": 2, "model": 8}`.
+
+    Example:
+      >>> from shardfuse.planner.cli import parse_mesh
+      >>> parse_mesh("pipeline=2, model=4")
+      {'pipeline': 2, 'model': 4}
+    """
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name.strip() not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {MESH_AXES}"
+            )
+        sizes[name.strip()] = int(value)
+    return sizes
 
 
 def load_model(text: str) -> models.ModelShape:
@@ -98,8 +133,17 @@ def load_model(text: str) -> models.ModelShape:
         raise ValueError(f"--model JSON: {error}") from None
 
 
+COLUMNS = (
+    "columns: # rank; mesh sizes (pipeline data fsdp sequence model); options (ZeRO stage, "
+    "remat policy, microbatch size x microbatches, schedule/virtual stages, context-parallel "
+    "strategy); step s: predicted seconds per step; MFU: model FLOPs / (devices x peak x step); "
+    "GB/dev: predicted peak memory per device; terms: every time term in seconds, "
+    "communication as exposed/total (the rest hidden behind compute)"
+)
+
+
 def table(plans) -> str:
-    """The plans as a text table: rank, mesh, options, step time, MFU, memory, the largest terms."""
+    """The plans as a text table: rank, mesh, options, step time, MFU, memory, every term."""
     header = (
         f"{'#':>2}  {'mesh (p d f s m)':17} {'options':42} {'step s':>9} {'MFU':>6} "
         f"{'GB/dev':>7}  terms (s)"
@@ -107,7 +151,10 @@ def table(plans) -> str:
     lines = [header, "-" * len(header)]
     for rank, p in enumerate(plans, 1):
         mesh = " ".join(str(v) for v in p.mesh_shape.values())
-        terms = ", ".join(f"{t.name} {t.value:.3g}" for t in p.estimate.time if t.value > 0)
+        terms = ", ".join(
+            f"{t.name} {t.value:.3g}" + (f"/{t.total:.3g}" if t.total is not None else "")
+            for t in p.estimate.time
+        )
         lines.append(
             f"{rank:>2}  {mesh:17} {p.options_text():42} {p.step_time_s:9.4g} "
             f"{p.mfu:6.1%} {p.memory_bytes / 1e9:7.2f}  {terms}"
@@ -128,7 +175,7 @@ def main(args) -> int:
         if args.dtype == "float32":
             assumptions = Assumptions.float32(**overrides)
         else:
-            assumptions = Assumptions(**overrides)
+            assumptions = Assumptions.preset(args.assumptions, **overrides)
         plans = plan(
             model,
             cluster,
@@ -140,6 +187,9 @@ def main(args) -> int:
             remat=args.remat,
             schedule=args.schedule,
             cp_strategy=args.cp_strategy,
+            mesh=args.mesh,
+            microbatch_size=args.microbatch_size,
+            virtual_stages=args.virtual_stages,
         )
     except PlanningError as error:
         print(f"shardfuse plan: {error}", file=sys.stderr)
@@ -154,7 +204,13 @@ def main(args) -> int:
         f"global batch {args.batch} x {args.seq} tokens"
     )
     print(table(plans))
+    print(COLUMNS)
+    print(f"ties: {TIE_RULE}")
     if args.explain:
         print()
         print(plans[0].explain())
+        if len(plans) > 1:
+            print("why the next-best lost (their step time minus #1's, by term):")
+            for rank, other in enumerate(plans[1:4], 2):
+                print(f"  #{rank} {other.summary()}: {other.versus(plans[0])}")
     return 0

@@ -177,8 +177,34 @@ class Plan:
             model_flops=e.model_flops,
             hardware_flops=e.hardware_flops,
             time_terms={t.name: t.value for t in e.time},
+            communication_total_s={t.name: t.total for t in e.time if t.total is not None},
             memory_terms={t.name: t.value for t in e.memory},
+            assumptions=self.assumptions.to_dict(self.cluster.device),
         )
+
+    def versus(self, better: "Plan") -> str:
+        """Why this plan lost to `better`: the step-time gap and the terms that make it.
+
+        Example usage::
+
+          >>> from shardfuse import hardware
+          >>> from shardfuse.planner import plan
+          >>> first, second = plan("llama3-8b", hardware.cluster("h100"), global_batch=64,
+          ...                      seq_len=8192, top_k=2)
+          >>> second.versus(first).startswith("+")
+          True
+        """
+        mine = {t.name: t.value for t in self.estimate.time}
+        theirs = {t.name: t.value for t in better.estimate.time}
+        gaps = sorted(((mine.get(k, 0.0) - theirs.get(k, 0.0), k) for k in set(mine) | set(theirs)),
+                      key=lambda g: -abs(g[0]))  # fmt: skip
+        gap = self.step_time_s - better.step_time_s
+        parts = [f"{name} {d:+.3g} s" for d, name in gaps if abs(d) > 1e-3 * better.step_time_s]
+        text = f"{gap:+.3g} s ({gap / better.step_time_s:+.1%})"
+        text += ": " + ", ".join(parts[:4]) if parts else ": the same terms"
+        if abs(gap) <= 1e-3 * better.step_time_s:
+            text += " (a tie within 0.1%, broken by the stated rule)"
+        return text
 
     def summary(self) -> str:
         """One line: mesh, options, step time, MFU, memory."""
@@ -225,7 +251,20 @@ class Plan:
             f"({e.tflops_per_device:.1f} TFLOP/s per device of {peak} peak, MFU {e.mfu:.1%})",
             f"step time {e.step_time_s:.4g} s =",
         ]
-        lines += [f"  {t.name:18} {t.value:10.4g} s   {t.formula}" for t in e.time]
+        lines += [
+            f"  {t.name:18} {t.value:10.4g} s   "
+            + (f"(exposed of {t.total:.4g} s) " if t.total is not None else "")
+            + t.formula
+            for t in e.time
+        ]
+        a = self.assumptions.to_dict(self.cluster.device)
+        lines.append(
+            f"assumptions {a['name']!r}: matmul efficiency {a['compute_efficiency']:.3g}, overlap "
+            f"{a['overlap']:g}, pipeline executor {a['pipeline_executor']}"
+            + (" (stage recompute)" if a["pipeline_recompute"] else "")
+            + f", flash attention {a['flash_attention']}, sequence parallel "
+            f"{a['sequence_parallel']} (all fields: --json)"
+        )
         limit = e.memory_limit_bytes / 1e9
         lines.append(f"memory per device {e.memory_bytes / 1e9:.4g} GB (fits in {limit:.4g} GB) =")
         lines += [f"  {t.name:18} {t.value / 1e9:10.4g} GB  {t.formula}" for t in e.memory]
