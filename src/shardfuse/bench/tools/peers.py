@@ -1,7 +1,9 @@
 """CPU attention side by side with its peers, and against the machine's matmul roofline.
 
 One run times, interleaved (every contender once per round, the minimum over
-rounds kept, so that load on a shared machine hits them all alike):
+rounds kept, so that load on a shared machine hits them all alike), both the
+wall time and the process CPU time (all threads: the work done, which other
+processes' load does not inflate, but which also counts threads that spin):
 
 - `shardfuse`: `sf.flash_attention` with `implementation=None`, the default
   CPU attention (`native_cpu` where the C++ extension is built, else `xla`);
@@ -81,9 +83,11 @@ def compiled(attention, mode, causal, q, k, v, d_out):
 
 
 def seconds(fn, args):
-    start = time.perf_counter()
+    """`(wall, cpu)` seconds of one call: cpu is this process's CPU time over all threads,
+    the work done, which load from other processes on a shared machine does not inflate."""
+    start, cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def matmul_roofline(n, rounds):
@@ -92,7 +96,7 @@ def matmul_roofline(n, rounds):
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     fn = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest")).lower(a, b).compile()
     jax.block_until_ready(fn(a, b))
-    return 2.0 * n**3 / min(seconds(fn, (a, b)) for _ in range(rounds))
+    return 2.0 * n**3 / min(seconds(fn, (a, b))[0] for _ in range(rounds))
 
 
 def run_case(table, shape, mask, S, mode, rounds):
@@ -112,16 +116,18 @@ def run_case(table, shape, mask, S, mode, rounds):
             errors[name] = f"{type(e).__name__}: {str(e)[:120]}"
             fns.pop(name, None)
     best = {name: float("inf") for name in fns}
+    best_cpu = dict(best)
     for _ in range(rounds):  # interleaved: each contender once per round
         for name, (fn, args) in fns.items():
-            best[name] = min(best[name], seconds(fn, args))
+            wall, cpu = seconds(fn, args)
+            best[name], best_cpu[name] = min(best[name], wall), min(best_cpu[name], cpu)
     check = None
     if mode == "fwd" and "shardfuse" in fns and "jax.nn" in fns:
         ours, theirs = (np.asarray(fns[n][0](*fns[n][1])) for n in ("shardfuse", "jax.nn"))
         check = float(np.max(np.abs(ours - theirs)))
     flops = attention_flops(1, S, S, H, D, causal=causal, mode=mode)
     return dict(shape=shape, mask=mask, S=S, mode=mode, flops=flops, seconds=best,
-                errors=errors, max_abs_diff_vs_jax_nn=check)  # fmt: skip
+                cpu_seconds=best_cpu, errors=errors, max_abs_diff_vs_jax_nn=check)  # fmt: skip
 
 
 def main(argv=None):
@@ -159,12 +165,18 @@ def main(argv=None):
                     ours = t.get("shardfuse", float("nan"))
                     rate = r["flops"] / ours
                     speedups = [t[p] / ours for p in peers if p in t]
+                    cpu = r["cpu_seconds"]
+                    cpu_speedups = [cpu[p] / cpu["shardfuse"] for p in peers if p in cpu]
                     row = f"{mask + ' ' + shape + f' S={S} ' + mode:38s}"
                     row += "".join(f"{t[n] * 1e3:18.1f}ms" if n in t else f"{'-':>20s}"
                                    for n in names)  # fmt: skip
                     row += f"{rate / 1e9:9.1f}{rate / roof:6.0%}"
                     row += f"{min(speedups):11.2f}x" if speedups else f"{'-':>12s}"
                     print(row, flush=True)
+                    line = ", ".join(f"{n} {cpu[n] * 1e3:.0f} ms" for n in cpu)
+                    if cpu_speedups:
+                        line += f"; min speedup {min(cpu_speedups):.2f}x"
+                    print(f"    cpu time: {line}")
                     for name, error in r["errors"].items():
                         print(f"    {name} failed: {error}")
                     if r["max_abs_diff_vs_jax_nn"] is not None:
