@@ -186,7 +186,7 @@ def test_suites_are_part_of_the_package():
     directory (a wheel installs it; tests/test_packaging.py checks the wheel's files)."""
     assert cli.find_bench_dir() == BENCH_DIR.resolve()
     assert BENCH_DIR.parent == Path(cli.__file__).resolve().parent
-    assert set(cli.suites(BENCH_DIR)) == {
+    assert set(cli.suites(BENCH_DIR)) >= {
         "attention", "collective_matmul", "context_parallel", "layers", "matmul", "memory",
         "pipeline", "ring_attention",
     }  # fmt: skip
