@@ -43,7 +43,7 @@ _HANDSHAKE = contextvars.ContextVar("shardfuse_collective_handshake", default=Tr
 @contextlib.contextmanager
 def without_handshake():
     """Drop the credit handshake of the kernels traced inside: a deliberately racy kernel
-    for testing the race detector (`pltpu.InterpretParams(detect_races=True)`), never for use."""
+    for testing the race detector (`shardfuse._compat.race_detector_params()`), never for use."""
     token = _HANDSHAKE.set(False)
     try:
         yield
