@@ -6,6 +6,7 @@ import pytest
 
 from shardfuse import hardware, models
 from shardfuse.planner import (
+    calibrate,
     cli,
     comm,
     constraints,
@@ -20,7 +21,7 @@ from shardfuse.planner import (
 )
 
 MODULES = [hardware, models, options, cost, memory, constraints, plans, search, cli, efficiency,
-           comm, pipeline_time, published]  # fmt: skip
+           comm, pipeline_time, published, calibrate]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

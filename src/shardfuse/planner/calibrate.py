@@ -72,3 +72,35 @@ def calibrate(calibration, *, model, cluster, assumptions: Assumptions | None = 
                 hi = mid
         efficiency = hi
     return dataclasses.replace(a, name="calibrated", compute_efficiency=efficiency)
+
+
+def cpu_cluster(devices: int = 8, *, cores: int | None = None, core_gflops: float = 100.0,
+                memory_gb_per_s: float = 20.0):  # fmt: skip
+    """The simulated CPU devices of one host as a `Cluster` the cost model can describe honestly.
+
+    `devices` XLA:CPU devices share `cores` cores (default `os.cpu_count()`): the
+    per-device rate is `core_gflops x cores / devices` (a nominal AVX2 FMA peak of
+    about 100 GFLOP/s per core; `calibrate` fits the fraction reached), the
+    per-device memory bandwidth `memory_gb_per_s / devices`, and a collective is a
+    memory copy between threads at that bandwidth (overlap 0: it competes with the
+    compute for the same cores). One node: every axis is "intra-node".
+
+    Example:
+      >>> from shardfuse.planner.calibrate import cpu_cluster
+      >>> c = cpu_cluster(8, cores=2)
+      >>> c.num_devices, c.device.peak_tflops("float32")
+      (8, 0.025)
+    """
+    import os
+
+    from shardfuse.hardware import Cluster, Device, Link
+
+    cores = cores or os.cpu_count() or 1
+    tflops = core_gflops * cores / devices / 1e3
+    copy = Link("memcpy", memory_gb_per_s / devices, memory_gb_per_s / devices, latency_us=50.0)
+    device = Device(
+        "cpu-sim", f"CPU ({devices} devices on {cores} cores)",
+        {"float32": tflops, "bfloat16": tflops, "float16": tflops}, 1e3,
+        memory_gb_per_s / devices, copy, "cpu",
+    )  # fmt: skip
+    return Cluster(device, 1, devices, copy, copy)

@@ -224,7 +224,8 @@ def plan(
     if calibration is not None:
         from shardfuse.planner.calibrate import calibrate
 
-        a = calibrate(calibration, model=model, cluster=cluster, assumptions=a)
+        a = calibrate(calibration, model=model, cluster=cluster, assumptions=a,
+                      global_batch=global_batch, seq_len=seq_len)  # fmt: skip
     pinned = math.prod(fixed.values()) if fixed else 1
     every_axis = len(fixed) == len(MESH_AXES)
     if (pinned != cluster.num_devices) if every_axis else (cluster.num_devices % pinned):
