@@ -119,16 +119,31 @@ def _static(config, q, q_seg, kv_seg):
     return attributes, q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def _result(shape, dtype, like):
+    """The custom call's result type: inside `shard_map`, varying over `like`'s mesh axes.
+
+    `ffi_call` builds its result types with `shaped_abstractify`, which refuses a
+    `ShapeDtypeStruct` carrying manual axes without a mesh: `like`'s own type, reshaped,
+    carries both.
+    """
+    if not vma.varying_axes(like):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    aval = jax.typeof(like)
+    spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
+    return aval.update(
+        shape=shape,
+        dtype=jnp.dtype(dtype),
+        sharding=jax.sharding.NamedSharding(aval.sharding.mesh, spec),
+    )
+
+
 def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """`(out [B, T, H, D] in q's dtype, lse float32 [B, H, T])`; see `protocol.AttentionBackend`."""
     _check(config, q)
     q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, H, _ = q.shape
     attributes, q_seg, kv_seg = _static(config, q, q_seg, kv_seg)
-    out_types = (
-        vma.shape_dtype_struct(q.shape, q.dtype, q),
-        vma.shape_dtype_struct((B, H, T), jnp.float32, q),
-    )
+    out_types = (_result(q.shape, q.dtype, q), _result((B, H, T), jnp.float32, q))
     call = jax.ffi.ffi_call(_FORWARD, out_types, vmap_method="sequential")
     out, lse = call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, **attributes)
     return out, lse
@@ -144,11 +159,7 @@ def backward(
     )
     lse, delta = protocol.backward_row_stats(out, lse, d_out, d_lse)
     attributes, q_seg, kv_seg = _static(config, q, q_seg, kv_seg)
-    out_types = (
-        vma.shape_dtype_struct(q.shape, jnp.float32, q),
-        vma.shape_dtype_struct(k.shape, jnp.float32, q),
-        vma.shape_dtype_struct(v.shape, jnp.float32, q),
-    )
+    out_types = tuple(_result(x.shape, jnp.float32, q) for x in (q, k, v))
     call = jax.ffi.ffi_call(_BACKWARD, out_types, vmap_method="sequential")
     dq, dk, dv = call(
         q, k, v, q_pos, kv_pos, q_seg, kv_seg, d_out.astype(q.dtype), lse, delta, **attributes
