@@ -228,3 +228,16 @@ def test_lockstep_pipeline_is_the_executor_table():
     e = estimate(model, c, lay, global_batch=8, seq_len=4096)
     bubble = next(t for t in e.time if t.name == "pipeline_bubble")
     assert "every tick runs the stage forward, its VJP" in bubble.formula
+
+
+def test_materialised_scores_are_counted():
+    """Without flash attention "none" keeps the softmax scores: Korthikanti et al.'s 5 a s^2 b
+    per layer (bytes), divided over the model axis."""
+    model, c = models.get("llama3-8b"), hardware.cluster("h100")
+    lay = Layout(fsdp=4, model=2, zero=3, num_microbatches=8)
+    sizes = dict(global_batch=8, seq_len=2048)
+    flash = estimate(model, c, lay, **sizes)
+    scores = estimate(model, c, lay, assumptions=Assumptions(flash_attention=False), **sizes)
+    act = {e: next(t.value for t in e.memory if t.name == "activations") for e in (flash, scores)}
+    b, s, a, T = 1, 2048, model.heads, 2
+    assert act[scores] - act[flash] == pytest.approx(5 * a * s * s * b / T * model.num_layers)
