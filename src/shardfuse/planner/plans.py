@@ -109,7 +109,7 @@ class Plan:
             model_axis="model",
             sequence_axis="sequence",
             data_axis="data",
-            sequence_parallel=True,
+            sequence_parallel=self.assumptions.sequence_parallel,
             layout="zigzag",
             **self.zero_kwargs(),
         )
