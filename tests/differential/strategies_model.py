@@ -47,7 +47,8 @@ class LayerCase:
       stack: "stack" only: `Stack` keywords (num_layers, layer_axis, remat, prefetch).
       call: `(segments, positions)`: attention and block calls with segment ids and with
         RoPE positions that restart (packed sequences).
-      input_dtype: dtype name of the input `x`.
+      input_dtype: dtype name of the input `x`: float32, or for a Stack of bfloat16 blocks
+        float32 or bfloat16 (a refusal may make it an integer).
       refusal: None, or `(what, match)`: the perturbation applied and the text the
         ValueError/TypeError must contain.
     """
@@ -251,10 +252,10 @@ def layer_cases(draw, kinds=LAYER_KINDS):
     if inner in ("attention", "block"):
         call = (draw(st.booleans()), draw(one_in(4)))
     explicit, jit = draw(st.booleans()), draw(st.booleans())
-    if kind == "stack" and explicit:
-        # Known defect (tests/differential/test_layers_diff.py::test_stack_eager_explicit_*):
-        # eager autodiff of a Stack on Explicit axes fails; drawn under nnx.jit until fixed.
-        jit = True
+    input_dtype = "float32"
+    if kind == "stack" and options.get("dtype") == "bfloat16":
+        # float32 activations (cast to the blocks' output dtype before the scan) or bfloat16
+        input_dtype = draw(st.sampled_from(["float32", "bfloat16"]))
     case = LayerCase(
         kind=kind,
         mesh=mesh,
@@ -265,6 +266,7 @@ def layer_cases(draw, kinds=LAYER_KINDS):
         block=block,
         stack=frozen(stack),
         call=call,
+        input_dtype=input_dtype,
     )
     if draw(one_in(10)):
         case = _refuse(draw, case)

@@ -196,9 +196,9 @@ def check_layer(case: LayerCase):
     out_features = dict(case.options).get("out_features", case.shape[-1])
     cotangent = jax.random.normal(jax.random.key(3), (*x.shape[:2], out_features), jnp.float32)
 
-    # A Stack's scan keeps its carry's dtype: a bfloat16 stack takes bfloat16 activations
-    # (float32 ones raise JAX's scan-carry TypeError, reported as a defect).
-    x_dtype = jnp.bfloat16 if low and case.kind == "stack" else x.dtype
+    # The input's dtype as drawn (float32, or bfloat16 into a bfloat16 Stack); the gradient
+    # is taken with respect to the float32 x, through the cast.
+    x_dtype = jnp.dtype(case.input_dtype)
 
     def loss(layer, x):
         y = layer(to_ring(x).astype(x_dtype), **call)
@@ -285,40 +285,79 @@ def test_layers_match_unsharded_reference(max_examples):
     run(check_layer, layer_cases(), max_examples)
 
 
-# ---- defects the generator found (strict xfail: they turn red when fixed, to be removed) ----
+# ---- defects the generator found (regressions: Stack's scan carry) ---------------------
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="Stack scan carry: Explicit sharding")
-def test_stack_eager_explicit_traced_input():
-    """Eager autodiff (under `jax.set_mesh`, which eager autodiff on Explicit axes needs) of a
-    Stack whose input is computed inside the differentiated function: the scan's carry comes
-    in replicated and leaves the block sharded `P(data)`, and `lax.scan` refuses it."""
+def _stack_case(prefetch: bool, explicit: bool, dtype=None):
+    """A 2-layer Stack of ParallelMLP blocks: plain on a (data,) mesh, or ZeRO-3 blocks with
+    `prefetch=True` on a (data, fsdp) mesh."""
+    names = ("data", "fsdp") if prefetch else ("data",)
+    kind = AxisType.Explicit if explicit else AxisType.Auto
     mesh = jax.make_mesh(
-        (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+        (2,) * len(names), names, axis_types=(kind,) * len(names), devices=jax.devices()[:4]
     )
+    options = dict(zero=3) if prefetch else {}
     stack = Stack(
-        lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, rngs=rngs),
+        lambda rngs: sf.layers.ParallelMLP(16, 32, dtype=dtype, mesh=mesh, rngs=rngs, **options),
         2,
         mesh=mesh,
+        prefetch=prefetch,
         rngs=nnx.Rngs(0),
     )
+    return mesh, stack
+
+
+def _blocks_in_sequence(stack, x):
+    """The Stack's blocks applied one after the other (layer l: slice l of each parameter)."""
+    graphdef, state = nnx.split(stack.blocks)
+    for layer in range(stack.num_layers):
+        x = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))(x)
+    return x
+
+
+@pytest.mark.parametrize("prefetch", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_stack_eager_explicit_traced_input(prefetch):
+    """Eager autodiff (under `jax.set_mesh`, which eager autodiff on Explicit axes needs) of a
+    Stack whose input is computed inside the differentiated function: the input enters the
+    scan's carry on the sharding the block gives its output (it came in replicated and left
+    the block sharded over data, which `lax.scan` refused). Equal to the jitted gradient."""
+    mesh, stack = _stack_case(prefetch, explicit=True)
+    x = jax.random.normal(jax.random.key(1), (4, 8, 16), jnp.float32)
+    cotangent = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+    grad_fn = nnx.value_and_grad(lambda s, x: jnp.sum(s(x * 1.0) * cotangent), argnums=(0, 1))
     with jax.set_mesh(mesh):
-        nnx.grad(lambda s, x: s(x * 1.0).sum(), argnums=(0, 1))(stack, jnp.ones((4, 8, 16)))
+        loss, (g_stack, g_x) = grad_fn(stack, x)
+    loss_jit, (g_stack_jit, g_x_jit) = nnx.jit(grad_fn)(stack, x)
+    assert_close(loss, loss_jit, name="loss")
+    assert_close(g_x, g_x_jit, kind="grad", name="dx")
+    got, expected = _flat(nnx.to_pure_dict(g_stack)), _flat(nnx.to_pure_dict(g_stack_jit))
+    assert got.keys() == expected.keys() and got
+    for key in got:
+        assert_close(got[key], expected[key], kind="grad", name=f"d{key}")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="Stack scan carry: compute dtype")
-def test_stack_of_bfloat16_blocks_takes_float32_input():
-    """A Stack of `dtype=bfloat16` blocks called on float32 activations: the scan's carry
-    changes dtype (float32 in, bfloat16 out) and `lax.scan` raises its internal TypeError
-    (the blocks alone accept float32 input and compute in bfloat16)."""
-    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
-    stack = Stack(
-        lambda rngs: sf.layers.ParallelMLP(16, 32, dtype=jnp.bfloat16, mesh=mesh, rngs=rngs),
-        2,
-        mesh=mesh,
-        rngs=nnx.Rngs(0),
-    )
-    stack(jnp.ones((2, 8, 16), jnp.float32))
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_stack_of_bfloat16_blocks_takes_float32_input(prefetch):
+    """A Stack of `dtype=bfloat16` blocks called on float32 activations behaves as its blocks
+    in sequence (a block casts float32 input and returns bfloat16): the input is cast to the
+    blocks' output dtype before the scan, whose carry keeps its dtype. The gradient of x is
+    float32, as through the blocks; output and gradient bitwise equal to the loop's."""
+    mesh, stack = _stack_case(prefetch, explicit=False, dtype=jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (4, 8, 16), jnp.float32)
+    y = stack(x)
+    expected = _blocks_in_sequence(stack, x)
+    assert y.dtype == expected.dtype == jnp.bfloat16, (y.dtype, expected.dtype)
+    # the same bfloat16 computation in the same order: bitwise (on CPU)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
+
+    @nnx.jit
+    def input_grads(stack, x):
+        g_x = jax.grad(lambda x: stack(x).astype(jnp.float32).sum())(x)
+        return g_x, jax.grad(lambda x: _blocks_in_sequence(stack, x).astype(jnp.float32).sum())(x)
+
+    g_x, g_loop = input_grads(stack, x)
+    assert g_x.dtype == g_loop.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g_x), np.asarray(g_loop))
 
 
 # ---- planted bugs: the generator must catch each of them -------------------------------

@@ -12,7 +12,11 @@ copy first. Layer `l` is initialized from key `l` of
 
 Applied plainly, the stack is one `lax.scan` over the layer axis (the scan
 body traced once, compile time flat in L), each layer wrapped in the named
-activation-checkpointing policy of `shardfuse.layers.remat`.
+activation-checkpointing policy of `shardfuse.layers.remat`. A scan's carry
+keeps its type, so the input enters it as a block returns it: in the block's
+output dtype (bfloat16 blocks given float32 activations return bfloat16) and,
+on Explicit mesh axes, on the block's output sharding (the batch split over
+the data axes), read from the abstract output of one layer (`jax.eval_shape`).
 """
 
 import jax
@@ -20,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import explicit_axes
 from shardfuse.layers import _sharding
 from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
@@ -53,6 +58,16 @@ def check_head(head, features: int | None, *, source: str = "the stack"):
         f"the head {type(head).__name__} takes {width} features, but the width of {source} "
         f"is {features}; build the head for {features} features (or {source} for {width})"
     )
+
+
+def _first_layer(graphdef, values, x, kwargs):
+    """Layer 0 of the stacked `values` (pure arrays) applied to `x`."""
+    layer = jax.tree.map(lambda a: a[0], values)
+    return nnx.merge(graphdef, layer)(x, **kwargs)
+
+
+# One trace per block configuration and input type (graphdef static: jit's cache key).
+_layer_output_type = jax.jit(_first_layer, static_argnums=0).eval_shape
 
 
 def stacked_spec(spec, layer_axis) -> P:
@@ -202,6 +217,7 @@ class Stack(nnx.Module):
         layer axis (a pipeline stage's local layers). With `prefetch=True`
         (all L layers), the prefetching scan of `shardfuse.layers.prefetch`.
         """
+        x = self._as_carry(state, x, kwargs)
         if self.prefetch and x.size:  # (an empty batch: the plain scan, nothing to gather)
             return prefetch_lib.apply_layers(self._prefetch_plan(), self.mesh, state, x, kwargs)
         graphdef = nnx.graphdef(self.blocks)
@@ -212,11 +228,45 @@ class Stack(nnx.Module):
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
         return jax.lax.scan(body, x, state)[0]
 
+    def _as_carry(self, state, x, kwargs):
+        """`x` with the type a layer's output has, which the layer scan's carry must keep.
+
+        Cast to the blocks' output dtype (a block with `dtype=bfloat16` given
+        float32 input returns bfloat16: the stack then equals its blocks applied
+        in sequence), and on Explicit axes placed on the output's sharding (a
+        replicated input would otherwise enter the carry unsharded and leave the
+        block split over the data axes). The block's own input checks run here,
+        before the scan.
+        """
+        values = jax.tree.map(
+            lambda v: v[...] if _sharding.is_variable(v) else v,
+            state,
+            is_leaf=_sharding.is_variable,
+        )
+        out = _layer_output_type(nnx.graphdef(self.blocks), values, x, kwargs)
+        if out.shape != x.shape:  # (a block must map activations to the same shape)
+            return x  # the scan names both types
+        if out.dtype != x.dtype:
+            x = x.astype(out.dtype)
+        spec = getattr(out.sharding, "spec", None)
+        if (
+            spec is not None
+            and explicit_axes(self.mesh)
+            and not _sharding.in_manual_region(self.mesh)
+        ):
+            have = getattr(jax.typeof(x).sharding, "spec", None)
+            if have is None or _sharding.canonical_spec(have) != _sharding.canonical_spec(spec):
+                x = _sharding.place(x, self.mesh, spec)
+        return x
+
     def __call__(self, x, **kwargs):
         """`x` -> the L blocks applied in order (keywords passed to every block).
 
         A stack sharded over `layer_axis` is gathered onto every device first
-        (the plain path; `sf.parallel.pipeline.Pipeline` runs it sharded).
+        (the plain path; `sf.parallel.pipeline.Pipeline` runs it sharded). `x`
+        is first cast to the dtype a block returns (float32 activations into
+        `dtype=bfloat16` blocks: a bfloat16 result, as from the blocks in
+        sequence) and, on Explicit axes, placed on the sharding it returns.
         """
         state = nnx.state(self.blocks)
         if self.layer_axis is not None and not _sharding.in_manual_region(self.mesh):
