@@ -3,18 +3,17 @@ quadratically (compiled, never run). Runs in a subprocess because XLA_FLAGS must
 before JAX starts (YNNPACK fusion on XLA:CPU hides temporaries otherwise)."""
 
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[3] / "scripts" / "attention_memory.py"
+TOOL = "shardfuse.bench.tools.attention_memory"
 
 
 def test_xla_memory_linear_reference_quadratic():
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--seq-lens", "4096", "16384", "--json"],
+        [sys.executable, "-m", TOOL, "--seq-lens", "4096", "16384", "--json"],
         capture_output=True,
         text=True,
         timeout=300,

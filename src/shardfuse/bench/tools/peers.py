@@ -5,8 +5,8 @@ rounds kept, so that load on a shared machine hits them all alike), both the
 wall time and the process CPU time (all threads: the work done, which other
 processes' load does not inflate, but which also counts threads that spin):
 
-- `shardfuse`: `sf.flash_attention` with `implementation=None`, the default
-  CPU attention (`native_cpu` where the C++ extension is built, else `xla`);
+- `shardfuse`: `sf.flash_attention` with `implementation=("native_cpu", "xla")`: the C++
+  CPU attention where the extension is built (opt-in for now), else `xla`;
 - `shardfuse.xla`: the portable blockwise JAX backend;
 - `tokamax.xla`, `tokamax.xla_chunked`: `tokamax.dot_product_attention`
   (`pip install -e ".[peers]"`; skipped with a note without it);
@@ -44,7 +44,9 @@ MODES = ("fwd", "fwd+bwd")
 def contenders():
     """`{name: attention(q, k, v, causal) -> out}`, and `{name: why not}` for those absent."""
     table = {
-        "shardfuse": lambda q, k, v, causal: sf.flash_attention(q, k, v, causal=causal),
+        "shardfuse": lambda q, k, v, causal: sf.flash_attention(
+            q, k, v, causal=causal, implementation=("native_cpu", "xla")
+        ),
         "shardfuse.xla": lambda q, k, v, causal: sf.flash_attention(
             q, k, v, causal=causal, implementation="xla"
         ),
