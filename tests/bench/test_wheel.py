@@ -6,8 +6,8 @@ of its own) and reads its file list: every suite, their `conftest.py` and `pytes
 and the benchmark tools. Installing it into a fresh virtual environment and running
 `shardfuse bench --quick --suite matmul` from /tmp is the release check of
 docs/benchmarks.md; it needs the network and minutes, so it is not a test.
-Slow (about a minute on the 2-core machine: the isolated build environment);
-tests/bench/test_cli.py checks in the default run that the suites are package files.
+About 5 s on the idle 2-core machine (a minute when eight jobs share it); skipped where
+pip cannot install the build backend (no network, no cache).
 """
 
 import os
@@ -23,7 +23,6 @@ from shardfuse.bench import cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_wheel_contains_the_suites(tmp_path):
     env = {**os.environ, "SHARDFUSE_NATIVE": "0"}
@@ -32,8 +31,9 @@ def test_wheel_contains_the_suites(tmp_path):
          f"--config-settings=build-dir={tmp_path / 'build'}", str(ROOT)],
         capture_output=True, text=True, env=env, timeout=840,
     )  # fmt: skip
-    if proc.returncode != 0 and "satisfies the requirement scikit-build-core" in proc.stderr:
-        pytest.skip("the build backend (scikit-build-core) cannot be installed here: no network")
+    unreachable = ("satisfies the requirement", "No matching distribution", "NewConnectionError")
+    if proc.returncode != 0 and any(text in proc.stderr for text in unreachable):
+        pytest.skip("pip cannot install the build backend (scikit-build-core) here: no network")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = tmp_path.glob("shardfuse-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
