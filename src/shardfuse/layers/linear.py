@@ -307,7 +307,5 @@ class ColumnParallelLinear(_ParallelLinear):
         return y
 
 
-# RowParallelLinear lives in row_linear.py (this module's second half); re-exported here.
-from shardfuse.layers.row_linear import RowParallelLinear  # noqa: E402
-
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "default_bias_init", "default_kernel_init"]
+# RowParallelLinear lives in row_linear.py, which builds on this module (not the reverse).
+__all__ = ["ColumnParallelLinear", "default_bias_init", "default_kernel_init"]
