@@ -53,3 +53,30 @@ def run(test_body, strategy, max_examples: int) -> None:
         test_body(config)
 
     _drawn()
+
+
+def assert_catches(plant, check, strategy, max_examples: int, monkeypatch) -> None:
+    """Under the planted bug `plant(monkeypatch)`, `check` fails on some drawn configuration.
+
+    Compiled programs of the healthy code are dropped before and after (they must not be
+    reused), draws are not shrunk, and the mutation is undone whatever happens.
+    """
+    import jax
+
+    jax.clear_caches()
+    plant(monkeypatch)
+    try:
+        no_shrink = hypothesis.settings(
+            settings(max_examples), phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate)
+        )
+
+        @no_shrink
+        @hypothesis.given(strategy)
+        def drawn(case):
+            check(case)
+
+        with pytest.raises(AssertionError):
+            drawn()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()

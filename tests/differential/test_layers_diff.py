@@ -39,7 +39,7 @@ import shardfuse as sf
 from shardfuse.layers import reference
 from shardfuse.layers.stack import Stack
 from shardfuse.testing import assert_close, assert_close_low_precision
-from tests.differential.budget import budget_params, run, settings
+from tests.differential.budget import assert_catches, budget_params, run, settings
 from tests.differential.strategies_model import LayerCase, layer_cases
 
 RTOL, ATOL = 1e-5, 4e-5
@@ -440,23 +440,7 @@ MUTATIONS = {
 def test_generator_catches_planted_bugs(mutation, monkeypatch):
     """Under each planted bug, the generated check fails within a few drawn configurations."""
     plant, strategy = MUTATIONS[mutation]
-    jax.clear_caches()  # compiled programs of the healthy code must not be reused
-    plant(monkeypatch)
-    try:
-        no_shrink = hypothesis.settings(
-            settings(4), phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate)
-        )
-
-        @no_shrink
-        @hypothesis.given(strategy)
-        def drawn(case):
-            check_layer(case)
-
-        with pytest.raises(AssertionError):
-            drawn()
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    assert_catches(plant, check_layer, strategy, 4, monkeypatch)
 
 
 def test_layer_strategy_is_mostly_valid():

@@ -37,7 +37,7 @@ from shardfuse.layers import reference
 from shardfuse.layers.stack import Stack
 from shardfuse.parallel.pipeline import program
 from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
-from tests.differential.budget import budget_params, run, settings
+from tests.differential.budget import assert_catches, budget_params, run, settings
 from tests.differential.strategies_model import PipelineCase, pipeline_cases
 
 RTOL, ATOL = 1e-5, 4e-5
@@ -329,23 +329,7 @@ PIPELINE_MUTATIONS = {
 def test_generator_catches_planted_bugs(mutation, monkeypatch):
     """Under each planted bug, the generated pipeline check fails on the drawn configurations."""
     plant, strategy = PIPELINE_MUTATIONS[mutation]
-    jax.clear_caches()  # compiled pipelines of the healthy code must not be reused
-    plant(monkeypatch)
-    try:
-        no_shrink = hypothesis.settings(
-            settings(2), phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate)
-        )
-
-        @no_shrink
-        @hypothesis.given(strategy)
-        def drawn(case):
-            check_pipeline(case)
-
-        with pytest.raises(AssertionError):
-            drawn()
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    assert_catches(plant, check_pipeline, strategy, 2, monkeypatch)
 
 
 def test_pipeline_strategy_is_mostly_valid():
