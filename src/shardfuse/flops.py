@@ -51,6 +51,8 @@ Example:
   0.5
 """
 
+import functools
+
 import numpy as np
 
 from shardfuse.hardware import Device
@@ -74,12 +76,58 @@ def check_mode(mode):
 # ---- op FLOPs (benchmarks) ----
 
 
+def visible_key_counts(q_pos, kv_pos, *, causal: bool = False, window=None) -> np.ndarray:
+    """For each query position, how many of the key positions `kv_pos` it sees.
+
+    The one host-side count of visible (query, key) pairs: `visible_pairs`, the
+    causal keys of `mean_visible_keys` (the planner's hardware FLOPs) and
+    `ring_balance` (each device's pair work under a ring layout) all call it.
+    It is the mask rule of `sf.flash_attention` on positions (DESIGN.md,
+    Conventions; `kernels/attention/masks.visible` is the same rule on traced
+    arrays): causal, key j is visible to query i iff `kv_pos[j] <= q_pos[i]`;
+    `window=(left, right)` (None: unbounded on that side), iff
+    `q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`. The keys a query sees
+    form an interval of positions, so the count is two binary searches per
+    query: no `[T, S]` matrix.
+
+    Args:
+      q_pos: int `[T]` query positions.
+      kv_pos: int `[S]` key positions, any order.
+      causal, window: the mask, as in `sf.flash_attention`.
+
+    Returns:
+      int64 `[T]`, the visible keys of each query.
+
+    Example:
+      >>> import numpy as np
+      >>> from shardfuse.flops import visible_key_counts
+      >>> visible_key_counts(np.arange(3), np.arange(3), causal=True, window=(1, None)).tolist()
+      [1, 2, 2]
+    """
+    q_pos = np.asarray(q_pos, np.int64)
+    kv_sorted = np.sort(np.asarray(kv_pos, np.int64))
+    lo = np.full(q_pos.shape, np.iinfo(np.int64).min)
+    hi = np.full(q_pos.shape, np.iinfo(np.int64).max)
+    if causal:
+        hi = np.minimum(hi, q_pos)
+    left, right = window if window is not None else (None, None)
+    if left is not None:
+        lo = np.maximum(lo, q_pos - left)
+    if right is not None:
+        hi = np.minimum(hi, q_pos + right)
+    count = np.searchsorted(kv_sorted, hi, side="right") - np.searchsorted(
+        kv_sorted, lo, side="left"
+    )
+    return np.maximum(count, 0).astype(np.int64)
+
+
 def visible_pairs(T: int, S: int, *, causal: bool = False, window=None) -> int:
     """Number of (query, key) pairs the mask lets through, bottom-right aligned.
 
     Queries sit at positions `arange(T) + S - T`, keys at `arange(S)` (the
     default of `flash_attention`); `window=(left, right)` with None for an
-    unbounded side; causal: key j is visible to query i iff `j <= i`.
+    unbounded side; causal: key j is visible to query i iff `j <= i`. The
+    sum of `visible_key_counts` over the queries.
 
     Example:
       >>> from shardfuse.flops import visible_pairs
@@ -90,17 +138,15 @@ def visible_pairs(T: int, S: int, *, causal: bool = False, window=None) -> int:
     """
     if T < 0 or S < 0:
         raise ValueError(f"T={T} and S={S} must be >= 0")
-    q_pos = np.arange(T, dtype=np.int64) + (S - T)
-    lo = np.zeros(T, dtype=np.int64)
-    hi = np.full(T, S - 1, dtype=np.int64)
-    if causal:
-        hi = np.minimum(hi, q_pos)
     left, right = window if window is not None else (None, None)
-    if left is not None:
-        lo = np.maximum(lo, q_pos - left)
-    if right is not None:
-        hi = np.minimum(hi, q_pos + right)
-    return int(np.clip(hi - lo + 1, 0, None).sum())
+    return _visible_pairs(int(T), int(S), bool(causal), left, right)
+
+
+@functools.lru_cache(maxsize=256)  # the planner asks for the same sequence length per layout
+def _visible_pairs(T, S, causal, left, right) -> int:
+    q_pos = np.arange(T, dtype=np.int64) + (S - T)
+    counts = visible_key_counts(q_pos, np.arange(S), causal=causal, window=(left, right))
+    return int(counts.sum())
 
 
 def attention_flops(
@@ -143,6 +189,9 @@ def matmul_flops(M: int, N: int, C: int) -> float:
 def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
     """Keys a query attends to, on average: s, (s + 1) / 2 causal, fewer with a window.
 
+    `window` is a model's sliding window W (keys, the query included: `window=(W - 1, 0)`
+    of `flash_attention`); with `causal_skip` the causal `visible_pairs(s, s) / s`.
+
     Example:
       >>> from shardfuse.flops import mean_visible_keys
       >>> mean_visible_keys(4, None, True), mean_visible_keys(4, None, False)
@@ -150,10 +199,8 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
     """
     if not causal_skip:
         return s
-    if window is None or window >= s:
-        return (s + 1) / 2
-    # sum_i min(i + 1, W) / s
-    return (window * (window + 1) / 2 + (s - window) * window) / s
+    left = None if window is None else window - 1
+    return visible_pairs(s, s, causal=True, window=(left, None)) / s
 
 
 def layer_matmul_flops(spec: ModelShape) -> float:

@@ -9,13 +9,15 @@ last device holds the most expensive queries: device r does
 balanced; striped is balanced up to O(1 / L) (Brandon et al. 2023).
 
 `ring_balance` counts, per device, the (query, key) pairs its blocks must
-compute (visible under the masks) and the ring steps it cannot skip.
+compute (visible under the masks: `shardfuse.flops.visible_key_counts`, the one
+host-side count) and the ring steps it cannot skip.
 """
 
 import dataclasses
 
 import numpy as np
 
+from shardfuse import flops
 from shardfuse.collectives.ring_attention import layouts
 from shardfuse.kernels.attention import base, masks
 
@@ -42,19 +44,6 @@ class RingBalance:
         """Largest device's pair work over the mean (1.0 = perfectly balanced)."""
         mean = float(np.mean(self.pairs))
         return float(np.max(self.pairs)) / mean if mean else 1.0
-
-
-def _visible_counts(q_pos, kv_sorted, causal, window):
-    """For each query, how many keys of `kv_sorted` it sees (positions only).
-
-    The visible keys of a query form an interval (`masks.key_interval`).
-    """
-    unbounded = np.full(q_pos.shape, np.inf)
-    lo, hi = masks.key_interval(causal, window, q_pos, -unbounded, unbounded)
-    count = np.searchsorted(kv_sorted, hi, side="right") - np.searchsorted(
-        kv_sorted, lo, side="left"
-    )
-    return np.maximum(count, 0)
 
 
 def _step_computed(config, q_pos, kv_pos) -> bool:
@@ -96,11 +85,11 @@ def ring_balance(
     steps = np.zeros(ring_size, np.int64)
     if positions.size == 0:
         return RingBalance(layout, ring_size, pairs, steps)
-    sorted_kv = np.sort(positions, axis=1)
     for r in range(ring_size):
         q_pos = positions[r]
         for s in range(ring_size):
-            kv = sorted_kv[(r - s) % ring_size]
-            pairs[r] += int(_visible_counts(q_pos, kv, config.causal, config.window).sum())
+            kv = positions[(r - s) % ring_size]
+            counts = flops.visible_key_counts(q_pos, kv, causal=config.causal, window=config.window)
+            pairs[r] += int(counts.sum())
             steps[r] += _step_computed(config, q_pos, kv)
     return RingBalance(layout, ring_size, pairs, steps)

@@ -123,18 +123,6 @@ def resolve_hardware(hardware=None, dtype: str = "bfloat16") -> Hardware:
     return dataclasses.replace(figures, step_latency_us=device.link.latency_us)
 
 
-def visible_pairs(q_len: int, kv_len: int, causal: bool) -> int:
-    """(query, key) pairs attention computes: all, or the causal ones (bottom-right aligned).
-
-    Example usage::
-
-      >>> from shardfuse.collectives.ring_attention.strategy import visible_pairs
-      >>> visible_pairs(4, 4, causal=True), visible_pairs(2, 4, causal=True)
-      (10, 7)
-    """
-    return flops.visible_pairs(q_len, kv_len, causal=causal)
-
-
 def _all_to_all_s(nbytes, n, hardware, latency):
     if n == 1:
         return 0.0

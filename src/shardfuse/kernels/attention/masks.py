@@ -16,13 +16,16 @@ mask). Both are plain jnp expressions, so the reference, the XLA blockwise
 kernel, the Pallas TPU kernel bodies (traced as jnp ops), the Triton
 wrappers and the ring schedule all call these; the Triton kernel bodies
 (`tl.*`, triton_kernels.py) cannot, and restate `visible` citing this module.
+Host-side counts of visible pairs (FLOPs, the planner, ring balance) live
+at the bottom of the package, in `shardfuse.flops.visible_key_counts`, where
+the data modules that need them can read them; a test checks that it counts
+exactly the pairs `visible` lets through.
 """
 
 import functools
 import operator
 
 import jax.numpy as jnp
-import numpy as np
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 _I32_MIN = jnp.iinfo(jnp.int32).min
@@ -74,29 +77,6 @@ def visibility_mask(config, q_pos, kv_pos, q_seg=None, kv_seg=None):
     """
     seg = () if q_seg is None else (q_seg[:, :, None], kv_seg[:, None, :])
     return visible(config, q_pos[..., :, None], kv_pos[..., None, :], *seg)
-
-
-def key_interval(causal: bool, window, q_pos, lo, hi):
-    """`visible` on positions as an interval: the keys `[lo, hi]` a query at `q_pos` sees.
-
-    For host-side counts (NumPy, int64 or float bounds; no `[T, S]` matrix):
-    `lo, hi` start as the key positions that exist and are narrowed by the
-    causal and window rules. An empty interval has `hi < lo`.
-
-    Example:
-      >>> import numpy as np
-      >>> key_interval(True, (1, None), np.arange(3), np.zeros(3), np.full(3, 2.0))
-      (array([0., 0., 1.]), array([0., 1., 2.]))
-    """
-    if causal:
-        hi = np.minimum(hi, q_pos)
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = np.maximum(lo, q_pos - left)
-        if right is not None:
-            hi = np.minimum(hi, q_pos + right)
-    return lo, hi
 
 
 def value_range(values, valid=None, *, axis=-1):
