@@ -184,12 +184,15 @@ def test_only_the_command_line_and_demos_import_bench():
     assert not offences, "library modules that import the bench harness:\n" + "\n".join(offences)
 
 
-@pytest.mark.parametrize("name", ["models.py", "hardware.py", "flops.py"])
+DATA_MODULES = ("models", "hardware", "flops", "ring_time")
+
+
+@pytest.mark.parametrize("name", [f"{module}.py" for module in DATA_MODULES])
 def test_data_modules_import_nothing_of_shardfuse_but_each_other(name):
-    allowed = {"shardfuse.models", "shardfuse.hardware", "shardfuse.flops"}
+    allowed = {f"shardfuse.{module}" for module in DATA_MODULES}
     for line, module, names in _imports(PACKAGE / name):
         if module == "shardfuse":
-            assert names is not None and set(names) <= {"models", "hardware", "flops"}, (name, line)
+            assert names is not None and set(names) <= set(DATA_MODULES), (name, line)
         elif module.startswith("shardfuse."):
             assert module in allowed, f"{name}:{line} imports {module}"
 

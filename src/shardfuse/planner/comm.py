@@ -1,8 +1,9 @@
 """Communication terms of one training step: every collective, its total time and what is exposed.
 
-Each collective is a ring over the link its mesh axis maps to (`cost.axis_link`):
-all-gather and reduce-scatter move `(n - 1) / n` of the full buffer, all-reduce
-twice that, plus `(n - 1)` link latencies. A term's `total` is the whole
+Each collective is a ring over the link its mesh axis maps to
+(`cost.axis_link`): all-gather and reduce-scatter move `(n - 1) / n` of the
+full buffer, all-reduce twice that, plus `(n - 1)` link latencies
+(`shardfuse.ring_time.ring_collective_s`). A term's `total` is the whole
 collective time; its `value` is what is exposed: `max(0, total - overlap x
 window)`, where `window` is the compute that runs beside it when the schedule
 lets it overlap at all, and `overlap` the hardware's fraction
@@ -31,19 +32,7 @@ the backward compute that its parameter gathers left free.
 """
 
 from shardfuse.planner.terms import Term
-
-
-def ring(n, full_bytes, bandwidth, latency, factor=1.0):
-    """Ring all-gather / reduce-scatter of `full_bytes` over n devices (factor 2: all-reduce).
-
-    Example:
-      >>> from shardfuse.planner.comm import ring
-      >>> ring(4, 4e9, 1e9, 0.0), ring(4, 4e9, 1e9, 0.0, factor=2.0), ring(1, 4e9, 1e9, 0.0)
-      (3.0, 6.0, 0.0)
-    """
-    if n <= 1:
-        return 0.0
-    return factor * ((n - 1) / n * full_bytes / bandwidth + (n - 1) * latency)
+from shardfuse.ring_time import ring_collective_s as ring
 
 
 def exposed_term(name, total, window, overlap, what):

@@ -46,12 +46,7 @@ from shardfuse import flops
 from shardfuse.flops import mean_visible_keys as mean_visible_keys  # its old home
 from shardfuse.hardware import Cluster
 from shardfuse.models import ModelShape
-from shardfuse.planner.comm import (
-    data_parallel_terms,
-    exposed_term,
-    ring,
-    tensor_parallel_term,
-)
+from shardfuse.planner.comm import data_parallel_terms, exposed_term, tensor_parallel_term
 from shardfuse.planner.efficiency import attention_efficiency
 from shardfuse.planner.memory import (
     memory_terms,
@@ -61,6 +56,7 @@ from shardfuse.planner.memory import (
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 from shardfuse.planner.pipeline_time import pipeline_terms
 from shardfuse.planner.terms import Term
+from shardfuse.ring_time import ring_bandwidth, ring_collective_s, ring_transfer_s
 
 # Elementwise traffic per token and layer, in h-sized tensors read or written (two
 # norms: 2 x (h in, h out); two residual adds: 2 x (2h in, h out)), and per
@@ -126,11 +122,10 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
         stride *= sizes[inner]
     span = stride * sizes[axis]
     per_node = cluster.devices_per_node
-    if span <= per_node and per_node % span == 0:
-        link = cluster.intra_link
-        return min(2 * link.gb_per_s, link.egress_gb_per_s) * 1e9, link.latency_us * 1e-6, link.name
-    link = cluster.inter_link
-    return link.gb_per_s * 1e9, link.latency_us * 1e-6, link.name
+    inside = span <= per_node and per_node % span == 0
+    link = cluster.intra_link if inside else cluster.inter_link
+    bandwidth = ring_bandwidth(link.gb_per_s, link.egress_gb_per_s, bidirectional=inside)
+    return bandwidth, link.latency_us * 1e-6, link.name
 
 
 def estimate(
@@ -240,11 +235,11 @@ def estimate(
         if strategy == "ulysses":
             q_bytes = mb_tokens * model.heads / T * model.head_dim * act
             local = 2 * q_bytes + kv_bytes  # q, out and k, v
-            cp = layer_microbatches * 2 * ring(C, local, bw, lat)
+            cp = layer_microbatches * 2 * ring_collective_s(C, local, bw, lat)
             window = 0.0
         else:  # ring, ulysses_ring (modelled as ring), all_gather
             hops = 3 + (1 if layout.remat == "full" else 0)
-            cp = layer_microbatches * hops * (C - 1) * (kv_bytes / bw + lat)
+            cp = layer_microbatches * hops * ring_transfer_s(C, kv_bytes, bw, lat)
             overlapped = a.cp_overlap and strategy != "all_gather"
             window = (C - 1) / C * attention_time if overlapped else 0.0
         what = f"{strategy} attention over sequence={C} on {name}: K/V traffic"

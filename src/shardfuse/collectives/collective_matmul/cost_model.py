@@ -7,14 +7,15 @@ steps; transfer k overlaps matmul k (the ring schedules of `ring.py`), so
     overlapped = t_compute + (N - 1) * max(t_compute, t_transfer)
     hidden     = (serial - overlapped) / ((N - 1) * t_transfer)   in [0, 1]
 
-with `t_compute = step FLOPs / peak FLOP/s` and `t_transfer = step bytes /
-link bandwidth (+ latency)`. `hidden` is the predicted overlap efficiency: the
-fraction of the communication time that the matmuls hide (1 when every step is
-compute-bound). A bidirectional ring sends half of each step's bytes each way,
-which doubles the bandwidth where the two directions use separate links (TPU
-ICI torus) and changes nothing where they share one egress (NVLink through
-NVSwitch). Peak numbers, no efficiency factors: the prediction is an upper
-bound on overlap, the shape of the trade-off rather than a measurement.
+with `t_compute = step FLOPs / peak FLOP/s` and `t_transfer = step bytes / link
+bandwidth (+ latency)`: the ring roofline of `shardfuse.ring_time`. `hidden` is
+the predicted overlap efficiency: the fraction of the communication time that
+the matmuls hide (1 when every step is compute-bound). A bidirectional ring
+sends half of each step's bytes each way, which doubles the bandwidth where the
+two directions use separate links (TPU ICI torus) and changes nothing where
+they share one egress (NVLink through NVSwitch). Peak numbers, no efficiency
+factors: the prediction is an upper bound on overlap, the shape of the
+trade-off rather than a measurement.
 
 Bytes follow the implementation: an all-gather ring moves x in its dtype, so
 each device sends `(N - 1) / N` of the gathered x; a reduce-scatter ring moves
@@ -31,6 +32,7 @@ for any chip of that table whose link figures are known.
 import dataclasses
 import math
 
+from shardfuse import ring_time
 from shardfuse.flops import matmul_flops
 from shardfuse.hardware import Device
 from shardfuse.hardware import device as hardware_device
@@ -98,9 +100,16 @@ class Hardware:
         )
 
     def ring_bandwidth(self, bidirectional: bool) -> float:
-        """Bytes per second one device sends along the ring."""
-        links = 2 if bidirectional else 1
-        return min(links * self.link_gb_per_s, self.egress_gb_per_s) * 1e9
+        """Bytes per second one device sends along the ring (`ring_time.ring_bandwidth`).
+
+        Example:
+          >>> from shardfuse.collectives.collective_matmul.cost_model import PRESETS
+          >>> PRESETS["tpu_v5p_ici"].ring_bandwidth(bidirectional=True)
+          200000000000.0
+        """
+        return ring_time.ring_bandwidth(
+            self.link_gb_per_s, self.egress_gb_per_s, bidirectional=bidirectional
+        )
 
 
 PRESETS = {
@@ -205,15 +214,15 @@ def ring_cost(
     t_transfer = bytes_per_step / bandwidth + latency
     steps = n - 1
     compute_s = n * t_compute
-    ring_transfer_s = steps * t_transfer
+    ring_transfer_s = ring_time.ring_transfer_s(n, bytes_per_step, bandwidth, latency)
     serial_s = compute_s + ring_transfer_s
-    overlapped_s = t_compute + steps * max(t_compute, t_transfer)
+    overlapped_s = ring_time.overlapped_ring_s(n, t_compute, t_transfer)
     hidden = (serial_s - overlapped_s) / ring_transfer_s if ring_transfer_s else 1.0
     bytes_sent = steps * bytes_per_step
     transfer_s = ring_transfer_s
     if op == "matmul_all_reduce":  # then all-gather the reduced [M/N, F] chunks
         gather_bytes = (rows / n) * cols * dtype_bytes
-        gather_s = steps * (gather_bytes / bandwidth + latency)
+        gather_s = ring_time.ring_transfer_s(n, gather_bytes, bandwidth, latency)
         bytes_sent += steps * gather_bytes
         transfer_s += gather_s
         serial_s += gather_s

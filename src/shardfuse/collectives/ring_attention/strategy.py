@@ -15,7 +15,8 @@ cost of one collective, the link's `latency_us` in `shardfuse.hardware` (3 µs
 for NVLink and ICI):
 
 - ring: N steps, step s computing while the next K/V shard travels to the
-  neighbour over one link (`ring.py`: one direction):
+  neighbour over one link (`ring.py`: one direction; the overlapped ring of
+  `shardfuse.ring_time`):
   `fwd = t_f/N + (N-1) max(t_f/N, kv/link + lat)`; the backward moves K/V and
   their float32 dK/dV each step: `bwd = t_b/N + (N-1) max(t_b/N, (kv + dkv)/link + 2 lat)
   + dkv/link + lat`. Memory: two K/V shards.
@@ -39,7 +40,7 @@ for X bytes per device. The ring's own ppermute uses one link either way.
 import dataclasses
 import math
 
-from shardfuse import flops
+from shardfuse import flops, ring_time
 from shardfuse import hardware as hw
 from shardfuse.collectives.collective_matmul.cost_model import PRESETS, Hardware
 from shardfuse.collectives.ring_attention.ulysses import kv_heads_after_expansion
@@ -132,18 +133,13 @@ def _all_to_all_s(nbytes, n, hardware, latency):
     return nbytes * (n * n // 4) / (2 * n * link) + latency  # torus ring: bisection-bound
 
 
-def _collective_bandwidth(hardware):
-    link, egress = hardware.link_gb_per_s * 1e9, hardware.egress_gb_per_s * 1e9
-    return egress if link >= egress else min(egress, 2 * link)
-
-
 def _ring_s(t_f, kv, dkv, n, hardware, latency):
-    link = hardware.link_gb_per_s * 1e9
+    link = hardware.ring_bandwidth(bidirectional=False)  # ring.py sends one direction
     step_f, step_b = t_f / n, BACKWARD_FLOPS_RATIO * t_f / n
     if n == 1:
         return step_f, step_b, 0.0
-    forward = step_f + (n - 1) * max(step_f, kv / link + latency)
-    backward = step_b + (n - 1) * max(step_b, (kv + dkv) / link + 2 * latency)
+    forward = ring_time.overlapped_ring_s(n, step_f, kv / link + latency)
+    backward = ring_time.overlapped_ring_s(n, step_b, (kv + dkv) / link + 2 * latency)
     backward += dkv / link + latency  # the accumulators' last hop home
     return forward, backward, (n - 1) * (2 * kv + dkv) + dkv
 
@@ -220,7 +216,8 @@ def strategy_costs(
     forward, backward, sent = _ring_s(t_f, kv, kv * 4 / e, n, hardware, latency)  # dK/dV: f32
     costs.append(StrategyCost("ring", 1, n, forward, backward, sent, 2 * kv))
 
-    bandwidth = _collective_bandwidth(hardware)
+    # a collective over the whole axis: both directions of a torus ring, the egress of a switch
+    bandwidth = hardware.ring_bandwidth(bidirectional=True)
     gather = (n - 1) * kv / bandwidth + 2 * latency if n > 1 else 0.0
     costs.append(
         StrategyCost("all_gather", 1, n, gather + t_f, t_b + gather, 2 * (n - 1) * kv, n * kv)
