@@ -6,7 +6,6 @@ global wrapper that pads, reorders and calls `shard_map` is in `sharded.py`.
 """
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from shardfuse.collectives.ring_attention import blocks, layouts, ring
@@ -172,22 +171,10 @@ def ring_attention(
       >>> out.shape
       (1, 64, 4, 32)
     """
-    config = base.validate(
-        q,
-        k,
-        v,
-        causal=causal,
-        q_positions=None,
-        kv_positions=None,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        window=window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-        block_sizes=block_sizes,
-    )
-    # After validation, so that float64 NumPy inputs are refused, not downcast.
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    config, q, k, v = base.validate_arrays(
+        q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        window=window, logit_softcap=logit_softcap, scale=scale, block_sizes=block_sizes,
+    )  # fmt: skip
     layouts.check_layout(layout)
     RING_ATTENTION.candidates(implementation)  # an unknown name fails before tracing
     n = ring_size(axis_name)

@@ -338,10 +338,7 @@ def ring_attention_plan(
       True
     """
     v = k if v is None else v
-    config = base.validate(
-        q, k, v, causal=causal, q_positions=None, kv_positions=None, q_segment_ids=None,
-        kv_segment_ids=None, window=None, logit_softcap=None, scale=None,
-    )  # fmt: skip
+    config = base.validate(q, k, v, causal=causal)
     return make_plan(
         q, k, config, mesh=mesh, seq_axis=sequence_axis, batch_axis=data_axis,
         head_axis=model_axis, layout="zigzag", strategy=None, impl=None, hardware=hardware,

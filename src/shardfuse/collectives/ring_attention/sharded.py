@@ -307,22 +307,10 @@ def ring_attention(
       >>> out.shape, out.sharding.spec
       ((1, 100, 4, 32), P(None, 'sequence'))
     """
-    config = base.validate(
-        q,
-        k,
-        v,
-        causal=causal,
-        q_positions=None,
-        kv_positions=None,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        window=window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-        block_sizes=block_sizes,
-    )
-    # After validation, so that float64 NumPy inputs are refused, not downcast.
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    config, q, k, v = base.validate_arrays(
+        q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        window=window, logit_softcap=logit_softcap, scale=scale, block_sizes=block_sizes,
+    )  # fmt: skip
     plan = make_plan(
         q,
         k,

@@ -8,9 +8,6 @@ dtype, head dim, platform) hands over to the next one. Ring attention runs
 the same backends per ring step.
 """
 
-import jax
-import jax.numpy as jnp
-
 from shardfuse.kernels import registry
 from shardfuse.kernels.attention import base
 
@@ -144,22 +141,11 @@ def flash_attention(
       >>> out.shape, lse.shape
       ((2, 128, 8, 64), (2, 8, 128))
     """
-    # Validate before converting: jnp.asarray would silently turn float64 into float32.
-    config = base.validate(
-        q,
-        k,
-        v,
-        causal=causal,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        window=window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-        block_sizes=block_sizes,
-    )
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    config, q, k, v = base.validate_arrays(
+        q, k, v, causal=causal, q_positions=q_positions, kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
+        logit_softcap=logit_softcap, scale=scale, block_sizes=block_sizes,
+    )  # fmt: skip
     ATTENTION.candidates(implementation)  # an unknown name fails before anything runs
     B, T, _, _ = q.shape
     S = k.shape[1]

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -103,17 +104,19 @@ def validate(
     k,
     v,
     *,
-    causal,
-    q_positions,
-    kv_positions,
-    q_segment_ids,
-    kv_segment_ids,
-    window,
-    logit_softcap,
-    scale,
+    causal=False,
+    q_positions=None,
+    kv_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    window=None,
+    logit_softcap=None,
+    scale=None,
     block_sizes=None,
 ):
     """Checks the inputs of an attention call and returns its `AttentionConfig`.
+
+    The keywords are those of `sf.flash_attention`, with its defaults.
 
     Raises:
       ValueError: shapes, ranks, head counts, window, softcap or scale are invalid.
@@ -176,6 +179,25 @@ def validate(
         scale=scale,
         block_sizes=block_sizes,
     )
+
+
+def validate_arrays(q, k, v, **options):
+    """`validate`, then q, k and v as `jax.Array`s: returns `(config, q, k, v)`.
+
+    The one entry check of `sf.flash_attention`, the per-shard ring attention and
+    `sf.ring_attention`. Converting after validating refuses float64 NumPy inputs
+    instead of silently turning them into float32.
+
+    Example:
+      >>> import numpy as np
+      >>> q = k = v = np.zeros((1, 4, 2, 8), np.float32)
+      >>> config, q, k, v = validate_arrays(q, k, v, causal=True)
+      >>> config.causal, type(q).__name__
+      (True, 'ArrayImpl')
+    """
+    config = validate(q, k, v, **options)
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    return config, q, k, v
 
 
 def default_positions(T: int, S: int, q_positions=None, kv_positions=None):
