@@ -34,9 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives import sharding
-from shardfuse.collectives.ring_attention import api, layouts, relayout, ring, ulysses
+from shardfuse.collectives.ring_attention import api, blocks, layouts, relayout, ring, ulysses
 from shardfuse.collectives.ring_attention.plan import Plan, make_plan
-from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.attention import base
 
 PAD_SEGMENT_ID = int(jnp.iinfo(jnp.int32).min)
@@ -64,22 +63,8 @@ def _all_gather_shard(plan, q, k, v, q_seg, kv_seg):
         k, v = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
         if kv_seg is not None:
             kv_seg = lax.all_gather(kv_seg, axis, axis=1, tiled=True)
-    config = plan.config
-    return attention_api.flash_attention(
-        q,
-        k,
-        v,
-        causal=config.causal,
-        q_positions=q_pos,
-        kv_positions=kv_pos,
-        q_segment_ids=q_seg,
-        kv_segment_ids=kv_seg,
-        window=config.window,
-        logit_softcap=config.logit_softcap,
-        scale=config.scale,
-        return_lse=True,
-        implementation=plan.implementation,
-        block_sizes=config.block_sizes,
+    return blocks.attend_whole(
+        plan.config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, plan.implementation
     )
 
 

@@ -36,8 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse.collectives.ring_attention import api, ring
-from shardfuse.kernels.attention import api as attention_api
+from shardfuse.collectives.ring_attention import api, blocks, ring
 
 
 def kv_heads_after_expansion(kv_heads: int, ulysses_size: int) -> int:
@@ -168,22 +167,7 @@ def ulysses_attention(q, k, v, q_seg, kv_seg, *, axis_name, config, implementati
     def attend(q, k, v, q_seg, kv_seg):
         q_pos = jnp.arange(q.shape[1], dtype=jnp.int32) + q_offset
         kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-        return attention_api.flash_attention(
-            q,
-            k,
-            v,
-            causal=config.causal,
-            q_positions=q_pos,
-            kv_positions=kv_pos,
-            q_segment_ids=q_seg,
-            kv_segment_ids=kv_seg,
-            window=config.window,
-            logit_softcap=config.logit_softcap,
-            scale=config.scale,
-            return_lse=True,
-            implementation=implementation,
-            block_sizes=config.block_sizes,
-        )
+        return blocks.attend_whole(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, implementation)
 
     return _across_heads(axis_name, n, attend, q, k, v, q_seg, kv_seg)
 
