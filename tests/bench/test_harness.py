@@ -126,3 +126,17 @@ def test_measure_skips_what_an_implementation_cannot_run():
         reasons[-1]
         == "jnp.dot cannot run this case: ValueError: head dim too large for shared memory"
     )
+
+
+def test_with_backward_is_the_forward_and_its_vjp():
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    x = jnp.arange(6.0).reshape(2, 3) / 6
+    w = jnp.arange(12.0).reshape(3, 4) / 12
+    cotangent = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    out, (dx, dw) = harness.with_backward(f)(x, w, cotangent)
+    y = jnp.tanh(x @ w)
+    dz = cotangent * (1 - y**2)  # by hand: d tanh = 1 - tanh^2
+    assert jnp.allclose(out, y)
+    assert jnp.allclose(dx, dz @ w.T, atol=1e-6) and jnp.allclose(dw, x.T @ dz, atol=1e-6)

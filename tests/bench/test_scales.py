@@ -74,3 +74,32 @@ def test_not_timed_reason(implementation, backend, interpret, timed):
     assert (reason is None) == timed
     if reason:
         assert reason.startswith(implementation) and backend in reason
+
+
+@pytest.mark.parametrize("name", sorted(scales.SCALES))
+def test_grid_is_the_suites_nested_loops(name):
+    """`Scale.grid` against the loops every suite spelled out before it existed."""
+    scale = scales.SCALES[name]
+    cases = [("op_a", "impl_1"), ("op_a", "impl_2"), ("op_b", "impl_1")]
+    params, ids = scale.grid(cases)
+    expected, expected_ids = [], []
+    for model in scale.models:
+        for seq_len in scale.seq_lens:
+            modes = ("fwd", "fwd+bwd") if seq_len == max(scale.seq_lens) else ("fwd",)
+            for mode in modes:
+                for op, impl in cases:
+                    expected.append((model, seq_len, mode, op, impl))
+                    expected_ids.append(f"{model}-T{seq_len}-{mode}-{op}-{impl}")
+    assert (params, ids) == (expected, expected_ids)
+    params, ids = scale.grid(["x", "y"], models=["m"], modes="all")
+    assert params == [("m", t, mode, c) for t in scale.seq_lens for mode in ("fwd", "fwd+bwd")
+                      for c in "xy"]  # fmt: skip
+    params, ids = scale.grid(["x"], models=["m"], modes=None)
+    assert params == [("m", t, "x") for t in scale.seq_lens]
+    assert ids == [f"m-T{t}-x" for t in scale.seq_lens]
+    assert len(set(scale.grid(cases)[1])) == len(scale.grid(cases)[1])  # ids unique
+
+
+def test_grid_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="modes='fwd' must be one of"):
+        scales.SCALES["cpu"].grid(["x"], modes="fwd")

@@ -210,6 +210,28 @@ def not_timed_reason(implementation: str, backend: str, interpret: bool = False)
     return None
 
 
+def with_backward(fn):
+    """`g(*inputs, cotangent) -> (out, input cotangents)`: `fn`'s forward and its VJP, timed as one.
+
+    The fwd+bwd mode of every suite: the cotangent is a random argument, not
+    `sum()`, so that the backward does the work a training step does.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.bench.harness import with_backward
+      >>> out, (dx,) = with_backward(jnp.sin)(jnp.zeros(2), jnp.ones(2))
+      >>> dx.tolist()
+      [1.0, 1.0]
+    """
+
+    def forward_backward(*inputs_and_cotangent):
+        *inputs, cotangent = inputs_and_cotangent
+        out, vjp = jax.vjp(fn, *inputs)
+        return out, vjp(cotangent)
+
+    return forward_backward
+
+
 def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None):
     """Compiles `fn(*args)`, times it with `benchmark.pedantic`, fills `benchmark.extra_info`.
 

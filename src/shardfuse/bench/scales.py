@@ -10,7 +10,10 @@ The model figures themselves (and their sources) live in `shardfuse.models`.
 
 import dataclasses
 
+from shardfuse.flops import FWD, MODES
 from shardfuse.models import MODELS, ModelShape
+
+GRID_MODES = ("longest", "all", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,44 @@ class Scale:
     def models_scaled(self) -> list[ModelShape]:
         """The run's models, scaled."""
         return [self.scaled(MODELS[name]) for name in self.models]
+
+    def grid(self, choices, *, models=None, modes="longest") -> tuple[list[tuple], list[str]]:
+        """The cases of a suite, `(params, ids)` for `metafunc.parametrize`.
+
+        Every model, sequence length, mode and choice, as tuples
+        `(model, seq_len, mode, *choice)` with ids `"{model}-T{seq_len}-{mode}-{choice}"`.
+
+        Args:
+          choices: what else varies: strings (implementations) or tuples of
+            strings (an op and an implementation).
+          models: model names; default the scale's.
+          modes: "longest" (forward at every length, forward + backward at the
+            longest only: a backward costs 2.5 forwards), "all" (both at every
+            length), or None (no mode in the tuples or ids).
+
+        Example:
+          >>> from shardfuse.bench.scales import SCALES
+          >>> params, ids = SCALES["cpu-quick"].grid(["xla"], models=["llama3-8b"])
+          >>> ids
+          ['llama3-8b-T256-fwd-xla', 'llama3-8b-T512-fwd-xla', 'llama3-8b-T512-fwd+bwd-xla']
+          >>> params[0]
+          ('llama3-8b', 256, 'fwd', 'xla')
+        """
+        if modes not in GRID_MODES:
+            raise ValueError(f"modes={modes!r} must be one of {GRID_MODES}")
+        choices = [choice if isinstance(choice, tuple) else (choice,) for choice in choices]
+        params = []
+        for model in self.models if models is None else models:
+            for seq_len in self.seq_lens:
+                if modes is None:
+                    timed = [()]
+                elif modes == "all" or seq_len == max(self.seq_lens):
+                    timed = [(mode,) for mode in MODES]
+                else:
+                    timed = [(FWD,)]
+                params += [(model, seq_len, *mode, *choice) for mode in timed for choice in choices]
+        ids = ["-".join((model, f"T{seq_len}", *rest)) for model, seq_len, *rest in params]
+        return params, ids
 
 
 SCALES = {

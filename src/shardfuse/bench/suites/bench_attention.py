@@ -29,7 +29,7 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase, not_timed_reason
+from shardfuse.bench.harness import BenchCase, not_timed_reason, with_backward
 from shardfuse.models import MODELS
 
 OP = "flash_attention"
@@ -52,14 +52,7 @@ IMPLEMENTATIONS = (
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ != "test_attention":
         return
-    scale = metafunc.config.bench_scale
-    params, ids = [], []
-    for model in scale.models:
-        for seq_len in scale.seq_lens:
-            for mode in flops.MODES:
-                for impl in IMPLEMENTATIONS:
-                    params.append((model, seq_len, mode, impl))
-                    ids.append(f"{model}-T{seq_len}-{mode}-{impl}")
+    params, ids = metafunc.config.bench_scale.grid(IMPLEMENTATIONS, modes="all")
     metafunc.parametrize("model_name, seq_len, mode, implementation", params, ids=ids)
 
 
@@ -110,16 +103,6 @@ def _jax_pallas_fn(D):
     return interpreted
 
 
-def _with_backward(fn):
-    """`g(q, k, v, d_out) -> (out, (dq, dk, dv))`: the forward and its VJP."""
-
-    def forward_backward(q, k, v, d_out):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return out, vjp(d_out)
-
-    return forward_backward
-
-
 def test_attention(measure, bench_scale, model_name, seq_len, mode, implementation, pytestconfig):
     reason = not_timed_reason(implementation, jax.default_backend(), pytestconfig.bench_interpret)
     if reason:
@@ -154,7 +137,7 @@ def test_attention(measure, bench_scale, model_name, seq_len, mode, implementati
         k, v = (jnp.repeat(x, H // K, axis=2) for x in (k, v))
     args = (q, k, v)
     if mode == flops.FWD_BWD:
-        fn = _with_backward(fn)
+        fn = with_backward(fn)
         args += (jax.random.normal(keys[3], (B, T, H, D), dtype),)
     # JAX's Pallas kernels and cuDNN have limits of their own (head dims, shared memory):
     # a compile error there skips the case with the error instead of failing the run.

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase
+from shardfuse.bench.harness import BenchCase, with_backward
 from shardfuse.collectives.collective_matmul import cost_model
 from shardfuse.models import MODELS
 
@@ -59,16 +59,8 @@ def implementations(op: str) -> list[str]:
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ != "test_collective_matmul":
         return
-    scale = metafunc.config.bench_scale
-    params, ids = [], []
-    for model in scale.models:
-        for seq_len in scale.seq_lens:
-            modes = (flops.FWD, flops.FWD_BWD) if seq_len == max(scale.seq_lens) else (flops.FWD,)
-            for mode in modes:
-                for op in BASELINES:
-                    for impl in implementations(op):
-                        params.append((model, seq_len, mode, op, impl))
-                        ids.append(f"{model}-T{seq_len}-{mode}-{op}-{impl}")
+    cases = [(op, impl) for op in BASELINES for impl in implementations(op)]
+    params, ids = metafunc.config.bench_scale.grid(cases)
     metafunc.parametrize("model_name, seq_len, mode, op, implementation", params, ids=ids)
 
 
@@ -174,10 +166,6 @@ def test_collective_matmul(
             jnp.ones(jax.eval_shape(sharded, x, w).shape, dtype), NamedSharding(mesh, out_spec)
         )
 
-        def fn(x, w, cotangent):
-            y, vjp = jax.vjp(sharded, x, w)
-            return y, vjp(cotangent)
-
-        args = (x, w, cotangent)
+        fn, args = with_backward(sharded), (x, w, cotangent)
     measure(fn, args, case)
     benchmark.extra_info.update(predictions(op, model_name, bench_scale.batch(seq_len) * seq_len))

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase
+from shardfuse.bench.harness import BenchCase, with_backward
 from shardfuse.collectives.ring_attention import strategy
 from shardfuse.models import MODELS
 
@@ -47,19 +47,12 @@ USP_ULYSSES = 4
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ != "test_context_parallel":
         return
-    scale = metafunc.config.bench_scale
-    params, ids = [], []
-    for seq_len in scale.seq_lens:
-        modes = (flops.FWD, flops.FWD_BWD) if seq_len == max(scale.seq_lens) else (flops.FWD,)
-        for mode in modes:
-            for impl in IMPLEMENTATIONS:
-                params.append((seq_len, mode, impl))
-                ids.append(f"{MODEL}-T{seq_len}-{mode}-{impl}")
-    metafunc.parametrize("seq_len, mode, implementation", params, ids=ids)
+    params, ids = metafunc.config.bench_scale.grid(IMPLEMENTATIONS, models=[MODEL])
+    metafunc.parametrize("model_name, seq_len, mode, implementation", params, ids=ids)
 
 
-def _model(scale):
-    model = MODELS[MODEL]
+def _model(scale, name):
+    model = MODELS[name]
     if scale.divisor == 1:
         return model
     return dataclasses.replace(
@@ -75,8 +68,10 @@ def _mesh_and_axis(implementation, n):
     return Mesh(devices, ("sequence",)), "sequence", P(None, "sequence")
 
 
-def test_context_parallel(measure, benchmark, bench_scale, seq_len, mode, implementation):
-    model = _model(bench_scale)
+def test_context_parallel(
+    measure, benchmark, bench_scale, model_name, seq_len, mode, implementation
+):
+    model = _model(bench_scale, model_name)
     n = jax.device_count()
     B, T, H, K, D = bench_scale.batch(seq_len), seq_len, model.heads, model.kv_heads, model.head_dim
     dtype = jnp.dtype(bench_scale.dtype)
@@ -112,12 +107,7 @@ def test_context_parallel(measure, benchmark, bench_scale, seq_len, mode, implem
 
     args = (q, k, v)
     if mode == flops.FWD_BWD:
-        forward = fn
-
-        def fn(q, k, v, d_out):
-            out, vjp = jax.vjp(forward, q, k, v)
-            return out, vjp(d_out)
-
+        fn = with_backward(fn)
         args += (jax.device_put(jax.random.normal(keys[3], (B, T, H, D), dtype), sharding),)
     measure(fn, args, case)
     costs = strategy.strategy_costs(

@@ -43,14 +43,8 @@ IMPLEMENTATIONS = (
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ != "test_matmul":
         return
-    scale = metafunc.config.bench_scale
-    params, ids = [], []
-    for model in scale.models:
-        for seq_len in scale.seq_lens:
-            for projection in PROJECTIONS:
-                for impl in IMPLEMENTATIONS:
-                    params.append((model, seq_len, projection, impl))
-                    ids.append(f"{model}-T{seq_len}-{projection}-{impl}")
+    cases = [(projection, impl) for projection in PROJECTIONS for impl in IMPLEMENTATIONS]
+    params, ids = metafunc.config.bench_scale.grid(cases, modes=None)
     metafunc.parametrize("model_name, seq_len, projection, implementation", params, ids=ids)
 
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase
+from shardfuse.bench.harness import BenchCase, with_backward
 from shardfuse.collectives.ring_attention import ring_balance
 from shardfuse.models import MODELS
 
@@ -44,15 +44,7 @@ IMPLEMENTATIONS = (
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ != "test_ring_attention":
         return
-    scale = metafunc.config.bench_scale
-    params, ids = [], []
-    for model in scale.models:
-        for seq_len in scale.seq_lens:
-            modes = (flops.FWD, flops.FWD_BWD) if seq_len == max(scale.seq_lens) else (flops.FWD,)
-            for mode in modes:
-                for impl in IMPLEMENTATIONS:
-                    params.append((model, seq_len, mode, impl))
-                    ids.append(f"{model}-T{seq_len}-{mode}-{impl}")
+    params, ids = metafunc.config.bench_scale.grid(IMPLEMENTATIONS)
     metafunc.parametrize("model_name, seq_len, mode, implementation", params, ids=ids)
 
 
@@ -98,12 +90,7 @@ def test_ring_attention(measure, benchmark, bench_scale, model_name, seq_len, mo
     fn = _attention_fn(implementation, mesh, window, model.logit_softcap)
     args = (q, k, v)
     if mode == flops.FWD_BWD:
-        forward = fn
-
-        def fn(q, k, v, d_out):
-            out, vjp = jax.vjp(forward, q, k, v)
-            return out, vjp(d_out)
-
+        fn = with_backward(fn)
         args += (jax.device_put(jax.random.normal(keys[3], (B, T, H, D), dtype), sharding),)
     measure(fn, args, case)
     if implementation != BASELINE:
