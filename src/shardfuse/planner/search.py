@@ -20,18 +20,11 @@ from shardfuse.hardware import Cluster
 from shardfuse.hardware import cluster as make_cluster
 from shardfuse.models import ModelShape
 from shardfuse.models import get as get_model
+from shardfuse.planner import options
 from shardfuse.planner.constraints import layout_constraints
 from shardfuse.planner.cost import estimate
 from shardfuse.planner.memory import state_bytes
-from shardfuse.planner.options import (
-    CP_STRATEGIES,
-    MESH_AXES,
-    REMAT_POLICIES,
-    SCHEDULES,
-    ZERO_STAGES,
-    Assumptions,
-    Layout,
-)
+from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 from shardfuse.planner.plans import Plan
 
 SEARCHED_CP_STRATEGIES = ("ring", "all_gather", "ulysses")  # ulysses_ring: not modelled apart
@@ -211,10 +204,10 @@ def plan(
         if axis not in MESH_AXES:
             raise ValueError(f"mesh axis {axis!r} is not one of {MESH_AXES}")
         _check_positive_int(f"mesh[{axis!r}]", size)
-    zeros = _subset("zero", zero, ZERO_STAGES)
-    remats = tuple(p for p in REMAT_ORDER if p in _subset("remat", remat, REMAT_POLICIES))
-    schedules = _subset("schedule", schedule, SCHEDULES)
-    strategies = _subset("cp_strategy", cp_strategy, CP_STRATEGIES)
+    zeros = _subset("zero", zero, options.ZERO_STAGES)
+    remats = tuple(p for p in REMAT_ORDER if p in _subset("remat", remat, options.REMAT_POLICIES))
+    schedules = _subset("schedule", schedule, options.SCHEDULES)
+    strategies = _subset("cp_strategy", cp_strategy, options.CP_STRATEGIES)
     if cp_strategy is None:
         strategies = SEARCHED_CP_STRATEGIES
     sizes = _ints("microbatch_size", microbatch_size)
