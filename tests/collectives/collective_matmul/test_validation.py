@@ -99,3 +99,13 @@ def test_axis_name_must_be_a_string():
             jnp.ones((4, 8)),
             jnp.ones((8, 4)),
         )
+
+
+def test_docstring_examples():
+    """The examples of the public collective matmuls run and say what they claim."""
+    import doctest
+
+    from shardfuse.collectives.collective_matmul import api
+
+    result = doctest.testmod(api, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0, result

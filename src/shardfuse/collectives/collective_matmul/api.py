@@ -224,16 +224,18 @@ def matmul_reduce_scatter(
       NotImplementedError: the named implementation cannot run this input here
         (with None or a sequence: none could, with each reason).
 
-    Example:
+    Example (4 devices; each holds a C/4 slice of x and w, and ends with 2 of
+    the 8 rows of the summed product)::
+
       >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
-      >>> x = jnp.ones((8, 16)); w = jnp.ones((16, 4))
-      >>> f = jax.jit(jax.shard_map(
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:4], ("model",))
+      >>> x, w = jnp.arange(128.0).reshape(8, 16), jnp.ones((16, 4))
+      >>> row_parallel = jax.jit(jax.shard_map(
       ...     lambda x, w: sf.collectives.matmul_reduce_scatter(x, w, "model"),
       ...     mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P("model")))
-      >>> f(x, w)[0]
-      Array([16., 16., 16., 16.], dtype=float32)
+      >>> bool(jnp.array_equal(row_parallel(x, w), x @ w))
+      True
     """
     return _ring_matmul(
         "matmul_reduce_scatter", x, w, axis_name, axis_arg="scatter_axis", axis=scatter_axis,
@@ -272,16 +274,16 @@ def matmul_all_reduce(x, w, axis_name: str, *, implementation=None, precision=No
       NotImplementedError: the named implementation cannot run this input here
         (with None or a sequence: none could, with each reason).
 
-    Example:
+    Example (2 devices; both end with the whole sum)::
+
       >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
-      >>> x = jnp.ones((8, 16)); w = jnp.ones((16, 4))
-      >>> f = jax.jit(jax.shard_map(
-      ...     lambda x, w: sf.collectives.matmul_all_reduce(x, w, "model"),
-      ...     mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P()))
-      >>> f(x, w).shape
-      (8, 4)
+      >>> pair = jax.sharding.Mesh(jax.devices()[:2], ("tp",))
+      >>> a, b = jnp.arange(24.0).reshape(6, 4), jnp.full((4, 3), 2.0)
+      >>> summed = jax.jit(jax.shard_map(lambda a, b: sf.collectives.matmul_all_reduce(a, b, "tp"),
+      ...     mesh=pair, in_specs=(P(None, "tp"), P("tp")), out_specs=P()))(a, b)
+      >>> summed.shape, bool(jnp.array_equal(summed, a @ b))
+      ((6, 3), True)
     """
     function = "matmul_all_reduce"
     base.check_operands(x, w, function=function)
