@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 
 import shardfuse as sf
 from shardfuse._compat import scan_operand_counts
-from shardfuse.layers import prefetch
+from shardfuse.layers import prefetch, prefetch_plan
 from shardfuse.layers.stack import Stack
 from tests.parallel import hlo_collectives
 
@@ -366,6 +366,7 @@ def test_empty_batch_gives_empty_output_and_zero_gradients():
 
 
 @pytest.mark.slow
-def test_docstring_examples():
-    result = doctest.testmod(prefetch, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", [prefetch, prefetch_plan], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -202,16 +202,15 @@ def apply_layers(plan: PrefetchPlan, mesh, state, x, keywords: dict):
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from flax import nnx
-      >>> import shardfuse as sf
       >>> from shardfuse.layers import prefetch
-      >>> from shardfuse.layers.stack import Stack
       >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-      >>> stack = Stack(lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
-      ...               2, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> plan = prefetch.make_plan(stack.blocks, mesh)
-      >>> y = prefetch.apply_layers(plan, mesh, nnx.state(stack.blocks), jnp.ones((8, 4, 16)), {})
+      >>> blocks = sf.layers.Stack(
+      ...     lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
+      ...     2, mesh=mesh, rngs=nnx.Rngs(0)).blocks
+      >>> plan = prefetch.make_plan(blocks, mesh)
+      >>> y = prefetch.apply_layers(plan, mesh, nnx.state(blocks), jnp.ones((8, 4, 16)), {})
       >>> y.shape, y.sharding.spec
       ((8, 4, 16), P(('data', 'fsdp'), None, None))
     """

@@ -68,15 +68,13 @@ class PrefetchPlan:
 
     Example usage (see `make_plan`)::
 
-      >>> import jax
+      >>> import jax, shardfuse as sf
       >>> from flax import nnx
-      >>> import shardfuse as sf
-      >>> from shardfuse.layers import prefetch
-      >>> from shardfuse.layers.stack import Stack
       >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-      >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(32, 4, 64, mesh=mesh,
-      ...               zero=3, rngs=rngs), 2, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> plan = prefetch.make_plan(stack.blocks, mesh)
+      >>> def block(rngs):
+      ...     return sf.layers.ParallelTransformerBlock(32, 4, 64, mesh=mesh, zero=3, rngs=rngs)
+      >>> blocks = sf.layers.Stack(block, 2, mesh=mesh, rngs=nnx.Rngs(0)).blocks
+      >>> plan = sf.layers.prefetch.make_plan(blocks, mesh)
       >>> plan.io_spec, dict(plan.keyword_specs)["segment_ids"]
       (P(('data', 'fsdp'), None, None), P(('data', 'fsdp'), None))
     """
@@ -175,15 +173,12 @@ def make_plan(blocks, mesh, *, layer_axis=None, remat: str = "none"):
 
     Example usage::
 
-      >>> import jax
+      >>> import jax, shardfuse as sf
       >>> from flax import nnx
-      >>> import shardfuse as sf
-      >>> from shardfuse.layers import prefetch
-      >>> from shardfuse.layers.stack import Stack
       >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-      >>> stack = Stack(lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
-      ...               2, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> plan = prefetch.make_plan(stack.blocks, mesh)
+      >>> mlp = lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs)
+      >>> stack = sf.layers.Stack(mlp, 2, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> plan = sf.layers.prefetch.make_plan(stack.blocks, mesh)
       >>> plan.fsdp_axis, [leaf.dim for leaf in plan.leaves]  # down: bias, kernel; up: bias, kernel
       ('fsdp', [None, 1, None, 0])
     """
@@ -235,15 +230,14 @@ def check_keywords(plan: PrefetchPlan, keywords: dict):
 
     Example usage::
 
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, shardfuse as sf
       >>> from flax import nnx
-      >>> import shardfuse as sf
-      >>> from shardfuse.layers import prefetch
-      >>> from shardfuse.layers.stack import Stack
-      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-      >>> stack = Stack(lambda rngs: sf.layers.ParallelMLP(16, 32, mesh=mesh, zero=3, rngs=rngs),
-      ...               2, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> prefetch.check_keywords(prefetch.make_plan(stack.blocks, mesh), {"mask": jnp.ones(4)})
+      >>> fsdp = jax.make_mesh((4,), ("fsdp",))  # ZeRO-3 alone
+      >>> layers = sf.layers.Stack(
+      ...     lambda rngs: sf.layers.ParallelMLP(8, 16, mesh=fsdp, zero=3, rngs=rngs),
+      ...     3, mesh=fsdp, rngs=nnx.Rngs(1))
+      >>> plan = sf.layers.prefetch.make_plan(layers.blocks, fsdp)
+      >>> sf.layers.prefetch.check_keywords(plan, {"mask": jnp.ones(4)})
       Traceback (most recent call last):
       ValueError: mask=ArrayImpl: with prefetch=True the blocks take only the array keywords [] ...
     """
