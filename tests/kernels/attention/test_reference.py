@@ -140,3 +140,20 @@ def test_visibility_mask_large_window_does_not_overflow():
     q_pos = jnp.array([2**30, -(2**30)], jnp.int32)
     kv_pos = jnp.array([-(2**30), 2**30], jnp.int32)
     assert np.all(np.asarray(masks.visibility_mask(config, q_pos, kv_pos)))
+
+
+def test_reference_takes_flash_attentions_keywords_but_no_implementation():
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+    kv = jax.random.normal(jax.random.key(1), (1, 8, 1, 16))
+    out, lse = sf.attention_reference(q, kv, kv, causal=True, window=(2, 0), return_lse=True)
+    pos = np.arange(8)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] <= 2)  # causal, left 2
+    expected_out, expected_lse = naive_attention_numpy(q, kv, kv, np.broadcast_to(mask, (1, 8, 8)),
+                                                       scale=16**-0.5)  # fmt: skip
+    np.testing.assert_allclose(out, expected_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse, expected_lse, atol=1e-5, rtol=1e-5)
+    for keyword in ("implementation", "block_sizes"):
+        with pytest.raises(TypeError, match=f"takes no {keyword}="):
+            sf.attention_reference(q, kv, kv, **{keyword: None})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'casual'"):
+        sf.attention_reference(q, kv, kv, casual=True)

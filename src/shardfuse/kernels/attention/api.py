@@ -161,21 +161,7 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
-def attention_reference(
-    q,
-    k,
-    v,
-    *,
-    causal: bool = False,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    window=None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
-    return_lse: bool = False,
-):
+def attention_reference(q, k, v, **options):
     """The attention oracle: the same function as `flash_attention`, computed naively.
 
     Materialises the `[B, H, T, S]` scores in float32 (HIGHEST precision for
@@ -184,7 +170,18 @@ def attention_reference(
     (plain autodiff, no custom_vjp) are 0, never NaN. Keys no query can see
     are zeroed first, so NaN there never leaks. Memory O(B * H * T * S).
 
-    Args and returns as `flash_attention` (without `implementation`).
+    Args:
+      q, k, v: as `flash_attention`.
+      **options: the keywords of `flash_attention` (`causal`, `q_positions`,
+        `kv_positions`, `q_segment_ids`, `kv_segment_ids`, `window`,
+        `logit_softcap`, `scale`, `return_lse`), with their defaults; not
+        `implementation` or `block_sizes`: this is the reference implementation.
+
+    Returns:
+      As `flash_attention`.
+
+    Raises:
+      As `flash_attention`; TypeError for `implementation` or `block_sizes`.
 
     Example:
       >>> import jax, shardfuse as sf
@@ -194,18 +191,7 @@ def attention_reference(
       >>> out.shape
       (1, 16, 4, 32)
     """
-    return flash_attention(
-        q,
-        k,
-        v,
-        causal=causal,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        window=window,
-        logit_softcap=logit_softcap,
-        scale=scale,
-        return_lse=return_lse,
-        implementation="reference",
-    )
+    for name in ("implementation", "block_sizes"):
+        if name in options:
+            raise TypeError(f"attention_reference() takes no {name}=: it is the reference")
+    return flash_attention(q, k, v, implementation="reference", **options)
