@@ -17,10 +17,21 @@ function of `shardfuse.parallel` shard their state); stage 3 does:
   `FSDP_GATHER`, a name no checkpoint policy saves: the backward gathers it
   again instead of keeping it (memory of one layer's weights, not all).
 
+Stage 2's gradients (`shardfuse.parallel.accumulate(zero=2)`) are
+reduce-scattered inside the backward pass, as soon as each is produced:
+`scatter_gradient(full, sink, axis, dim)` is the identity on a replicated
+parameter whose transpose reduce-scatters the cotangent over fsdp into the
+gradient of `sink`, an array of the shard's shape (the differentiated
+variable). `Stack` ties each layer's slice inside its layer scan
+(`layer_scatters`), so the largest gradient alive is one layer's plus the
+sharded buffer; the parameters stay replicated for the forward.
+
 Whatever the stage, the fsdp axis is a data-parallel axis for activations:
 the batch is split over `(data, fsdp)` (`batch_axes`).
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -237,3 +248,91 @@ def save_anything_but_gathered(primitive, *_, **params) -> bool:
     for activations, a gather again for weights).
     """
     return primitive.name != "pvary" and not is_gathered(primitive, **params)
+
+
+# ZeRO-2: gradients reduce-scattered in the backward pass, where the parameters are used.
+
+
+def scatter_gradient(full, sink, axis: str, dim: int):
+    """`full` (a replicated parameter), whose gradient is reduce-scattered into `sink`'s.
+
+    Per-shard (inside `jax.shard_map`). The forward returns `full` and reads
+    nothing of `sink`; the backward reduce-scatters the cotangent over mesh
+    axis `axis` along dimension `dim` (`lax.psum_scatter(..., tiled=True)`)
+    in `sink`'s dtype and returns it as `sink`'s gradient (`full`'s is zero).
+    Differentiate with respect to `sink` (an array of the shard's shape, e.g.
+    zeros): the gradient is then this device's reduced shard, produced where
+    `full` is used, not after the whole backward pass.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from shardfuse.layers import fsdp
+      >>> mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> def grad(w, sink):  # d/dsink of sum(w * w): 2 w summed over the 4 devices, scattered
+      ...     return jax.grad(lambda s: jnp.sum(fsdp.scatter_gradient(w, s, "fsdp", 0) ** 2))(sink)
+      >>> f = jax.shard_map(grad, mesh=mesh, in_specs=(jax.P(), jax.P("fsdp")),
+      ...                   out_specs=jax.P("fsdp"))
+      >>> f(jnp.arange(8.0), jnp.zeros(8)).tolist()
+      [0.0, 8.0, 16.0, 24.0, 32.0, 40.0, 48.0, 56.0]
+    """
+    return _scatter_gradient(full, sink, axis, dim, jnp.dtype(sink.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _scatter_gradient(full, sink, axis, dim, sink_dtype):
+    del sink, axis, dim, sink_dtype
+    return full
+
+
+def _scatter_fwd(full, sink, axis, dim, sink_dtype):
+    del sink, axis, dim, sink_dtype
+    return full, None
+
+
+def _scatter_bwd(axis, dim, sink_dtype, _, cotangent):
+    with jax.named_scope("zero2_reduce_scatter"):
+        grad = lax.psum_scatter(
+            cotangent.astype(sink_dtype), axis, scatter_dimension=dim, tiled=True
+        )
+    return None, to_varying(grad, varying_axes(cotangent))
+
+
+_scatter_gradient.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientScatter:
+    """A parameter whose gradient `scatter_gradient` reduce-scatters: its replicated value
+    `full`, the differentiated `sink` (the shard's shape), the mesh `axis` and dimension `dim`."""
+
+    full: object
+    sink: object
+    axis: str
+    dim: int
+
+
+_SCATTERS = contextvars.ContextVar("shardfuse_zero2_scatters", default=None)
+
+
+@contextlib.contextmanager
+def scattering_gradients(scatters: dict):
+    """Within: `layer_scatters` finds the `GradientScatter`s of `scatters` (keyed by the
+    id of the array the model holds), so that a `Stack` ties them per layer."""
+    token = _SCATTERS.set(scatters)
+    try:
+        yield
+    finally:
+        _SCATTERS.reset(token)
+
+
+def layer_scatters(stacked_values) -> list | None:
+    """Per leaf of a `Stack`'s stacked values: its `GradientScatter` if a layer slice can be
+    reduce-scattered on its own (scatter dimension not the layer axis 0), else None; None
+    when no leaf has one (outside `scattering_gradients`)."""
+    scatters = _SCATTERS.get()
+    if not scatters:
+        return None
+    found = [scatters.get(id(v)) for v in jax.tree.leaves(stacked_values)]
+    found = [s if s is not None and s.dim >= 1 else None for s in found]
+    return found if any(s is not None for s in found) else None

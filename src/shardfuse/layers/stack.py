@@ -26,8 +26,13 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import explicit_axes
 from shardfuse.layers import _sharding
+from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
+
+# Variable metadata of a stacked parameter (dimension 0 is the layer axis): ZeRO shards
+# its gradient and optimizer state on a later dimension (`shardfuse.parallel.zero`).
+STACKED = "stacked_layers"
 
 
 def features_of(module) -> int | None:
@@ -190,7 +195,12 @@ class Stack(nnx.Module):
         values = jax.jit(make_all, out_shardings=shardings)(keys)
 
         def restack(variable, value, spec):
-            metadata = {"mesh": mesh, **variable.get_metadata(), "out_sharding": spec}
+            metadata = {
+                "mesh": mesh,
+                **variable.get_metadata(),
+                "out_sharding": spec,
+                STACKED: True,
+            }
             return type(variable)(value[...] if _sharding.is_variable(value) else value, **metadata)
 
         state = jax.tree.map(restack, abstract_state, values, specs, is_leaf=_sharding.is_variable)
@@ -221,12 +231,35 @@ class Stack(nnx.Module):
         if self.prefetch and x.size:  # (an empty batch: the plain scan, nothing to gather)
             return prefetch_lib.apply_layers(self._prefetch_plan(), self.mesh, state, x, kwargs)
         graphdef = nnx.graphdef(self.blocks)
+        # ZeRO-2 (`fsdp.scatter_gradient`): each layer's weight gradient reduce-scattered
+        # in the scan's backward, as soon as it is produced.
+        scatters = fsdp_lib.layer_scatters(state)
+        if scatters is not None:
+            return self._apply_scattering(graphdef, state, x, kwargs, scatters)
 
         def body(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, **kwargs), None
 
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
         return jax.lax.scan(body, x, state)[0]
+
+    def _apply_scattering(self, graphdef, state, x, kwargs, scatters):
+        """The layer scan over `(replicated value, sink)` pairs: a layer slice of each leaf
+        with a `GradientScatter` is tied to its sink's slice inside the body."""
+        leaves, treedef = jax.tree.flatten(state)
+        fulls = [v if s is None else s.full for v, s in zip(leaves, scatters, strict=True)]
+        sinks = [None if s is None else s.sink for s in scatters]
+
+        def body(x, layer):
+            values, layer_sinks = layer
+            tied = [
+                v if s is None else fsdp_lib.scatter_gradient(v, sink, s.axis, s.dim - 1)
+                for v, sink, s in zip(values, layer_sinks, scatters, strict=True)
+            ]
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, tied))(x, **kwargs), None
+
+        body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
+        return jax.lax.scan(body, x, (fulls, sinks))[0]
 
     def _as_carry(self, state, x, kwargs):
         """`x` with the type a layer's output has, which the layer scan's carry must keep.

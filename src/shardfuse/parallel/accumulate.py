@@ -21,14 +21,24 @@ The algorithm, one program:
    layers are unchanged.
 3. The partial gradients are summed in one float32 buffer per parameter,
    sharded like the gradients the stage asks for: zero 0/1 like the
-   parameters; zero 2 over fsdp, which takes a reduce-scatter over fsdp per
-   microbatch (a sharded buffer can only hold reduced shards), or with
-   `scatter="step"` a whole local buffer reduce-scattered once after the
-   scan (the count of reductions that of one microbatch, for the memory of
-   unsharded gradients while accumulating: PyTorch FSDP's `no_sync`); zero 3: the
-   layers' gathers already reduce-scatter (`shardfuse.layers.fsdp`), and
-   plain parameters sharded over fsdp (an embedding) are all-gathered on
-   entry to each microbatch, with the same reduce-scatter backward.
+   parameters; zero 2 over fsdp, each gradient reduce-scattered over fsdp
+   inside the backward pass, as soon as it is produced: the parameters stay
+   replicated for the forward, and the variable differentiated is a "sink"
+   of the shard's shape, tied to the parameter by `fsdp.scatter_gradient`
+   (identity forward, reduce-scatter transpose). A `Stack` ties each
+   layer's slice inside its layer scan (its parameters' gradients are
+   sharded after the layer axis, `zero.shard_spec(first_dim=1)`), so the
+   largest gradient alive is one layer's (or a table's: the parameters
+   outside a Stack are tied where the loss reads them, reduce-scattered
+   once their whole gradient is done) beside the sharded buffer. With
+   `scatter="step"`, a whole local buffer reduce-scattered once after the
+   scan instead (the count of reductions that of one microbatch, for the
+   memory of unsharded gradients while accumulating: PyTorch FSDP's
+   `no_sync`); zero 3: the layers' gathers already reduce-scatter
+   (`shardfuse.layers.fsdp`), and plain parameters sharded over fsdp (an
+   embedding) are all-gathered on entry to each microbatch, with the same
+   reduce-scatter backward; the replicated leaves (norm scales, biases) are
+   tied as under zero 2.
 4. After the scan, ONE reduction over the remaining batch axes (a psum over
    data, fsdp for unsharded buffers, sequence) and the division by the
    total token count. `sum_loss` and `num_tokens` are summed over exactly
@@ -61,6 +71,12 @@ def _scattered_dim(param_spec, grad_spec, ndim: int):
         if entry_axes(a) != entry_axes(b):
             return dim
     return None
+
+
+def _dim_or(param_spec, grad_spec, ndim: int) -> int:
+    """`_scattered_dim`, -1 for None (a pytree leaf)."""
+    dim = _scattered_dim(param_spec, grad_spec, ndim)
+    return -1 if dim is None else dim
 
 
 def _layer_param_ids(model) -> set:
@@ -161,9 +177,10 @@ def accumulate(
         second dimension for context parallelism, e.g. `P(("data", "fsdp"), "sequence")`.
       reduce_dtype: dtype of the accumulation buffer and the reductions (float32).
       wrt: the variables differentiated (default `nnx.Param`).
-      scatter: ZeRO-2's reduce-scatter over fsdp: "microbatch" (default: into
-        a buffer sharded over fsdp, one per microbatch) or "step" (a whole
-        local float32 buffer, reduce-scattered once per call: as many
+      scatter: ZeRO-2's reduce-scatter over fsdp: "microbatch" (default: each
+        gradient, a `Stack`'s per layer, reduce-scattered inside the backward
+        pass into a buffer sharded over fsdp, every microbatch) or "step" (a
+        whole local float32 buffer, reduce-scattered once per call: as many
         reductions as one microbatch, unsharded gradient memory meanwhile).
         Other stages ignore it, except zero=3, whose layers reduce-scatter in
         their backward: "step" raises there.
@@ -307,21 +324,48 @@ def _per_shard(
             return g
         return lax.psum_scatter(g, fsdp_axis, scatter_dimension=dim, tiled=True)
 
+    # ZeRO-2 (and zero=3's replicated leaves): the dimension each gradient is
+    # reduce-scattered on inside the backward pass (-1: none, or scatter="step").
+    scatter_dims = jax.tree.map(
+        lambda ps, gs, x: -1 if scatter_once else _dim_or(ps, gs, x.ndim),
+        param_specs,
+        grad_specs,
+        params,
+        is_leaf=is_spec,
+    )
+
+    def sink(full, dim):  # the differentiated variable of a scattered leaf: the shard's shape
+        if dim < 0:
+            return full
+        shape = list(full.shape)
+        shape[dim] //= lax.axis_size(fsdp_axis)
+        return to_varying(jnp.zeros(shape, reduce_dtype), varying_axes(full))
+
     def micro_grads(params, mb):
         # Tie the parameters to this microbatch: XLA may then not hoist the zero=3
         # gathers out of the loop (which would keep every gathered weight alive).
         params_now, mb = lax.optimization_barrier((params, mb))
+        fulls = jax.tree.map(vary, params_now, param_specs, is_leaf=None)
 
-        def loss(p):
+        def loss(diff):
+            scatters = {}  # id of the value the model holds -> its GradientScatter
+
+            def tie(d, full, dim):
+                if dim < 0:
+                    return d
+                tied = fsdp_lib.scatter_gradient(full, d, fsdp_axis, dim)
+                scatters[id(tied)] = fsdp_lib.GradientScatter(full, d, fsdp_axis, dim)
+                return tied
+
+            p = jax.tree.map(tie, diff, fulls, scatter_dims)
             p = jax.tree.map(gather, p, gather_dims)
-            s, n = loss_fn(nnx.merge(graphdef, p, rest), mb)
+            with fsdp_lib.scattering_gradients(scatters):
+                s, n = loss_fn(nnx.merge(graphdef, p, rest), mb)
             return s, n
 
-        p = jax.tree.map(vary, params_now, param_specs, is_leaf=None)
-        (s, n), g = jax.value_and_grad(loss, has_aux=True)(p)
+        diff = jax.tree.map(sink, fulls, scatter_dims)
+        (s, n), g = jax.value_and_grad(loss, has_aux=True)(diff)
         g = jax.tree.map(lambda x: x.astype(reduce_dtype), g)
-        if not scatter_once:
-            g = jax.tree.map(scatter, g, param_specs, grad_specs, is_leaf=None)
         return g, s.astype(reduce_dtype), n.astype(reduce_dtype)
 
     def microstep(acc, mb):

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.sharding import entry_axes, is_spec
 from shardfuse.layers import _sharding
 from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
+from shardfuse.layers.stack import STACKED
 
 
 def fsdp_axis_of(mesh, fsdp_axis):
@@ -52,17 +53,22 @@ def fsdp_axis_of(mesh, fsdp_axis):
     )
 
 
-def shard_spec(spec, shape, mesh, axis) -> P:
+def shard_spec(spec, shape, mesh, axis, *, first_dim: int = 0) -> P:
     """`spec` with mesh axis `axis` added on the first dimension of `shape` it divides.
 
-    Unchanged when `axis` is None, of size 1, already in `spec`, or divides no
+    Dimensions from `first_dim` on are tried first, then those before it (a
+    `Stack`'s parameters pass 1: a layer's slice of their gradient is then
+    reduce-scattered on its own, inside the layer scan's backward). Unchanged
+    when `axis` is None, of size 1, already in `spec`, or divides no
     dimension (after the axes already on it).
     """
     spec = P() if spec is None else spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if axis is None or mesh.shape[axis] == 1 or any(axis in entry_axes(e) for e in entries):
         return P(*entries)
-    for dim, (size, entry) in enumerate(zip(shape, entries, strict=True)):
+    order = list(range(first_dim, len(shape))) + list(range(min(first_dim, len(shape))))
+    for dim in order:
+        size, entry = shape[dim], entries[dim]
         shards = 1
         for name in entry_axes(entry):
             shards *= mesh.shape[name]
@@ -86,14 +92,27 @@ def sharded_specs(state, mesh, zero: int, fsdp_axis, *, stage: int = 1):
 
     Arrays are sharded over `fsdp_axis` (`shard_spec`) when `zero >= stage`
     (1 for the optimizer state, 2 for gradients), else they keep their own
-    specs (`param_specs`).
+    specs (`param_specs`). A `Stack`'s stacked parameters (metadata
+    `STACKED`) are sharded on a dimension after the layer axis where one
+    divides.
     """
     specs = param_specs(state)
     if check_zero(zero) < stage or fsdp_axis is None:
         return specs
     arrays = nnx.as_pure(state)
+    first_dims = nnx.as_pure(
+        jax.tree.map(
+            lambda v: nnx.Param(1 if v.get_metadata().get(STACKED) else 0),
+            state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    )
     return jax.tree.map(
-        lambda spec, x: shard_spec(spec, x.shape, mesh, fsdp_axis), specs, arrays, is_leaf=is_spec
+        lambda spec, x, first: shard_spec(spec, x.shape, mesh, fsdp_axis, first_dim=first),
+        specs,
+        arrays,
+        first_dims,
+        is_leaf=is_spec,
     )
 
 

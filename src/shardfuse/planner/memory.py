@@ -120,6 +120,22 @@ def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> floa
     return model.num_layers / P * layer + tables + h
 
 
+def table_params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+    """The embedding and output tables' parameters on one device (`params_per_device`'s).
+
+    Example:
+      >>> from shardfuse import models
+      >>> from shardfuse.planner.memory import table_params_per_device
+      >>> from shardfuse.planner.options import Assumptions, Layout
+      >>> model = models.get("llama3-8b")
+      >>> table_params_per_device(model, Layout(model=8), Assumptions()) == 2 * 128256 * 4096 / 8
+      True
+    """
+    layer = (model.layer_params() - 2 * model.hidden) / layout.model + 2 * model.hidden
+    layers = model.num_layers / layout.pipeline * layer
+    return params_per_device(model, layout, a) - layers - model.hidden
+
+
 def state_bytes(model: ModelShape, layout: Layout, a: Assumptions) -> float:
     """Parameters + gradients + optimizer state per device: the memory no microbatching reduces.
 
@@ -236,12 +252,19 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
     params = params_dev * a.param_bytes / shard(3)
     grads = params_dev * a.grad_bytes / shard(2)
     grads_formula = f"{params_dev:.4g} x {a.grad_bytes} B / {shard(2)}"
-    if z == 2 and F > 1:
-        # `sf.parallel.accumulate` reduce-scatters a microbatch's gradient after its
-        # backward pass: the whole gradient exists first, as under ZeRO-1 (measured: the
-        # compiled steps of ZeRO-1 and ZeRO-2 on (data 2, fsdp 4) differ by 0.3%).
+    if z == 2 and F > 1 and P == 1:
+        # `sf.parallel.accumulate` reduce-scatters each layer's gradient inside the layer
+        # scan's backward (`fsdp.scatter_gradient`): the sharded buffer, one layer's whole
+        # gradient (in `layer_working_set`), and the tables outside the Stack (embedding,
+        # head), reduce-scattered once their whole gradient is done.
+        tables = table_params_per_device(model, layout, a)
+        grads += tables * a.grad_bytes * (1 - 1 / F)
+        grads_formula += f" + the tables' whole gradients ({tables:.4g} x {a.grad_bytes} B)"
+    elif z == 2 and F > 1:
+        # A pipeline differentiates the whole stage (`sf.parallel.Pipeline`): its gradient
+        # is whole until the optimizer update reduce-scatters it.
         grads = params_dev * a.grad_bytes
-        grads_formula = f"{params_dev:.4g} x {a.grad_bytes} B (whole before its reduce-scatter)"
+        grads_formula = f"{params_dev:.4g} x {a.grad_bytes} B (whole: a pipeline's gradient)"
     terms = [
         Term("parameters", params, f"{params_dev:.4g} params x {a.param_bytes} B / {shard(3)}"),
         Term("gradients", grads, grads_formula),
@@ -319,6 +342,9 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         layer = model.layer_params() / T * a.param_bytes
         work += 3 * layer
         parts.append("3 gathered layers (two weights, one whole gradient)")
+    elif z == 2 and F > 1 and P == 1:
+        work += model.layer_params() / T * a.grad_bytes
+        parts.append("one layer's whole gradient (before its reduce-scatter)")
     terms.append(
         Term(
             "layer_working_set",
