@@ -74,25 +74,34 @@ def ring_table(plan: RingPlan, mesh_axes: tuple[str, ...], row_factor: int, *, s
     return jnp.stack([jnp.asarray(e, jnp.int32) for e in entries])
 
 
-def _neighbour(table_ref, direction: int, num_axes: int):
+def neighbour(table_ref, direction: int, num_axes: int):
     """Mesh coordinates of ring neighbour `i + direction` (direction = +1 or -1).
 
     Remote DMAs and semaphore signals take them as `device_id` without a
     `device_id_type`: mesh coordinates are the default on every supported JAX, and
-    newer JAX deprecates the argument.
+    newer JAX deprecates the argument. Inside a kernel whose SMEM `table_ref` is a
+    `ring_table` (the collective matmuls' and the fused ring attention's):
+
+        pl.semaphore_signal(credit, 1, device_id=neighbour(table_ref, -1, num_axes))
     """
     first = 0 if direction == +1 else num_axes
     return tuple(table_ref[first + a] for a in range(num_axes))
 
 
-def _send_to_neighbour(src, dst, send_sem, recv_sem, *, slot, table_ref, direction, num_axes):
-    """Starts the DMA of `src` into the ring neighbour's `dst[slot]` (semaphores `[slot]`)."""
+def send_to_neighbour(src, dst, send_sem, recv_sem, *, slot, table_ref, direction, num_axes):
+    """Starts the DMA of `src` into the ring neighbour's `dst[slot]` (semaphores `[slot]`).
+
+    Inside a kernel (see `neighbour`); returns the started copy, to `wait()` on:
+
+        copy = send_to_neighbour(chunk_ref, recv_ref, send_sem, recv_sem, slot=s % 2,
+                                 table_ref=table_ref, direction=+1, num_axes=num_axes)
+    """
     copy = pltpu.make_async_remote_copy(
         src,
         dst.at[slot],
         send_sem.at[slot],
         recv_sem.at[slot],
-        device_id=_neighbour(table_ref, direction, num_axes),
+        device_id=neighbour(table_ref, direction, num_axes),
     )
     copy.start()
     return copy
@@ -102,14 +111,18 @@ def _row_start(table_ref, step: int, lane: int, num_lanes: int, num_axes: int):
     return table_ref[2 * num_axes + step * num_lanes + lane]
 
 
-def _barrier_with_neighbours(table_ref, num_axes: int):
-    """Both ring neighbours have entered the kernel (their buffers exist) before any DMA."""
+def barrier_with_neighbours(table_ref, num_axes: int):
+    """Both ring neighbours have entered the kernel (their buffers exist) before any DMA.
+
+    The first statement of a ring kernel (see `neighbour`):
+    `barrier_with_neighbours(table_ref, num_axes)`.
+    """
     barrier = pltpu.get_barrier_semaphore()
     for direction in (+1, -1):
         pl.semaphore_signal(
             barrier,
             1,
-            device_id=_neighbour(table_ref, direction, num_axes),
+            device_id=neighbour(table_ref, direction, num_axes),
         )
     pl.semaphore_wait(barrier, 2)
 
@@ -137,7 +150,7 @@ def _gather_ring(
     n = plan.size
     num_lanes = len(plan.lanes)
     lanes = [scratch[4 * k : 4 * k + 4] for k in range(num_lanes)]
-    _barrier_with_neighbours(table_ref, num_axes)
+    barrier_with_neighbours(table_ref, num_axes)
     pending = [None] * num_lanes  # the DMA each lane started in the previous step
     for s in range(n):
         with jax.named_scope(f"ring_step_{s}"):
@@ -155,7 +168,7 @@ def _gather_ring(
                 if s <= n - 2:
                     if handshake and s >= 2:
                         pl.semaphore_wait(credit, 1)  # downstream freed slot s % 2
-                    copy = _send_to_neighbour(
+                    copy = send_to_neighbour(
                         src, buf, send_sem, recv_sem, slot=s % 2, table_ref=table_ref,
                         direction=lane.direction, num_axes=num_axes,
                     )  # fmt: skip
@@ -169,7 +182,7 @@ def _gather_ring(
                 if started[k] is not None:
                     started[k].wait_send()
                 if handshake and 1 <= s <= n - 3:  # slot (s - 1) % 2 is free again
-                    upstream = _neighbour(table_ref, -lane.direction, num_axes)
+                    upstream = neighbour(table_ref, -lane.direction, num_axes)
                     pl.semaphore_signal(credit, 1, device_id=upstream)
             pending = started
 
@@ -224,7 +237,7 @@ def matmul_reduce_scatter_kernel(
     n = plan.size
     num_lanes = len(plan.lanes)
     lanes = [scratch[5 * k : 5 * k + 5] for k in range(num_lanes)]
-    _barrier_with_neighbours(table_ref, num_axes)
+    barrier_with_neighbours(table_ref, num_axes)
     pending = [None] * len(plan.lanes)
     for s in range(n):
         with jax.named_scope(f"ring_step_{s}"):
@@ -240,7 +253,7 @@ def matmul_reduce_scatter_kernel(
                     pending[k].wait_recv()
                     partial = partial + recv_buf[(s - 1) % 2]
                     if handshake and s <= n - 3:  # slot (s - 1) % 2 is free again
-                        upstream = _neighbour(table_ref, -lane.direction, num_axes)
+                        upstream = neighbour(table_ref, -lane.direction, num_axes)
                         pl.semaphore_signal(credit, 1, device_id=upstream)
                 copy = None
                 if s == n - 1:
@@ -250,7 +263,7 @@ def matmul_reduce_scatter_kernel(
                     send_buf[s % 2] = partial
                     if handshake and s >= 2:
                         pl.semaphore_wait(credit, 1)  # downstream added its slot s % 2
-                    copy = _send_to_neighbour(
+                    copy = send_to_neighbour(
                         send_buf.at[s % 2], recv_buf, send_sem, recv_sem, slot=s % 2,
                         table_ref=table_ref, direction=lane.direction, num_axes=num_axes,
                     )  # fmt: skip

@@ -51,7 +51,11 @@ from shardfuse.kernels import vma
 from shardfuse.kernels.attention import pallas_tpu_blocks as tiles
 from shardfuse.kernels.attention import pallas_tpu_kernels as attention_kernels
 from shardfuse.kernels.attention import protocol
-from shardfuse.kernels.attention.pallas_tpu_layout import _lanes, _rows, check_supported
+from shardfuse.kernels.attention.pallas_tpu_layout import (
+    broadcast_lanes,
+    broadcast_sublanes,
+    check_supported,
+)
 from shardfuse.kernels.pallas_interpret import current_interpret_params
 from shardfuse.kernels.precision import dot_precision
 
@@ -117,7 +121,16 @@ def _metadata(fz: _Fused, q, k, q_seg, kv_seg):
     if q_seg is not None:
         q_meta = jnp.concatenate([q_meta, q_seg.astype(jnp.int32)])
         kv_meta = jnp.concatenate([kv_meta, kv_seg.astype(jnp.int32)])
-    return q_pos, kv_pos, (_lanes(q_meta), _rows(q_meta), _lanes(kv_meta), _rows(kv_meta))
+    return (
+        q_pos,
+        kv_pos,
+        (
+            broadcast_lanes(q_meta),
+            broadcast_sublanes(q_meta),
+            broadcast_lanes(kv_meta),
+            broadcast_sublanes(kv_meta),
+        ),
+    )
 
 
 def _step_states(fz: _Fused, st: kernels.FusedStatic, q_pos):
@@ -203,7 +216,7 @@ def _backward(fz: _Fused, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse):
     st = _static(fz, q, k, q_seg, backward=True)
     q_pos, _, metadata = _metadata(fz, q, k, q_seg, kv_seg)
     lse, delta = protocol.backward_row_stats(out, lse, d_out, d_lse)  # [B, H, T] each
-    lse, delta = (_lanes(x.reshape(B * H, T)) for x in (lse, delta))
+    lse, delta = (broadcast_lanes(x.reshape(B * H, T)) for x in (lse, delta))
     kv = jnp.stack([_heads_first(k), _heads_first(v)])
     args = [ring_table(fz.plan, fz.mesh_axes, 1, scatter=False), _step_states(fz, st, q_pos)]
     args += [_heads_first(q), _heads_first(d_out.astype(q.dtype)), lse, delta]

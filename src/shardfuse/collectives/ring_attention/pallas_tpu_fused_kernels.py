@@ -52,9 +52,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from shardfuse.collectives.collective_matmul.pallas_tpu_kernels import (
-    _barrier_with_neighbours,
-    _neighbour,
-    _send_to_neighbour,
+    barrier_with_neighbours,
+    neighbour,
+    send_to_neighbour,
 )
 from shardfuse.kernels.attention import pallas_tpu_kernels as attention
 
@@ -105,7 +105,7 @@ class _Travel:
 
 
 def _signal_upstream(table_ref, credit, st: FusedStatic):
-    upstream = _neighbour(table_ref, -1, st.num_axes)
+    upstream = neighbour(table_ref, -1, st.num_axes)
     pl.semaphore_signal(credit, 1, device_id=upstream)
 
 
@@ -123,7 +123,7 @@ def _copy(src, dst, send_sem, recv_sem, slot, table_ref, st: FusedStatic):
     it waits for this device's own send, or for the same-shaped arrival in its `dst[slot]`."""
     return pltpu.make_async_remote_copy(
         src, dst.at[slot], send_sem.at[slot], recv_sem.at[slot],
-        device_id=_neighbour(table_ref, +1, st.num_axes),
+        device_id=neighbour(table_ref, +1, st.num_axes),
     )  # fmt: skip
 
 
@@ -139,7 +139,7 @@ def _kv_ring(table_ref, travels, credit, consume, st: FusedStatic):
     every condition traced, so the kernel's size does not grow with the ring.
     """
     n = st.ring_size
-    _barrier_with_neighbours(table_ref, st.num_axes)
+    barrier_with_neighbours(table_ref, st.num_axes)
 
     def step(s, held, slot_in):
         slot_out = lax.rem(s, 2) if slot_in is not None else 0
@@ -152,7 +152,7 @@ def _kv_ring(table_ref, travels, credit, consume, st: FusedStatic):
         def send():
             _when(st.handshake and (s >= 2), lambda: pl.semaphore_wait(credit, 1))
             for src, t in zip(held, travels, strict=True):
-                _send_to_neighbour(
+                send_to_neighbour(
                     src, t.buffer, t.send_sem, t.recv_sem, slot=slot_out, table_ref=table_ref,
                     direction=+1, num_axes=st.num_axes,
                 )  # fmt: skip
@@ -375,7 +375,7 @@ def backward_kernel(
                     _when(step <= n - 2, lambda: _signal_upstream(table_ref, dkv_credit, st))
             # Downstream added its slot step % 2 (received in its step - 1).
             _when(st.handshake and step >= 2, lambda: pl.semaphore_wait(dkv_credit, 1))
-            _send_to_neighbour(
+            send_to_neighbour(
                 send_buf.at[slot_out], recv_buf, dkv_send_sem, dkv_recv_sem, slot=slot_out,
                 table_ref=table_ref, direction=+1, num_axes=st.num_axes,
             )  # fmt: skip

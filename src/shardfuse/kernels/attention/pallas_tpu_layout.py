@@ -59,14 +59,14 @@ class Layout:
         self.states = jnp.broadcast_to(states, (B, self.nq, self.nk))
         # Lane- and sublane-broadcast copies: [Tp, 128] and [8, Tp], etc.
         self.mask_arrays = (
-            _lanes(q_pos),
-            _rows(q_pos),
-            _lanes(kv_pos),
-            _rows(kv_pos),
-            None if q_seg is None else _lanes(q_seg),
-            None if q_seg is None else _rows(q_seg),
-            None if q_seg is None else _lanes(kv_seg),
-            None if q_seg is None else _rows(kv_seg),
+            broadcast_lanes(q_pos),
+            broadcast_sublanes(q_pos),
+            broadcast_lanes(kv_pos),
+            broadcast_sublanes(kv_pos),
+            None if q_seg is None else broadcast_lanes(q_seg),
+            None if q_seg is None else broadcast_sublanes(q_seg),
+            None if q_seg is None else broadcast_lanes(kv_seg),
+            None if q_seg is None else broadcast_sublanes(kv_seg),
         )
 
     def heads_first(self, x, length):
@@ -134,13 +134,29 @@ def pad(x, axis, size):
     return jnp.pad(x, widths)
 
 
-def _lanes(x):
-    """`[..., L]` -> `[..., L, 128]`: one value per row, replicated over the lanes."""
+def broadcast_lanes(x):
+    """`[..., L]` -> `[..., L, 128]`: one value per row, replicated over the lanes.
+
+    The form in which the kernels read per-query (or per-key) vectors along rows.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> broadcast_lanes(jnp.arange(3)).shape
+      (3, 128)
+    """
     return jnp.broadcast_to(x[..., None], (*x.shape, NUM_LANES))
 
 
-def _rows(x):
-    """`[..., L]` -> `[..., 8, L]`: one value per column, replicated over the sublanes."""
+def broadcast_sublanes(x):
+    """`[..., L]` -> `[..., 8, L]`: one value per column, replicated over the sublanes.
+
+    The form in which the kernels read per-key (or per-query) vectors along columns.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> broadcast_sublanes(jnp.arange(3)).shape
+      (8, 3)
+    """
     return jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], NUM_SUBLANES, x.shape[-1]))
 
 
