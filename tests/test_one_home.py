@@ -55,6 +55,11 @@ def test_mean_visible_keys_equals_its_closed_form(s, window):
     assert flops.mean_visible_keys(s, window, False) == s
 
 
+def test_mean_visible_keys_refuses_an_empty_sequence():
+    with pytest.raises(ValueError, match="s=0 must be a sequence length >= 1"):
+        flops.mean_visible_keys(0, None, True)
+
+
 @pytest.mark.parametrize(
     "layout, n, causal, window, pairs",
     [
@@ -96,6 +101,12 @@ def test_ring_time_formulas_worked_by_hand():
     assert ring_time.ring_bandwidth(100.0, 150.0, bidirectional=True) == 150e9
     assert ring_time.ring_bandwidth(100.0, 600.0, bidirectional=False) == 100e9
     assert doctest.testmod(ring_time).failed == 0
+    with pytest.raises(ValueError, match="bandwidth=0"):
+        ring_time.ring_transfer_s(4, 1.0, 0, 0.0)
+    with pytest.raises(ValueError, match="latency=-1"):
+        ring_time.ring_collective_s(4, 1.0, 1e9, -1)
+    with pytest.raises(ValueError, match="egress_gb_per_s=0"):
+        ring_time.ring_bandwidth(1.0, 0, bidirectional=True)
 
 
 @pytest.mark.parametrize("key", hardware.names())

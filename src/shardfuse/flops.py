@@ -197,6 +197,8 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
       >>> mean_visible_keys(4, None, True), mean_visible_keys(4, None, False)
       (2.5, 4)
     """
+    if s < 1:
+        raise ValueError(f"s={s!r} must be a sequence length >= 1")
     if not causal_skip:
         return s
     left = None if window is None else window - 1

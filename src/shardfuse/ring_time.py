@@ -44,11 +44,18 @@ def ring_bandwidth(link_gb_per_s: float, egress_gb_per_s: float, *, bidirectiona
       egress_gb_per_s: everything the device can send at once, GB/s.
       bidirectional: whether the ring sends to both neighbours (two links).
 
+    Raises:
+      ValueError: a link or egress bandwidth <= 0.
+
     Example:
       >>> from shardfuse.ring_time import ring_bandwidth
       >>> ring_bandwidth(450.0, 450.0, bidirectional=True)  # NVLink through NVSwitch
       450000000000.0
     """
+    if not (link_gb_per_s > 0 and egress_gb_per_s > 0):
+        raise ValueError(
+            f"link_gb_per_s={link_gb_per_s!r} and egress_gb_per_s={egress_gb_per_s!r} must be > 0"
+        )
     links = 2 if bidirectional else 1
     return min(links * link_gb_per_s, egress_gb_per_s) * 1e9
 
@@ -62,6 +69,9 @@ def ring_transfer_s(n: int, step_bytes: float, bandwidth: float, latency: float)
       bandwidth: bytes per second (`ring_bandwidth`).
       latency: seconds, the fixed cost of one step.
 
+    Raises:
+      ValueError: a bandwidth <= 0, or a negative latency or size.
+
     Example:
       >>> from shardfuse.ring_time import ring_transfer_s
       >>> ring_transfer_s(4, 1e9, 1e9, 0.5), ring_transfer_s(1, 1e9, 1e9, 0.5)
@@ -69,6 +79,11 @@ def ring_transfer_s(n: int, step_bytes: float, bandwidth: float, latency: float)
     """
     if n <= 1:
         return 0.0
+    if not (bandwidth > 0 and latency >= 0 and step_bytes >= 0):
+        raise ValueError(
+            f"bandwidth={bandwidth!r} must be > 0, latency={latency!r} and "
+            f"step_bytes={step_bytes!r} >= 0"
+        )
     return (n - 1) * (step_bytes / bandwidth + latency)
 
 
