@@ -16,6 +16,7 @@ from shardfuse.planner import (
     plan,
 )
 from shardfuse.planner.cost import axis_link, mean_visible_keys
+from shardfuse.planner.terms import Term
 
 TINY = models.ModelSpec("tiny", hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=128,
                         num_layers=4, vocab_size=256)  # fmt: skip
@@ -195,39 +196,31 @@ def test_pipeline_bubble_per_schedule():
 
 
 def test_lockstep_pipeline_is_the_executor_table():
-    """shardfuse's executor: every tick lasts its slowest stage's action; the backward reruns
-    the stage forward (residuals="recompute"); with collectives every tick runs the whole VJP."""
-    from shardfuse.parallel.pipeline.schedule import B, F, W, schedule_table
+    """shardfuse's executor: the step lasts the schedule IR's lockstep work (every stage one F
+    and one B per tick, the head in the last stage's F ticks); the backward reruns the stage
+    forward (residuals="recompute"), with or without collectives in the stage."""
+    from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table
     from shardfuse.planner import pipeline_time
 
-    model, c = models.get("llama3-8b"), hardware.cluster("h100")
-    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        lay = Layout(pipeline=8, schedule=schedule, virtual_stages=v, num_microbatches=16)
-        e = estimate(model, c, lay, global_batch=16, seq_len=4096)
-        terms = {t.name: t for t in e.time}
-        work = sum(terms[k].value for k in ("compute", "elementwise"))
-        forward = work / 3
-        reruns = 2 if schedule == "zb-h1" else 1
-        assert terms["pipeline_recompute"].value == pytest.approx(reruns * forward)
-        unit = 1 / (16 * v)
-        if schedule == "zb-h1":
-            cost = {F: forward * unit, B: (work - forward) / 2 * unit + forward * unit}
-            cost[W] = cost[B]
-        else:
-            cost = {F: forward * unit, B: (work - forward) * unit + forward * unit, W: 0.0}
-        table = schedule_table(schedule, 8, 16, v)
-        expected = sum(max([cost.get(int(k), 0.0) for k in row]) for row in table.kind)
-        pipelined = work + terms["pipeline_recompute"].value + terms["pipeline_bubble"].value
-        assert pipelined == pytest.approx(expected)
-    # the tick counts of many microbatches are extrapolated from two small tables: exact
-    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        exact = dict(pipeline_time._mix_of(schedule_table(schedule, 8, 96, v)))
-        assert dict(pipeline_time.tick_mix(schedule, 8, 96, v)) == pytest.approx(exact)
-    # a stage with tensor-parallel collectives: every tick evaluates forward + VJP + head
-    lay = Layout(pipeline=4, model=2, num_microbatches=8)
-    e = estimate(model, c, lay, global_batch=8, seq_len=4096)
-    bubble = next(t for t in e.time if t.name == "pipeline_bubble")
-    assert "every tick runs the stage forward, its VJP" in bubble.formula
+    a = Assumptions()
+    for model_axis in (1, 2):
+        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+            lay = Layout(pipeline=8, model=model_axis, schedule=schedule, virtual_stages=v,
+                         num_microbatches=16)  # fmt: skip
+            out = pipeline_time.pipeline_terms(
+                lay, a, [Term("compute", 3.0, "")], head_s=0.25, send_bytes=0.0,
+                link=(1e9, 0.0, "link"), overlap=0.0,
+            )  # fmt: skip
+            terms = {t.name: t.value for t in out}
+            assert terms["pipeline_recompute"] == pytest.approx(1.0)  # the forward, again
+            unit = 1 / (16 * v)  # one microbatch through one chunk
+            cost = {F: 1.0 * unit, B: (2.0 + 1.0) * unit, HEAD: 0.25}
+            total = 3.0 + terms["pipeline_recompute"] + terms["pipeline_bubble"]
+            assert total == pytest.approx(lockstep_table(schedule, 8, 16, v).work(cost))
+            # by hand: (v m + p - 1) ticks of F and B, and m heads
+            assert total == pytest.approx((v * 16 + 7) * 4.0 * unit + 16 * 0.25)
+    # the planner's async pipelines pay the same IR's closed-form bubble
+    assert pipeline_time.closed_form_bubble("1f1b", 8, 16) == pytest.approx(7 / 23)
 
 
 def test_materialised_scores_are_counted():

@@ -20,20 +20,20 @@ the overlap model leaves exposed) + the pipeline's recompute, sends and bubble
 (`pipeline_time`). The efficiency and the overlap are per hardware generation
 (`efficiency`, with their sources) unless `Assumptions` fixes them.
 Pipelines run as the executor runs them: shardfuse's executor (the default
-`Assumptions.pipeline_executor="lockstep"`) is a scan over the schedule's
-ticks, each lasting its slowest stage's action, and reruns the stage forward
-in every backward (B, and W for zb-h1) with `residuals="recompute"`; when the
-stage communicates every tick evaluates the whole stage VJP and the head.
-"async" pipelines (Megatron, the published runs' systems) pay the closed-form
-bubble: (P - 1) / m of the pipelined work for GPipe and 1F1B, (P - 1) / (v m)
-for the interleaved schedule and (P - 1) / (3 m) for ZB-H1 (Qi et al. 2023).
+`Assumptions.pipeline_executor="lockstep"`) runs the schedule's lockstep
+table, every stage one F and one B per tick, and reruns the stage forward in
+every backward with `residuals="recompute"`: its time is the schedule IR's
+`lockstep_work` (`pipeline_time`). "async" pipelines (Megatron, the
+published runs' systems) pay the IR's closed-form bubble,
+`closed_form_bubble`: (P - 1) / m of the pipelined work for GPipe and 1F1B,
+(P - 1) / (v m) for the interleaved schedule and (P - 1) / (3 m) for ZB-H1.
 
 Memory (per device, the most loaded pipeline stage): parameters, gradients
 and optimizer state divided over F per ZeRO stage; activations per layer
 and microbatch in the style of Korthikanti et al. 2022 (the tensors each
 block keeps for its backward pass, divided by T with sequence parallelism
 and by C), times the layers of a stage and the microbatches in flight
-(GPipe m, 1F1B and ZB-H1 min(m, P), interleaved min(m, P) (1 + (P - 1) / (P v)));
+(the executor's lockstep table: GPipe m, 1F1B and ZB-H1 min(m, 2P - 1), interleaved its peak);
 one layer's working set in its backward pass (its activations, recomputed or
 kept, and their cotangents); with tensor parallelism the full-sequence
 buffers of the collective matmuls; the logits of one microbatch;

@@ -13,6 +13,7 @@ See `cost` for the notation.
 """
 
 from shardfuse.models import ModelShape
+from shardfuse.parallel.pipeline.schedule import lockstep_table
 from shardfuse.planner.options import Assumptions, Layout
 from shardfuse.planner.terms import Term
 
@@ -287,12 +288,9 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
     else:
         # The pipeline keeps each microbatch in flight as its stage input and recomputes
         # the stage forward in its backward tick (`Pipeline(residuals="recompute")`).
-        if layout.schedule == "gpipe":
-            in_flight = float(m)
-        else:
-            in_flight = float(min(m, P))
-            if layout.schedule == "interleaved":
-                in_flight *= 1 + (P - 1) / (P * v)
+        # The executor's lockstep table: stage 0 holds its microbatches from F to B,
+        # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe.
+        in_flight = float(max(lockstep_table(layout.schedule, P, m, v).in_flight()))
         inputs = in_flight * mb_tokens * h / T * act
         activations = inputs + stage
         what = (

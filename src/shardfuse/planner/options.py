@@ -17,9 +17,9 @@ import dataclasses
 import functools
 
 from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes the FLOPs
+from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
 
 MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost -> innermost
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
@@ -117,18 +117,13 @@ class Assumptions:
       overlap: fraction of an overlappable collective's time that hides behind the
         compute running beside it; None (default): the device's,
         `efficiency.overlap_fraction` (GPUs 0.85, TPUs 0.95, CPUs 0: stated).
-      pipeline_executor: "lockstep" (shardfuse's executor: one `lax.scan` over
-        the schedule's ticks, a `ppermute` every tick, so every tick lasts as long as
-        its slowest stage's action) or "async" (Megatron-style: stages run their
+      pipeline_executor: "lockstep" (shardfuse's executor: scans over the
+        schedule's `LockstepTable`, a `ppermute` every tick, every stage one F and
+        one B per tick: `schedule.lockstep_work`) or "async" (Megatron-style: stages run their
         own order, the bubble is the schedule's closed form).
       pipeline_recompute: a backward tick reruns the stage forward from the kept
-        stage input (`Pipeline(residuals="recompute")`, the default; zb-h1 reruns it
-        in B and in W); False: residuals kept (`residuals="stored"`, Megatron).
-      pipeline_uniform_ticks: when the stage communicates (tensor, sequence or
-        ZeRO-3 collectives inside it), every tick of shardfuse's executor evaluates
-        the whole stage forward, its VJP and the head, whatever its action (the
-        devices must run the same collectives in the same order); False: each
-        tick computes only its action.
+        stage input (`Pipeline(residuals="recompute")`, the default); False:
+        residuals kept (`residuals="stored"`, Megatron).
       compute_dtype: the dtype whose peak is used ("bfloat16", "float16", "float32").
       activation_bytes: bytes per activation element saved for the backward pass.
       param_bytes, grad_bytes, optimizer_bytes: bytes per parameter of the
@@ -174,7 +169,6 @@ class Assumptions:
     overlap: float | None = None
     pipeline_executor: str = "lockstep"
     pipeline_recompute: bool = True
-    pipeline_uniform_ticks: bool = True
     compute_dtype: str = "bfloat16"
     activation_bytes: int = 2
     param_bytes: int = 2
@@ -270,7 +264,6 @@ class Assumptions:
             flash_attention=False,
             pipeline_executor="async",
             pipeline_recompute=False,
-            pipeline_uniform_ticks=False,
         )
 
     @classmethod
@@ -315,8 +308,7 @@ class Assumptions:
     def maxtext(cls) -> "Assumptions":
         """MaxText on TPU (XLA: async collectives overlapped, flash attention, no pipeline)."""
         return cls(name="maxtext", causal_skip=False, tp_overlap=True, dp_overlap=1.0,
-                   pipeline_executor="async", pipeline_recompute=False,
-                   pipeline_uniform_ticks=False)  # fmt: skip
+                   pipeline_executor="async", pipeline_recompute=False)  # fmt: skip
 
     @classmethod
     def palm(cls) -> "Assumptions":

@@ -20,6 +20,7 @@ from shardfuse.hardware import Cluster
 from shardfuse.hardware import cluster as make_cluster
 from shardfuse.models import ModelShape
 from shardfuse.models import get as get_model
+from shardfuse.parallel.pipeline.schedule import closed_form_bubble
 from shardfuse.planner import options
 from shardfuse.planner.constraints import layout_constraints
 from shardfuse.planner.cost import estimate
@@ -238,10 +239,6 @@ def plan(
     best_times = []  # a max-heap (negated) of the top_k step times so far
     compute_s = {policy: _compute_seconds(model, cluster, policy, **kwargs) for policy in remats}
     max_v = max(virtuals) if virtuals else MAX_VIRTUAL_STAGES
-    min_bubble = min(
-        1 / max_v if name == "interleaved" else 1 / 3 if name == "zb-h1" else 1
-        for name in schedules
-    )
     meshes = list(mesh_shapes(model, n, global_batch=global_batch, seq_len=seq_len, fixed=fixed,
                               assumptions=a, rejected=rejected))  # fmt: skip
     # Shapes without a pipeline or context parallelism first: they set the bound early.
@@ -270,7 +267,7 @@ def plan(
                         continue
                     # Branch and bound: compute plus the smallest bubble any allowed
                     # schedule could reach is a lower bound on the step time.
-                    bound = compute_s[policy] * (1 + (P - 1) / m * min_bubble)
+                    bound = compute_s[policy] * (1 + _least_bubble(schedules, P, m, max_v))
                     if len(best_times) >= top_k and bound > -best_times[0] * 1.001:
                         continue
                     base = Layout(P, D, F, C, T, zero=z, remat=policy, microbatch_size=mb,
@@ -370,6 +367,16 @@ def _best(model, cluster, kwargs, layouts):
         if e.fits and (best is None or e.step_time_s < best[0].step_time_s):
             best = (e, layout)
     return best
+
+
+def _least_bubble(schedules, P, m, max_v) -> float:
+    """The smallest closed-form bubble over `schedules`, relative to the pipelined work."""
+    if P == 1:
+        return 0.0
+    idle = min(
+        closed_form_bubble(name, P, m, max_v if name == "interleaved" else 1) for name in schedules
+    )
+    return idle / (1 - idle)
 
 
 def _schedules(model, base, schedules, virtuals=None):

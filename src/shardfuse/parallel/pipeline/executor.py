@@ -1,42 +1,50 @@
-"""Runs a `ScheduleTable` in one SPMD program: `lax.scan` over ticks, `ppermute` between stages.
+"""Runs a `LockstepTable` in one SPMD program: a scan over ticks, `ppermute` between stages.
 
 The program is one `jax.shard_map` over EVERY axis of the mesh (a full-manual
 region: the layers inside run per shard, see `shardfuse.layers._sharding`).
 Device `s` of the pipeline axis holds chunks `c = 0..v-1` of the stack
-(virtual stage `c * p + s`, `L / (p v)` layers each) and, per tick `t`, reads
-its action `(kind, microbatch, chunk)` from the table's row `t`:
+(virtual stage `c * p + s`, `L / (p v)` layers each). Each tick
+(`schedule.LockstepTable`) has an F slot and a B slot per stage:
 
 - F: `y = stage(x_in)` with `x_in` the microbatch itself (virtual stage 0) or
-  the activation received earlier; `y` goes to the next virtual stage by
-  `ppermute`; on the last virtual stage the head and the loss run instead,
-  and the loss gradient `dy` is kept for the backward.
-- B: the stage VJP: by default (`residuals="recompute"`) recomputing the
-  forward from the kept stage input (the stage's residuals are never stored
-  across ticks); with `residuals="stored"` the F tick kept the residuals of
-  the stage's VJP (`residuals.StageVJP`) in ring buffers next to the stage
-  input, and B applies the VJP to them without a forward. The input
-  gradient goes to the previous virtual stage by `ppermute` (on virtual
-  stage 0 it is the gradient of the pipeline's input, kept in a `[b, m, ...]`
-  buffer the size of the batch only when asked for: `input_gradient=False`
-  when the caller does not differentiate the input); without a split
-  backward the parameter gradient is accumulated too.
-- W (zero-bubble): the parameter gradient of a microbatch whose B ran earlier
-  (recomputed, or from the same stored residuals as its B).
+  the activation received in the previous tick; `y` goes to the next
+  virtual stage by `ppermute`; on the last virtual stage the head and the
+  loss run on `y`, and the loss gradient `dy` is kept for the B slot (of
+  the same tick: on the last virtual stage a microbatch's F, head and B run
+  in one tick).
+- B: the stage VJP, by default (`residuals="recompute"`) recomputing the
+  forward from the kept stage input; with `residuals="stored"` the F slot
+  kept the residuals of the stage's VJP (`residuals.StageVJP`) in ring
+  buffers next to the stage input, and B applies the VJP to them without a
+  forward. The input gradient goes to the previous virtual stage; the
+  parameter gradient is accumulated (zb-h1's W runs inside B: see below).
 
-A tick computes only what its action needs (`lax.switch` on the action:
-F = stage forward and, on the last stage, the head; B = the stage VJP; W =
-the weight VJP) when neither the stage nor the head communicates. When they
-do (tensor, sequence or data parallel layers inside the stage), every device
-must run the same collectives in the same order, which per-device branches
-break (the CPU runtime hangs): every tick then evaluates the whole stage VJP
-and the head, and keeps what its action needs. Either way the results are
-selected with `jnp.where`, never multiplied by 0: NaN in unused buffers or
-bubble ticks never reaches a result.
+Every stage runs the same ops in every tick (no per-stage branch), so tensor,
+sequence or data parallel collectives inside a stage or the head are legal:
+a stage with nothing in a slot computes on a dummy, and its results are
+dropped with `jnp.where` (never multiplied by 0: NaN in unused buffers never
+reaches a result). What a tick runs is fixed per tick by the table, not per
+stage: the scan is cut into segments of consecutive ticks that use the same
+slots (F only in the fill, F + head + B in the steady state, B only in the
+drain; a repeating pattern such as interleaved's becomes a scan of scans),
+each a `lax.scan` whose body holds exactly those slots. So every device
+executes the table's lockstep work (`LockstepTable.work`) and nothing more:
+the steady state is all real work, the fill and drain waste at most the
+bubble, and the head runs in the ticks where the last stage needs it, not in
+every tick.
+
+Why not a per-stage `lax.switch` (each stage only its own action, W filling
+the bubble): in lockstep, a tick lasts as long as its slowest stage anyway,
+so a switch saves no time over a masked slot, and it makes each stage's
+devices run different collectives (the CPU runtime hangs). Zero bubble's
+gain in this model would come from W slots aligned across stages in fewer
+ticks than F and B, which needs a weight gradient cheaper than the backward
+it is split from: with JAX's VJP of a whole stage the weight gradient
+reruns the chain of cotangents (and, recomputing, the forward), so zb-h1
+runs as 1F1B here, its W inside B.
 
 Stage inputs, output gradients (and stored residuals) wait in ring buffers of
-`table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`):
-`p` for 1F1B and zero-bubble, about `(v + 1) p` for interleaved, `m` for
-GPipe. The table sets the scan length; nothing is unrolled.
+`table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`).
 """
 
 import jax
@@ -46,31 +54,81 @@ from jax import lax
 
 from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.parallel.pipeline.residuals import StageVJP, check_residuals
-from shardfuse.parallel.pipeline.schedule import B, F, W
+
+# Columns of the per-(tick, stage) table the scan reads.
+_F_MB, _F_C, _B_MB, _B_C, _FA_OK, _FA_C, _FA_SLOT, _BA_OK, _BA_C, _BA_SLOT = range(10)
 
 
 def arrival_tables(table):
-    """Per (tick, stage): whether an activation / a gradient arrives, and its chunk and slot.
+    """`[ticks, p, 10]` int32: each stage's F and B `(microbatch, chunk)` and its arrivals.
 
-    An F on stage `s` (not the last virtual stage) is received by stage
-    `s + 1` (chunk `c + 1` when it wraps from `p - 1` to 0) one tick later; a
-    B on a virtual stage > 0 by stage `s - 1` (chunk `c - 1` when it wraps).
-    Returns six int32 arrays `[ticks, p]`: forward valid, chunk, slot and
-    backward valid, chunk, slot.
+    Columns: F microbatch, F chunk, B microbatch, B chunk (-1 when empty),
+    then forward arrival valid, chunk, slot and backward arrival valid,
+    chunk, slot. An F on virtual stage `k < v p - 1` in tick t is received
+    by virtual stage `k + 1` (stage `s + 1`, chunk `c + 1` when it wraps) in
+    tick t + 1; a B on `k > 0` by virtual stage `k - 1`.
     """
     p, v, slots = table.num_stages, table.virtual_stages, table.buffer_slots
     ticks = table.num_ticks
-    out = np.zeros((6, ticks, p), np.int32)
+    out = np.zeros((ticks, p, 10), np.int32)
+    out[..., 0:2] = table.forward
+    out[..., 2:4] = table.backward
     for t in range(ticks - 1):
         for s in range(p):
-            k, i, c = table.kind[t, s], table.microbatch[t, s], table.chunk[t, s]
-            vs = c * p + s
-            if k == F and vs < p * v - 1:
-                to = (s + 1) % p
-                out[0:3, t + 1, to] = (1, c + (s == p - 1), i % slots)
-            if k == B and vs > 0:
-                to = (s - 1) % p
-                out[3:6, t + 1, to] = (1, c - (s == 0), i % slots)
+            i, c = (int(a) for a in table.forward[t, s])
+            if i >= 0 and c * p + s < p * v - 1:
+                out[t + 1, (s + 1) % p, 4:7] = (1, c + (s == p - 1), i % slots)
+            i, c = (int(a) for a in table.backward[t, s])
+            if i >= 0 and c * p + s > 0:
+                out[t + 1, (s - 1) % p, 7:10] = (1, c - (s == 0), i % slots)
+    return out
+
+
+def segments(active):
+    """The scan plan: runs of ticks that use the same slots, repeating patterns folded.
+
+    `active` is `LockstepTable.active()`, bool `[ticks, 3]`. Returns a list of
+    `("scan", mask, start, length)` and `("repeat", start, count, parts)`
+    items, `parts` a list of `(mask, offset, length)` within one period.
+
+    Example usage::
+
+      >>> import numpy as np
+      >>> from shardfuse.parallel.pipeline.executor import segments
+      >>> a = np.array([[1, 0, 0]] * 2 + [[1, 1, 1], [1, 0, 1]] * 3 + [[0, 0, 1]], bool)
+      >>> segments(a)  # doctest: +NORMALIZE_WHITESPACE
+      [('scan', (True, False, False), 0, 2),
+       ('repeat', 2, 3, [((True, True, True), 0, 1), ((True, False, True), 1, 1)]),
+       ('scan', (False, False, True), 8, 1)]
+    """
+    runs = []  # (mask, start, length)
+    for t, row in enumerate(np.asarray(active, bool)):
+        mask = tuple(bool(a) for a in row)
+        if runs and runs[-1][0] == mask:
+            runs[-1] = (mask, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((mask, t, 1))
+    out, n = [], 0
+    while n < len(runs):
+        best = None  # (count, k)
+        for k in range(1, 5):
+            pattern = [(r[0], r[2]) for r in runs[n : n + k]]
+            if len(pattern) < k:
+                break
+            count = 1
+            while [(r[0], r[2]) for r in runs[n + count * k : n + (count + 1) * k]] == pattern:
+                count += 1
+            if count > 1 and (best is None or count * k > best[0] * best[1]):
+                best = (count, k)
+        if best is None:
+            out.append(("scan", *runs[n]))
+            n += 1
+            continue
+        count, k = best
+        start = runs[n][1]
+        parts = [(mask, s - start, length) for mask, s, length in runs[n : n + k]]
+        out.append(("repeat", start, count, parts))
+        n += count * k
     return out
 
 
@@ -80,13 +138,15 @@ def _varying_of(struct) -> frozenset:
     return frozenset(vma or ())
 
 
-def _typed_carry(body, carry, xs_row):
-    """`carry` cast to vary over every axis the scan body makes it vary over (a fixed point)."""
+def _typed_carry(bodies, carry, xs_row):
+    """`carry` cast to vary over every axis any scan body makes it vary over (a fixed point)."""
     for _ in range(4):
-        out = jax.eval_shape(lambda c: body(c, xs_row)[0], carry)
-        grown = jax.tree.map(
-            lambda c, o: to_varying(c, varying_axes(c) | _varying_of(o)), carry, out
-        )
+        grown = carry
+        for body in bodies:
+            out = jax.eval_shape(lambda c, body=body: body(c, xs_row)[0], grown)
+            grown = jax.tree.map(
+                lambda c, o: to_varying(c, varying_axes(c) | _varying_of(o)), grown, out
+            )
         same = all(
             varying_axes(a) == varying_axes(b)
             for a, b in zip(jax.tree.leaves(carry), jax.tree.leaves(grown), strict=True)
@@ -128,111 +188,6 @@ def _put2(buffer, first, second, value, keep):
     return lax.dynamic_update_index_in_dim(buffer, _put(inner, second, value, keep), first, 0)
 
 
-_COLLECTIVES = ("psum", "all_gather", "ppermute", "all_to_all", "reduce_scatter", "pmax", "pmin")
-
-
-def _has_collectives(jaxpr) -> bool:
-    """Whether a (closed) jaxpr, sub-jaxprs included, communicates across devices."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if any(name in eqn.primitive.name for name in _COLLECTIVES):
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    if _has_collectives(sub):
-                        return True
-    return False
-
-
-def _tick_compute(kind, operands, stage_fn, head_fn, head_params, split, plan=None):
-    """One tick's stage work: `(y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, stored)`.
-
-    `operands` is `(params, x_in, cotangent, targets, weights, stored)`:
-    `stored = (buffers, chunk, slot)`, the residual buffers and where this
-    action's microbatch's residuals are (`plan`, a `residuals.StageVJP`;
-    `([], ...)` and `plan=None` when the backward recomputes the stage
-    forward): only the branches that use them read them. The last output is
-    the residuals of this tick's forward, to keep (`[]` when recomputing).
-
-    Without collectives in the stage or the head, a `lax.switch` on the action
-    computes only what it needs (F: the stage forward and the head; B: the
-    stage VJP, from the stored residuals or recomputing the forward, input
-    gradient only when the backward is split; W: the weight VJP) and zeros for
-    the rest. With collectives (tensor, sequence, data parallel stages),
-    every device must run the same ops in the same order: every tick then
-    evaluates the forward, the whole VJP and the head, and the caller keeps
-    what the action needs (`jnp.where`).
-    """
-
-    def stage_vjp(params, x_in, stored, cotangent):
-        if plan is None:
-            y, vjp_fn = jax.vjp(stage_fn, params, x_in)
-            return y, vjp_fn(to_varying(cotangent, varying_axes(y)))
-        buffers, chunk, slot = stored
-        leaves = [buffer[chunk, slot] for buffer in buffers]
-        cotangent = to_varying(cotangent, _varying_of(plan.output))
-        return None, plan.backward(params, x_in, leaves, cotangent)
-
-    def uniform(params, x_in, cotangent, targets, weights, stored):
-        y, new_stored = stage_forward(params, x_in)
-        _, (d_params, d_x) = stage_vjp(params, x_in, stored, cotangent)
-        (loss_sum, weight_sum), head_vjp = jax.vjp(
-            lambda hp, y: head_fn(hp, y, targets, weights), head_params, y
-        )
-        d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
-        return y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, new_stored
-
-    def stage_forward(params, x_in):
-        if plan is None:
-            return stage_fn(params, x_in), []
-        return plan.forward(params, x_in)
-
-    if _has_collectives(jax.make_jaxpr(uniform)(*operands)):
-        return uniform(*operands)
-    template = jax.eval_shape(uniform, *operands)
-
-    def typed(tree):
-        return jax.tree.map(
-            lambda a, t: to_varying(a.astype(t.dtype), _varying_of(t)), tree, template
-        )
-
-    zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), template)
-
-    def idle(params, x_in, cotangent, targets, weights, stored):
-        return typed(zeros)
-
-    def forward(params, x_in, cotangent, targets, weights, stored):
-        y, new_stored = stage_forward(params, x_in)
-        (loss_sum, weight_sum), head_vjp = jax.vjp(
-            lambda hp, y: head_fn(hp, y, targets, weights), head_params, y
-        )
-        d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
-        return typed((y, zeros[1], zeros[2], loss_sum, weight_sum, d_head, d_y, new_stored))
-
-    def backward(params, x_in, cotangent, targets, weights, stored):
-        if plan is not None:  # the weight gradient is dead code when split (XLA removes it)
-            _, (d_params, d_x) = stage_vjp(params, x_in, stored, cotangent)
-            d_params = zeros[1] if split else d_params
-        elif split:  # input gradient only; the weight gradient is a later W
-            y, input_vjp = jax.vjp(lambda x: stage_fn(params, x), x_in)
-            (d_x,) = input_vjp(to_varying(cotangent, varying_axes(y)))
-            d_params = zeros[1]
-        else:
-            _, (d_params, d_x) = stage_vjp(params, x_in, stored, cotangent)
-        return typed((zeros[0], d_params, d_x, *zeros[3:]))
-
-    def weight(params, x_in, cotangent, targets, weights, stored):
-        if plan is not None:
-            _, (d_params, _) = stage_vjp(params, x_in, stored, cotangent)
-        else:
-            y, weight_vjp = jax.vjp(lambda p: stage_fn(p, x_in), params)
-            (d_params,) = weight_vjp(to_varying(cotangent, varying_axes(y)))
-        return typed((zeros[0], d_params, *zeros[2:]))
-
-    return lax.switch(kind, (idle, forward, backward, weight), *operands)
-
-
 def run_schedule(
     table,
     *,
@@ -251,7 +206,7 @@ def run_schedule(
     """The per-shard program (call it inside a full-manual `jax.shard_map`).
 
     Args:
-      table: the `ScheduleTable`.
+      table: the `LockstepTable` (`schedule.lockstep_table`).
       stage_fn: `stage_fn(chunk_params, x) -> y`, one chunk's layers on local activations.
       head_fn: `head_fn(head_params, y, targets, weights) -> (loss_sum, weight_sum)` on the
         last virtual stage (None in forward-only runs).
@@ -262,10 +217,10 @@ def run_schedule(
         reshaped, never transposed, so that no copy of it is made); targets,
         weights: `[b, m, ...]` (or None).
       poison: fill every buffer and every unused transfer with NaN (tests).
-      residuals: "recompute" (a B or W tick reruns the stage forward from the
-        kept stage input) or "stored" (the F tick keeps the stage VJP's
-        residuals in ring buffers `[v, slots, ...]` per leaf, the stage
-        input's slots; B and W apply the VJP to them, no forward).
+      residuals: "recompute" (a B reruns the stage forward from the kept
+        stage input) or "stored" (the F slot keeps the stage VJP's residuals
+        in ring buffers `[v, slots, ...]` per leaf; B applies the VJP to
+        them, no forward).
       input_gradient: keep the gradient of `x` (a `[b, m, ...]` buffer, the
         size of the input); False when the input is not differentiated: `dx`
         is then None and no buffer of the batch's size is allocated.
@@ -279,87 +234,105 @@ def run_schedule(
     p, v = table.num_stages, table.virtual_stages
     slots = table.buffer_slots
     forward_only = table.forward_only
-    split = table.split_backward
     stored_mode = check_residuals(residuals) == "stored" and not forward_only
     stage = lax.axis_index(pipeline_axis)
     fill = jnp.nan if poison else 0.0
     act = x[:, 0]
-    tables = np.stack([table.kind, table.microbatch, table.chunk, *arrival_tables(table)], -1)
     perm_forward = [(s, (s + 1) % p) for s in range(p)]
     perm_backward = [(s, (s - 1) % p) for s in range(p)]
 
     def pick(row):
-        kind, i, c, f_ok, f_c, f_slot, b_ok, b_c, b_slot = (
-            lax.dynamic_index_in_dim(row, stage, 0, keepdims=False)[j] for j in range(9)
-        )
-        return (
-            kind,
-            jnp.maximum(i, 0),
-            jnp.maximum(c, 0),
-            f_ok == 1,
-            f_c,
-            f_slot,
-            b_ok == 1,
-            b_c,
-            b_slot,
-        )
+        return lax.dynamic_index_in_dim(row, stage, 0, keepdims=False)
 
-    def tick(carry, row):
-        kind, i, c, f_ok, f_c, f_slot, b_ok, b_c, b_slot = pick(row)
-        slot = i % slots
+    def chunk_input(carry, i, c):
         first = (c == 0) & (stage == 0)
-        last = (c == v - 1) & (stage == p - 1)
-        carry = dict(carry)
-        carry["inputs"] = _put2(carry["inputs"], f_c, f_slot, carry["from_prev"], f_ok)
-        x_in = jnp.where(first, _microbatch(x, i), carry["inputs"][c, slot])
+        return jnp.where(first, _microbatch(x, i), carry["inputs"][c, i % slots]), first
+
+    def forward_slot(carry, mine, with_head):
+        has_f = mine[_F_MB] >= 0
+        i, c = jnp.maximum(mine[_F_MB], 0), jnp.maximum(mine[_F_C], 0)
+        x_in, _ = chunk_input(carry, i, c)
         params = _take(stage_params, c)
-        is_f = kind == F
+        last = has_f & (c == v - 1) & (stage == p - 1)
         if forward_only:
             y = stage_fn(params, x_in)
-            carry["out"] = _put(carry["out"], i, y, is_f & last, axis=1)
-            send_f, send_b = y, None
-        else:
-            carry["grads_in"] = _put2(carry["grads_in"], b_c, b_slot, carry["from_next"], b_ok)
-            cotangent = carry["grads_in"][c, slot]
-            plan = StageVJP(stage_fn, params, x_in) if stored_mode else None
-            stored = (carry["stored"], c, slot)
-            operands = (
-                params,
-                x_in,
-                cotangent,
-                _microbatch(targets, i),
-                _microbatch(weights, i),
-                stored,
-            )
-            y, d_params, d_x, loss_sum, weight_sum, d_head, d_y, new_stored = _tick_compute(
-                kind, operands, stage_fn, head_fn, head_params, split, plan
-            )
+            carry["out"] = _put(carry["out"], i, y, last, axis=1)
+        elif stored_mode:
+            y, new_stored = StageVJP(stage_fn, params, x_in).forward(params, x_in)
             carry["stored"] = [
-                _put_at(buf, c, slot, new, is_f)
+                _put_at(buf, c, i % slots, new, has_f)
                 for buf, new in zip(carry["stored"], new_stored, strict=True)
             ]
-            head_tick = is_f & last
-            carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y.astype(y.dtype), head_tick)
-            carry["loss"] = jnp.where(head_tick, carry["loss"] + loss_sum, carry["loss"])
-            carry["weight"] = jnp.where(head_tick, carry["weight"] + weight_sum, carry["weight"])
+        else:
+            y = stage_fn(params, x_in)
+        if with_head:
+            tokens, token_weights = _microbatch(targets, i), _microbatch(weights, i)
+            (loss_sum, weight_sum), head_vjp = jax.vjp(
+                lambda hp, y: head_fn(hp, y, tokens, token_weights), head_params, y
+            )
+            d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
+            slot = i % slots
+            carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y.astype(y.dtype), last)
+            carry["loss"] = jnp.where(last, carry["loss"] + loss_sum, carry["loss"])
+            carry["weight"] = jnp.where(last, carry["weight"] + weight_sum, carry["weight"])
             carry["head_grads"] = jax.tree.map(
-                lambda acc, g: jnp.where(head_tick, acc + g, acc), carry["head_grads"], d_head
+                lambda acc, g: jnp.where(last, acc + g, acc), carry["head_grads"], d_head
             )
-            weight_tick = (kind == W) if split else (kind == B)
-            carry["stage_grads"] = jax.tree.map(
-                lambda acc, g: _put(acc, c, _take(acc, c) + g, weight_tick),
-                carry["stage_grads"],
-                d_params,
+        carry["from_prev"] = lax.ppermute(jnp.where(has_f, y, fill), pipeline_axis, perm_forward)
+        return carry
+
+    def backward_slot(carry, mine):
+        has_b = mine[_B_MB] >= 0
+        i, c = jnp.maximum(mine[_B_MB], 0), jnp.maximum(mine[_B_C], 0)
+        slot = i % slots
+        x_in, first = chunk_input(carry, i, c)
+        params = _take(stage_params, c)
+        cotangent = carry["grads_in"][c, slot]
+        if stored_mode:
+            plan = StageVJP(stage_fn, params, x_in)
+            leaves = [buffer[c, slot] for buffer in carry["stored"]]
+            cotangent = to_varying(cotangent, _varying_of(plan.output))
+            d_params, d_x = plan.backward(params, x_in, leaves, cotangent)
+        else:
+            y, vjp_fn = jax.vjp(stage_fn, params, x_in)
+            d_params, d_x = vjp_fn(to_varying(cotangent, varying_axes(y)))
+        carry["stage_grads"] = jax.tree.map(
+            lambda acc, g: _put(acc, c, _take(acc, c) + g, has_b), carry["stage_grads"], d_params
+        )
+        if input_gradient:
+            carry["dx"] = _put(carry["dx"], i, d_x, has_b & first, axis=1)
+        send = jnp.where(has_b, d_x, fill)
+        carry["from_next"] = lax.ppermute(send, pipeline_axis, perm_backward)
+        return carry
+
+    def make_tick(mask):
+        do_f, do_head, do_b = mask
+
+        def tick(carry, row):
+            mine = pick(row)
+            carry = dict(carry)
+            carry["inputs"] = _put2(
+                carry["inputs"],
+                mine[_FA_C],
+                mine[_FA_SLOT],
+                carry["from_prev"],
+                mine[_FA_OK] == 1,
             )
-            is_b = kind == B
-            if input_gradient:
-                carry["dx"] = _put(carry["dx"], i, d_x, is_b & first, axis=1)
-            send_f, send_b = y, jnp.where(is_b, d_x, fill)
-        send_f = jnp.where(is_f, send_f, fill)
-        carry["from_prev"] = lax.ppermute(send_f, pipeline_axis, perm_forward)
-        if send_b is not None:
-            carry["from_next"] = lax.ppermute(send_b, pipeline_axis, perm_backward)
-        return carry, None
+            if not forward_only:
+                carry["grads_in"] = _put2(
+                    carry["grads_in"],
+                    mine[_BA_C],
+                    mine[_BA_SLOT],
+                    carry["from_next"],
+                    mine[_BA_OK] == 1,
+                )
+            if do_f:
+                carry = forward_slot(carry, mine, do_head and not forward_only)
+            if do_b and not forward_only:
+                carry = backward_slot(carry, mine)
+            return carry, None
+
+        return tick
 
     # Activations and their gradients vary over the pipeline and over what x varies over.
     act_axes = varying_axes(x) | {pipeline_axis}
@@ -374,7 +347,6 @@ def run_schedule(
             from_next=incoming,
             loss=jnp.zeros((), jnp.float32),
             weight=jnp.zeros((), jnp.float32),
-            head_grads=jax.tree.map(jnp.zeros_like, head_params),
             stage_grads=jax.tree.map(jnp.zeros_like, stage_params),
             stored=[],
         )
@@ -390,7 +362,6 @@ def run_schedule(
                 )
                 for r in plan.stored
             ]
-    if not forward_only:
         # The head's parameters are the same on every stage; made to vary over the pipeline
         # here, so that each tick's VJP does not sum the head gradients of every stage (the
         # transpose of the implicit cast), only the caller's final psum does.
@@ -398,10 +369,33 @@ def run_schedule(
             lambda a: to_varying(a, frozenset((pipeline_axis,))), head_params
         )
         carry["head_grads"] = jax.tree.map(jnp.zeros_like, head_params)
-    rows = jnp.asarray(tables)
-    carry = _typed_carry(tick, carry, rows[0])
-    carry, _ = lax.scan(tick, carry, rows)
+    rows = jnp.asarray(arrival_tables(table))
+    plan = segments(table.active())
+    masks = {mask for item in plan for mask in _masks(item)}
+    ticks = {mask: make_tick(mask) for mask in masks}
+    carry = _typed_carry([ticks[mask] for mask in sorted(masks)], carry, rows[0])
+    for item in plan:
+        if item[0] == "scan":
+            _, mask, start, length = item
+            carry, _ = lax.scan(ticks[mask], carry, rows[start : start + length])
+            continue
+        _, start, count, parts = item
+        period = sum(length for _, _, length in parts)
+        block = rows[start : start + count * period].reshape(count, period, *rows.shape[1:])
+
+        def outer(carry, block_rows, parts=parts):
+            for mask, offset, length in parts:
+                carry, _ = lax.scan(ticks[mask], carry, block_rows[offset : offset + length])
+            return carry, None
+
+        carry, _ = lax.scan(outer, carry, block)
     if forward_only:
         return carry["out"]
     dx = carry["dx"] if input_gradient else None
     return carry["loss"], carry["weight"], carry["stage_grads"], carry["head_grads"], dx
+
+
+def _masks(item):
+    if item[0] == "scan":
+        return [item[1]]
+    return [mask for mask, _, _ in item[3]]

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.sharding import run_on_mesh, spec_axes
 from shardfuse.kernels.vma import varying_axes
 from shardfuse.parallel.pipeline import executor
-from shardfuse.parallel.pipeline.schedule import schedule_table
+from shardfuse.parallel.pipeline.schedule import lockstep_table
 
 
 def cross_entropy(logits, targets, weights):
@@ -167,7 +167,7 @@ def _stage_fn(config):
 
 def _run(config, forward_only, stack_values, head_values, x, targets, weights):
     """The pipelined program (traced under jit): outputs for forward-only or training."""
-    table = schedule_table(config.schedule, config.p, config.m, config.v, forward_only=forward_only)
+    table = lockstep_table(config.schedule, config.p, config.m, config.v, forward_only=forward_only)
     x_spec = _microbatch_spec(config.io_spec)
     dx_spec = x_spec if config.input_gradient else None
 
