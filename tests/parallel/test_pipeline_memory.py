@@ -89,7 +89,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.layers.stack import Stack
 from shardfuse.parallel.pipeline.api import Pipeline
-from shardfuse.parallel.pipeline.schedule import schedule_table
+from shardfuse.parallel.pipeline.schedule import lockstep_table
 from tests.parallel import hlo_collectives, pipeline_models
 
 FEATURES, HIDDEN, SEQ, MICROBATCH, STAGES = 16, 1024, 16, 2, 4
@@ -154,10 +154,13 @@ def test_gpipe_memory_grows_with_m():
 def test_activations_move_by_collective_permute_only():
     m = 8
     counts = hlo_collectives.count(_compiled("1f1b", m)[0].as_text(), _mesh())
-    ticks = schedule_table("1f1b", STAGES, m).num_ticks
+    table = lockstep_table("1f1b", STAGES, m)
+    ticks = table.num_ticks
+    sends = int(table.active()[:, 0].sum() + table.active()[:, 2].sum())
     permutes = sum(n for (kind, _), n in counts.items() if kind == "collective-permute")
-    # one transfer forward and one backward per tick, over the pipeline axis
-    assert counts[("collective-permute", ("pipeline",))] == 2 * ticks == permutes
+    # one transfer forward per tick with an F slot, one backward per tick with a B slot
+    assert sends == 2 * (m + STAGES - 1)
+    assert counts[("collective-permute", ("pipeline",))] == sends == permutes
     # no all-gather (the stack is never gathered) and no all-to-all
     assert not any(kind in ("all-gather", "all-to-all") for kind, _ in counts)
     # all-reduces only at the end (loss, token count, head gradients, input gradient): not per tick

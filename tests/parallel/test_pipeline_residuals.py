@@ -4,9 +4,9 @@ For every schedule, the stored-residual backward gives the same loss and
 EVERY gradient leaf (stack, head, embedding) as the default recompute
 backward and as the unpipelined model (rtol 1e-5 / atol 4e-5, float32), with
 NaN-poisoned buffers (stage inputs, gradients, residuals, unused transfers).
-Stages without collectives run the `lax.switch` tick; stages with tensor
-parallel layers (pipeline x model) the uniform tick. A jaxpr count shows
-that the stored backward does not rerun the stage forward.
+Stages with and without collectives run the same lockstep ticks (pipeline x
+model: tensor parallel layers in the stage). A jaxpr count shows that the
+stored backward does not rerun the stage forward.
 
 The default slice is one poisoned zero-bubble case (split B/W from the same
 residuals), one pipeline x model case, the structure count and bad input;
@@ -28,6 +28,7 @@ from jax.sharding import AxisType
 
 import shardfuse as sf
 from shardfuse.layers.stack import Stack
+from shardfuse.parallel.pipeline import executor
 from shardfuse.parallel.pipeline import residuals as residuals_module
 from shardfuse.parallel.pipeline.api import Pipeline
 from tests.parallel import pipeline_models as pm
@@ -111,7 +112,7 @@ class TensorParallelMLP(nnx.Module):
     "modes", [("stored",), pytest.param(("stored", "recompute"), marks=pytest.mark.slow)]
 )
 def test_pipeline_by_model_stored_matches_unpipelined(modes):
-    # The stage communicates: the uniform tick (every device the same ops), NaN-poisoned.
+    # The stage communicates (every device runs the same ops), NaN-poisoned.
     mesh = jax.make_mesh((2, 2), ("pipeline", "model"))
     stack = Stack(
         lambda rngs: TensorParallelMLP(mesh, rngs),
@@ -190,8 +191,9 @@ def _count(jaxpr, name):
 
 def test_stored_backward_does_not_rerun_the_forward():
     # Each tanh in the program's jaxpr is one traced stage forward (the residual MLP's
-    # nonlinearity; each branch of the tick's switch traces what it runs). Recompute
-    # traces it in F, B and W; stored only in F (B and W apply the VJP to the residuals).
+    # nonlinearity; each scan body, one per set of slots a run of ticks uses, traces what
+    # it runs). Recompute traces it in every F and every B slot; stored only in the F slots
+    # (B applies the VJP to the residuals).
     mesh = jax.make_mesh((2,), ("pipeline",), devices=jax.devices()[:2])
     model = pm.MLPModel(mesh, schedule="zb-h1", m=2, v=1, layers=2)
     batch = pm.mlp_batch(2)
@@ -204,7 +206,12 @@ def test_stored_backward_does_not_rerun_the_forward():
             return nnx.grad(pm.pipelined_loss)(nnx.merge(graphdef, state), *batch)  # noqa: B023
 
         counts[residuals] = _count(jax.make_jaxpr(grads)(state, *batch), "tanh")
-    assert counts == {"recompute": 3, "stored": 1}, counts
+    bodies = {mask for item in executor.segments(model.pipe.lockstep().active())
+              for mask in executor._masks(item)}  # fmt: skip
+    with_f = sum(1 for do_f, _, _ in bodies if do_f)
+    with_b = sum(1 for _, _, do_b in bodies if do_b)
+    assert (with_f, with_b) == (2, 2), bodies  # F; F, head and B; B
+    assert counts == {"recompute": with_f + with_b, "stored": with_f}, counts
 
 
 def test_bad_residuals_named_before_tracing():

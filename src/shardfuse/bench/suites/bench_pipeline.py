@@ -16,11 +16,19 @@ blocks (width from the scale's model / 8 on CPU), batch = 2 m, by:
   the same head on one device.
 
 `extra_info` adds the schedule's IR figures (`ticks`, `bubble`, closed-form
-bubble, peak in-flight microbatches) next to the compiled memory the
-harness records. On CPU the stages share the host's cores, so times show the
-pipelined program's overhead (every tick runs one stage forward and
-backward on every device; see `shardfuse.parallel.pipeline.executor`), not
-the speedup of p accelerators.
+bubble, peak in-flight microbatches of the executor's lockstep table) and
+`lockstep_over_ideal`: the IR's lockstep work (`schedule.lockstep_work`,
+what every device executes: every stage one F and one B per tick, the head
+in the last stage's F ticks) over the busiest stage's work without a bubble,
+from the stack's and the head's matmul FLOPs, next to the compiled memory
+the harness records.
+
+`test_pipeline_by_model_step` times the same kind of step on a tensor
+parallel stack (`sf.layers.ParallelMLP` blocks, a psum per layer inside the
+stage) pipelined over pipeline 4 x model 2 (1F1B) against the same model on
+model 2 alone, side by side in one group (`model2.unpipelined` the
+baseline). On CPU the stages share the host's cores, so times show the
+pipelined program's overhead, not the speedup of p accelerators.
 """
 
 import jax
@@ -28,12 +36,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import shardfuse as sf
 from shardfuse import flops
 from shardfuse.bench.harness import BenchCase
 from shardfuse.layers.stack import Stack
 from shardfuse.models import MODELS
 from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
-from shardfuse.parallel.pipeline.schedule import schedule_table
+from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table, schedule_table
 
 OP = "pipeline_step"
 BASELINE = "unpipelined.1device"
@@ -49,11 +58,13 @@ STAGES, LAYERS, SEQ, MICROBATCH, VOCAB = 4, 8, 64, 2, 256
 
 
 def pytest_generate_tests(metafunc):
-    if metafunc.function.__name__ != "test_pipeline_step":
+    if metafunc.function.__name__ not in ("test_pipeline_step", "test_pipeline_by_model_step"):
         return
     quick = "quick" in metafunc.config.bench_scale.name
     counts = (STAGES, 4 * STAGES) if quick else (STAGES, 2 * STAGES, 4 * STAGES)
     params = [(m, impl) for m in counts for impl in IMPLEMENTATIONS]
+    if metafunc.function.__name__ == "test_pipeline_by_model_step":
+        params = [(m, impl) for m in counts for impl in BY_MODEL]
     metafunc.parametrize("m, implementation", params, ids=[f"m{m}-{i}" for m, i in params])
 
 
@@ -124,8 +135,86 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
         return nnx.value_and_grad(loss, argnums=(0, 1, 2))(pipe, head, x)
 
     measure(nnx.jit(step), (pipe, head, x), case)
+    benchmark.extra_info.update(schedule_figures(schedule, m, v, pipe.residuals, features, hidden))
+
+
+def schedule_figures(schedule, m, v, residuals, features, hidden):
+    """The IR's figures of one case: ticks, bubbles, in flight, lockstep work / ideal."""
     figures = schedule_table(schedule, STAGES, m, v).to_dict()
-    benchmark.extra_info.update(
-        {k: figures[k] for k in ("ticks", "bubble", "closed_form_bubble", "peak_in_flight")}
+    table = lockstep_table(schedule, STAGES, m, v)
+    tokens = MICROBATCH * SEQ
+    forward = LAYERS // (STAGES * v) * 2 * flops.matmul_flops(tokens, hidden, features)
+    backward = 2 * forward + (forward if residuals == "recompute" else 0)
+    cost = {F: forward, B: backward, HEAD: 3 * flops.matmul_flops(tokens, VOCAB, features)}
+    return dict(
+        ticks=table.num_ticks,
+        bubble=figures["bubble"],
+        closed_form_bubble=figures["closed_form_bubble"],
+        peak_in_flight=[int(n) for n in table.in_flight()],
+        lockstep_over_ideal=round(table.work(cost) / table.ideal(cost), 4),
+        residuals=residuals,
     )
-    benchmark.extra_info["residuals"] = pipe.residuals
+
+
+BY_MODEL = ("shardfuse.pipeline.1f1b.pipeline4xmodel2", "model2.unpipelined")
+
+
+class TensorParallelBlock(nnx.Module):
+    def __init__(self, features, hidden, mesh, rngs):
+        self.mlp = sf.layers.ParallelMLP(features, hidden, mesh=mesh, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.mlp(x)
+
+
+def test_pipeline_by_model_step(measure, bench_scale, benchmark, m, implementation):
+    model = bench_scale.scaled(MODELS[MODEL])
+    features, hidden = model.hidden, model.ffn_hidden
+    pipelined = implementation != BY_MODEL[1]
+    shape = (STAGES, 2) if pipelined else (1, 2)
+    devices = jax.devices()[: shape[0] * shape[1]]
+    mesh = jax.make_mesh(shape, ("pipeline", "model"), devices=devices)
+    stack = Stack(
+        lambda rngs: TensorParallelBlock(features, hidden, mesh, rngs),
+        LAYERS,
+        mesh=mesh,
+        layer_axis="pipeline",
+        rngs=nnx.Rngs(0),
+    )
+    head = nnx.Linear(features, VOCAB, rngs=nnx.Rngs(1))
+    batch = MICROBATCH * m
+    x = jax.random.normal(jax.random.key(0), (batch, SEQ, features))
+    targets = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB)
+    tokens = batch * SEQ
+    matmuls = LAYERS * 2 * flops.matmul_flops(tokens, hidden, features)
+    case = BenchCase(
+        op="pipeline_by_model_step",
+        implementation=implementation,
+        mode=flops.FWD_BWD,
+        shape={"p": STAGES, "T_axis": 2, "m": m, "B": batch, "T": SEQ, "F": features},
+        dtype="float32",
+        flops=flops.TRAINING_OVER_FORWARD * (matmuls + flops.matmul_flops(tokens, VOCAB, features)),
+        bytes=4 * tokens * features * 4,
+        baseline=BY_MODEL[1],
+        model=model.name,
+        variant="tensor parallel residual MLP stack",
+    )
+    if not pipelined:
+
+        def step(stack, head, x):
+            def loss(stack, head, x):
+                s, w = cross_entropy(head(stack(x)), targets, jnp.ones(targets.shape))
+                return s / w
+
+            return nnx.value_and_grad(loss, argnums=(0, 1, 2))(stack, head, x)
+
+        measure(nnx.jit(step), (stack, head, x), case)
+        return
+    pipe = Pipeline(stack, mesh=mesh, schedule="1f1b", num_microbatches=m)
+
+    def step(pipe, head, x):
+        loss = lambda pipe, head, x: pipe.loss(x, targets, head=head)  # noqa: E731
+        return nnx.value_and_grad(loss, argnums=(0, 1, 2))(pipe, head, x)
+
+    measure(nnx.jit(step), (pipe, head, x), case)
+    benchmark.extra_info.update(schedule_figures("1f1b", m, 1, pipe.residuals, features, hidden))

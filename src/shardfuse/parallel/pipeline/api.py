@@ -34,7 +34,7 @@ from shardfuse.parallel.pipeline.program import (
     spec_tree,
 )
 from shardfuse.parallel.pipeline.residuals import check_residuals
-from shardfuse.parallel.pipeline.schedule import check_schedule, schedule_table
+from shardfuse.parallel.pipeline.schedule import check_schedule, lockstep_table, schedule_table
 
 __all__ = ["Pipeline", "cross_entropy"]
 
@@ -130,8 +130,18 @@ class Pipeline(nnx.Module):
         if pipeline_axis in spec_axes(io_spec):
             raise ValueError(f"io_spec={io_spec} must not use the pipeline axis {pipeline_axis!r}")
 
+    def lockstep(self, *, forward_only: bool = False):
+        """The `LockstepTable` the executor runs (`schedule.lockstep_table`)."""
+        return lockstep_table(
+            self.schedule,
+            self.num_stages,
+            self.num_microbatches,
+            self.virtual_stages,
+            forward_only=forward_only,
+        )
+
     def table(self, *, forward_only: bool = False):
-        """The `ScheduleTable` this pipeline runs."""
+        """The schedule's `ScheduleTable` (one action per stage and tick, as drawn)."""
         return schedule_table(
             self.schedule,
             self.num_stages,
