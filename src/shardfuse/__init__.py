@@ -25,6 +25,7 @@ from shardfuse.collectives.ring_attention import from_ring_layout, ring_position
 from shardfuse.collectives.ring_attention.plan import ring_attention_plan
 from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
+from shardfuse.kernels.decode_attention import decode_attention
 from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
 from shardfuse.planner import plan
 
@@ -33,6 +34,7 @@ __all__ = [
     "MatmulBlockSizes",
     "attention_reference",
     "collectives",
+    "decode_attention",
     "flash_attention",
     "flops",
     "from_ring_layout",
