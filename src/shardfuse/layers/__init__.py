@@ -15,7 +15,7 @@ compiles once (parameters are created in `canonical_spec` form, the form a
 jitted step returns them in).
 """
 
-from shardfuse.layers import reference, remat
+from shardfuse.layers import options, reference, remat
 from shardfuse.layers._sharding import (
     canonical_spec,
     in_manual_region,
@@ -27,11 +27,13 @@ from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear
 from shardfuse.layers.mlp import ParallelMLP
+from shardfuse.layers.options import LayerOptions
 from shardfuse.layers.row_linear import RowParallelLinear
 from shardfuse.layers.stack import Stack
 
 __all__ = [
     "ColumnParallelLinear",
+    "LayerOptions",
     "Norm",
     "ParallelMLP",
     "ParallelSelfAttention",
@@ -40,6 +42,7 @@ __all__ = [
     "Stack",
     "canonical_spec",
     "in_manual_region",
+    "options",
     "place",
     "place_on_mesh",
     "reference",

@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.attention import api as attention_api
-from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import options as options_lib
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
@@ -106,6 +106,7 @@ class ParallelSelfAttention(nnx.Module):
     """
 
     @renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
+    @options_lib.option_keywords
     def __init__(
         self,
         features: int,
@@ -113,41 +114,19 @@ class ParallelSelfAttention(nnx.Module):
         *,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
-        mesh,
-        model_axis: str | None = "model",
-        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
-        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
-        sequence_parallel: bool = False,
+        options: options_lib.LayerOptions | None = None,
         causal: bool = True,
         layout: str = "zigzag",
         rope_theta: float = 10000.0,
         window=None,
         logit_softcap: float | None = None,
         use_bias: bool = False,
-        dtype=None,
-        param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
-        implementation: str | None = None,
-        precision=None,
-        zero: int = 0,
-        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
-        reshard_after_forward: bool = True,
-        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.mesh = mesh
-        self.model_axis, self.data_axis, self.sequence_axis = _sharding.layer_axes(
-            mesh, model_axis=model_axis, data_axis=data_axis, sequence_axis=sequence_axis
-        )
-        self.zero = fsdp.zero_options(
-            mesh,
-            zero=zero,
-            fsdp_axis=fsdp_axis,
-            reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
-        )
-        self.batch_axes = fsdp.check_batch_axes(mesh, self, self.zero)
+        options = options_lib.configure(self, options)
+        mesh = self.mesh
         tp = _sharding.axis_size(mesh, self.model_axis)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -176,18 +155,16 @@ class ParallelSelfAttention(nnx.Module):
             num_kv_heads,
             head_dim,
         )
-        self.sequence_parallel = bool(sequence_parallel)
         self.causal, self.layout, self.rope_theta = bool(causal), layout, float(rope_theta)
         # a tuple: the layer configuration is a (hashable) cache key of `call_compiled`
         self.window = None if window is None else tuple(window)
         self.logit_softcap = logit_softcap
-        self.dtype, self.param_dtype, self.implementation = dtype, param_dtype, implementation
-        self.precision = matmul_base.check_precision(precision)
+        self.attention_implementation = options.attention_kernel_implementation()
         self.kv_sharded = num_kv_heads % tp == 0
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
         fsdp.check_kernel("features", F, mesh, self.zero)
         specs = self._param_specs()
-        make = _sharding.param_maker(rngs, param_dtype, mesh)
+        make = _sharding.param_maker(rngs, self.param_dtype, mesh)
         self.q_kernel = make(kernel_init, (F, H * D), specs["q_kernel"])
         self.kv_kernel = make(kernel_init, (F, K * 2 * D), specs["kv_kernel"])
         self.o_kernel = make(kernel_init, (H * D, F), specs["o_kernel"])
@@ -259,7 +236,7 @@ class ParallelSelfAttention(nnx.Module):
             kv_segment_ids=segment_ids,
             window=self.window,
             logit_softcap=self.logit_softcap,
-            implementation=self.implementation,
+            implementation=self.attention_implementation,
         )
         if self.sequence_axis is not None:
             o = ring_attention(q, k, v, self.sequence_axis, layout=self.layout, **masks)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import options as options_lib
 from shardfuse.layers import remat as remat_lib
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
@@ -75,21 +76,36 @@ class Norm(nnx.Module):
         *,
         kind: str = "rmsnorm",
         eps: float = 1e-6,
-        mesh,
-        param_dtype=jnp.float32,
-        fsdp_axis: str | None = None,
+        options: options_lib.LayerOptions | None = None,
+        mesh=options_lib.UNSET,
+        param_dtype=options_lib.UNSET,
+        fsdp_axis=options_lib.UNSET,
         rngs: nnx.Rngs,
     ):
         if kind not in NORMS:
             raise ValueError(f"kind={kind!r} must be one of {NORMS}")
+        # `fsdp_axis=` given alone keeps its single-layer meaning: a name shards, None replicates.
+        zero = options_lib.UNSET
+        if fsdp_axis is not options_lib.UNSET:
+            zero = 0 if fsdp_axis is None else 3
+        options = options_lib.resolve(
+            options, mesh=mesh, param_dtype=param_dtype, fsdp_axis=fsdp_axis, zero=zero
+        )
+        mesh = options_lib.require_mesh(options, "Norm")
+        self.options = options
         self.kind, self.eps, self.mesh, self.features = kind, float(eps), mesh, features
-        stage = 0 if fsdp_axis is None else 3
+        stage = 3 if options.zero == 3 else 0  # stages 1 and 2 leave parameters replicated
+        # (norm parameters are small: their gradients are reduced in their own dtype)
         self.zero = fsdp.zero_options(
-            mesh, zero=stage, fsdp_axis=fsdp_axis, reshard_after_forward=True, reduce_dtype=None
+            mesh,
+            zero=stage,
+            fsdp_axis=options.fsdp_axis,
+            reshard_after_forward=True,
+            reduce_dtype=None,
         )
         fsdp.check_kernel("features", features, mesh, self.zero)
         self.spec = P(self.zero.param_axis)
-        make = _sharding.param_maker(rngs, param_dtype, mesh)
+        make = _sharding.param_maker(rngs, options.param_dtype, mesh)
         self.scale = make(nnx.initializers.ones_init(), (features,), self.spec)
         layernorm = kind == "layernorm"
         self.bias = (
@@ -183,13 +199,14 @@ class ParallelTransformerBlock(nnx.Module):
     """
 
     @renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
+    @options_lib.option_keywords
     def __init__(
         self,
         features: int,
         num_heads: int,
         hidden_features: int,
         *,
-        mesh,
+        options: options_lib.LayerOptions | None = None,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         causal: bool = True,
@@ -200,46 +217,19 @@ class ParallelTransformerBlock(nnx.Module):
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
-        model_axis: str | None = "model",
-        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
-        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
-        sequence_parallel: bool = True,
         use_bias: bool = False,
-        dtype=None,
-        param_dtype=jnp.float32,
-        precision=None,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
-        implementation: str | None = None,
-        remat: str = "none",
-        zero: int = 0,
-        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
-        reshard_after_forward: bool = True,
-        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm={norm!r} must be one of {NORMS}")
-        self.remat = remat_lib.check_policy(remat)
-        common = dict(
-            mesh=mesh,
-            model_axis=model_axis,
-            sequence_axis=sequence_axis,
-            data_axis=data_axis,
-            sequence_parallel=sequence_parallel,
-            use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            implementation=implementation,
-            zero=zero,
-            fsdp_axis=fsdp_axis,
-            reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
-            rngs=rngs,
-        )
+        # a stack of blocks keeps its activations sequence-sharded: True unless the options say
+        options = options_lib.with_default_sequence_parallel(options, True)
+        options_lib.require_mesh(options, "ParallelTransformerBlock")
+        self.options = options
+        self.remat = options.remat
+        inits = dict(use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
         self.attention = ParallelSelfAttention(
             features,
             num_heads,
@@ -250,19 +240,15 @@ class ParallelTransformerBlock(nnx.Module):
             rope_theta=rope_theta,
             window=window,
             logit_softcap=logit_softcap,
-            **common,
+            options=options,
+            **inits,
         )
-        self.mlp = ParallelMLP(features, hidden_features, activation=activation, **common)
-        norm_kwargs = dict(
-            kind=norm,
-            eps=norm_eps,
-            mesh=mesh,
-            param_dtype=param_dtype,
-            fsdp_axis=self.attention.zero.param_axis,  # zero=3: norms sharded too
-            rngs=rngs,
+        self.mlp = ParallelMLP(
+            features, hidden_features, activation=activation, options=options, **inits
         )
-        self.norm_1 = Norm(features, **norm_kwargs)
-        self.norm_2 = Norm(features, **norm_kwargs)
+        # zero=3: the norm parameters are sharded over the fsdp axis too
+        self.norm_1 = Norm(features, kind=norm, eps=norm_eps, options=options, rngs=rngs)
+        self.norm_2 = Norm(features, kind=norm, eps=norm_eps, options=options, rngs=rngs)
         self.features = features
 
     def local(self, x, positions, segment_ids, norm_params, attention_params, mlp_params):

@@ -30,14 +30,13 @@ stay sharded from block to block, defaults to `sequence_parallel=True`.
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
-from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import options as options_lib
 from shardfuse.layers.parallel_matmul import column_matmul
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -54,36 +53,14 @@ class _ParallelLinear(nnx.Module):
         in_features: int,
         out_features: int,
         *,
-        mesh,
-        model_axis: str,
-        sequence_parallel: bool,
+        options: options_lib.LayerOptions,
         use_bias: bool,
-        dtype,
-        param_dtype,
         kernel_init,
         bias_init,
-        data_axis: str | None,
-        sequence_axis: str | None,
-        implementation: str | None,
-        precision,
-        zero: int,
-        fsdp_axis: str | None,
-        reshard_after_forward: bool,
-        reduce_dtype,
         rngs: nnx.Rngs,
     ):
-        self.mesh = mesh
-        self.model_axis, self.data_axis, self.sequence_axis = _sharding.layer_axes(
-            mesh, model_axis=model_axis, data_axis=data_axis, sequence_axis=sequence_axis
-        )
-        self.zero = fsdp.zero_options(
-            mesh,
-            zero=zero,
-            fsdp_axis=fsdp_axis,
-            reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
-        )
-        self.batch_axes = fsdp.check_batch_axes(mesh, self, self.zero)
+        options_lib.configure(self, options)
+        mesh = self.mesh
         column = self.sharded_features == "out"
         sharded = out_features if column else in_features
         name = "out_features" if column else "in_features"
@@ -96,13 +73,8 @@ class _ParallelLinear(nnx.Module):
         )
         self.in_features = in_features
         self.out_features = out_features
-        self.sequence_parallel = bool(sequence_parallel)
         self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.implementation = implementation
-        self.precision = matmul_base.check_precision(precision)
-        make = _sharding.param_maker(rngs, param_dtype, mesh)
+        make = _sharding.param_maker(rngs, self.param_dtype, mesh)
         self.kernel = make(kernel_init, (in_features, out_features), self.kernel_spec())
         bias_spec = self.bias_spec_for(self.model_axis)
         self.bias = make(bias_init, (out_features,), bias_spec) if use_bias else None
@@ -236,49 +208,26 @@ class ColumnParallelLinear(_ParallelLinear):
         return P(axis)
 
     @renamed_keywords(**_RENAMED)
+    @options_lib.option_keywords
     def __init__(
         self,
         in_features: int,
         out_features: int,
         *,
-        mesh,
-        model_axis: str | None = "model",
-        sequence_parallel: bool = False,
+        options: options_lib.LayerOptions | None = None,
         gather_output: bool = False,
         use_bias: bool = True,
-        dtype=None,
-        param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
-        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
-        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
-        implementation: str | None = None,
-        precision=None,
-        zero: int = 0,
-        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
-        reshard_after_forward: bool = True,
-        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         super().__init__(
             in_features,
             out_features,
-            mesh=mesh,
-            model_axis=model_axis,
-            sequence_parallel=sequence_parallel,
+            options=options,
             use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
             kernel_init=kernel_init,
             bias_init=bias_init,
-            data_axis=data_axis,
-            sequence_axis=sequence_axis,
-            implementation=implementation,
-            precision=precision,
-            zero=zero,
-            fsdp_axis=fsdp_axis,
-            reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
             rngs=rngs,
         )
         self.gather_output = bool(gather_output)

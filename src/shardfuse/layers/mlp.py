@@ -8,13 +8,14 @@ all-gather under sequence parallelism) serves both.
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from shardfuse import axes
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import options as options_lib
 from shardfuse.layers.linear import ColumnParallelLinear, default_bias_init, default_kernel_init
 from shardfuse.layers.row_linear import RowParallelLinear
 
@@ -63,61 +64,33 @@ class ParallelMLP(nnx.Module):
     """
 
     @renamed_keywords(axis="model_axis")
+    @options_lib.option_keywords
     def __init__(
         self,
         features: int,
         hidden_features: int,
         *,
         activation: str = "gelu",
-        mesh,
-        model_axis: str | None = "model",
-        sequence_parallel: bool = False,
+        options: options_lib.LayerOptions | None = None,
         use_bias: bool = True,
-        dtype=None,
-        param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
-        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
-        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
-        implementation: str | None = None,
-        precision=None,
-        zero: int = 0,
-        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
-        reshard_after_forward: bool = True,
-        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-        model_axis = _sharding.optional_axis(
-            mesh, model_axis, "model_axis", _sharding.DEFAULT_MODEL_AXIS
-        )
+        options = options_lib.with_default_sequence_parallel(options, False)
+        mesh = options_lib.require_mesh(options, "ParallelMLP")
+        model_axis = _sharding.optional_axis(mesh, options.model_axis, "model_axis", axes.MODEL)
         _sharding.check_divisible("hidden_features", hidden_features, mesh, model_axis)
-        common = dict(
-            mesh=mesh,
-            model_axis=model_axis,
-            sequence_parallel=sequence_parallel,
-            use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            data_axis=data_axis,
-            sequence_axis=sequence_axis,
-            implementation=implementation,
-            precision=precision,
-            zero=zero,
-            fsdp_axis=fsdp_axis,
-            reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
-            rngs=rngs,
-        )
+        self.options = options
         self.activation = activation
         self.features = features
         self.hidden_features = hidden_features
         width = 2 * hidden_features if activation == "swiglu" else hidden_features
-        self.up = ColumnParallelLinear(features, width, **common)
-        self.down = RowParallelLinear(hidden_features, features, **common)
+        inits = dict(use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+        self.up = ColumnParallelLinear(features, width, options=options, **inits)
+        self.down = RowParallelLinear(hidden_features, features, options=options, **inits)
 
     def local(self, x, up_kernel, up_bias, down_kernel, down_bias):
         """Per-shard MLP (inside `jax.shard_map`); biases may be None."""

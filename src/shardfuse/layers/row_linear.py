@@ -9,13 +9,12 @@ program per configuration, ZeRO options) are those of
 """
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import renamed_keywords
-from shardfuse.layers import _sharding, fsdp
+from shardfuse.layers import options as options_lib
 from shardfuse.layers.linear import (
     _RENAMED,
     _ParallelLinear,
@@ -94,49 +93,26 @@ class RowParallelLinear(_ParallelLinear):
         return P()
 
     @renamed_keywords(**_RENAMED)
+    @options_lib.option_keywords
     def __init__(
         self,
         in_features: int,
         out_features: int,
         *,
-        mesh,
-        model_axis: str | None = "model",
-        sequence_parallel: bool = False,
+        options: options_lib.LayerOptions | None = None,
         input_is_parallel: bool = True,
         use_bias: bool = True,
-        dtype=None,
-        param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
-        data_axis: str | None = _sharding.DEFAULT_DATA_AXIS,
-        sequence_axis: str | None = _sharding.DEFAULT_SEQUENCE_AXIS,
-        implementation: str | None = None,
-        precision=None,
-        zero: int = 0,
-        fsdp_axis: str | None = fsdp.DEFAULT_FSDP_AXIS,
-        reshard_after_forward: bool = True,
-        reduce_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         super().__init__(
             in_features,
             out_features,
-            mesh=mesh,
-            model_axis=model_axis,
-            sequence_parallel=sequence_parallel,
+            options=options,
             use_bias=use_bias,
-            dtype=dtype,
-            param_dtype=param_dtype,
             kernel_init=kernel_init,
             bias_init=bias_init,
-            data_axis=data_axis,
-            sequence_axis=sequence_axis,
-            implementation=implementation,
-            precision=precision,
-            zero=zero,
-            fsdp_axis=fsdp_axis,
-            reshard_after_forward=reshard_after_forward,
-            reduce_dtype=reduce_dtype,
             rngs=rngs,
         )
         self.input_is_parallel = bool(input_is_parallel)

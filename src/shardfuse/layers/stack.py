@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.sharding import explicit_axes
 from shardfuse.layers import _sharding
 from shardfuse.layers import fsdp as fsdp_lib
+from shardfuse.layers import options as options_lib
 from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
 
@@ -140,22 +141,23 @@ class Stack(nnx.Module):
       ((8, 16, 32), P(('data', 'fsdp'), None, None))
     """
 
+    @options_lib.option_keywords
     def __init__(
         self,
         make_block,
         num_layers: int,
         *,
-        mesh,
+        options: options_lib.LayerOptions | None = None,
         layer_axis: str | None = None,
-        remat: str = "none",
         prefetch: bool = False,
         rngs: nnx.Rngs,
     ):
+        mesh = options_lib.require_mesh(options, "Stack")
+        remat = options.remat
         if not isinstance(prefetch, bool):
             raise ValueError(f"prefetch={prefetch!r} must be True or False")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
-        remat_lib.check_policy(remat)
         if layer_axis is not None:
             if layer_axis not in mesh.axis_names:
                 raise ValueError(
@@ -168,6 +170,7 @@ class Stack(nnx.Module):
                     f"num_layers={num_layers} must be divisible by the size {size} of "
                     f"layer_axis={layer_axis!r}"
                 )
+        self.options = options
         self.num_layers, self.layer_axis, self.remat, self.mesh = (
             num_layers,
             layer_axis,
