@@ -184,7 +184,7 @@ def test_only_the_command_line_and_demos_import_bench():
     assert not offences, "library modules that import the bench harness:\n" + "\n".join(offences)
 
 
-DATA_MODULES = ("models", "hardware", "flops", "ring_time")
+DATA_MODULES = ("models", "hardware", "flops", "ring_time", "axes")
 
 
 @pytest.mark.parametrize("name", [f"{module}.py" for module in DATA_MODULES])

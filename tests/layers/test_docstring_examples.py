@@ -4,11 +4,13 @@ import doctest
 
 import pytest
 
-from shardfuse.layers import _sharding, attention, block, linear, mlp, row_linear
+from shardfuse.layers import _sharding, attention, block, linear, mlp, options, row_linear
 
 
 @pytest.mark.parametrize(
-    "module", [linear, row_linear, mlp, attention, block, _sharding], ids=lambda m: m.__name__
+    "module",
+    [linear, row_linear, mlp, attention, block, options, _sharding],
+    ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

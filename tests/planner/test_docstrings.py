@@ -4,7 +4,7 @@ import doctest
 
 import pytest
 
-from shardfuse import hardware, models
+from shardfuse import axes, hardware, models
 from shardfuse.planner import (
     calibrate,
     cli,
@@ -20,7 +20,7 @@ from shardfuse.planner import (
     search,
 )
 
-MODULES = [hardware, models, options, cost, memory, constraints, plans, search, cli, efficiency,
+MODULES = [axes, hardware, models, options, cost, memory, constraints, plans, search, cli, efficiency,
            comm, pipeline_time, published, calibrate]  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -228,3 +229,71 @@ def renamed_keywords(**old_to_new):
         return wrapper
 
     return decorate
+
+
+# ---- placing arrays for a layer, manual regions, input checks ------------------------------
+# (used by `shardfuse.layers` and by `shardfuse.parallel`, which runs whole models of layers
+# inside one shard_map over every mesh axis: a "manual region", see `shardfuse.layers`)
+
+
+def manual_axes() -> frozenset:
+    """Mesh axes that are manual in the current context (inside `jax.shard_map`)."""
+    context = jax.sharding.get_abstract_mesh()
+    return frozenset(getattr(context, "manual_axes", ()) or ())
+
+
+def in_manual_region(mesh) -> bool:
+    """True when every axis of `mesh` is manual here (the caller runs per shard).
+
+    Raises:
+      NotImplementedError: only some of the axes of `mesh` are manual.
+    """
+    manual = manual_axes() & set(mesh.axis_names)
+    if not manual:
+        return False
+    missing = [name for name in mesh.axis_names if name not in manual]
+    if missing:
+        raise NotImplementedError(
+            f"a shardfuse layer was called inside a jax.shard_map that is manual over "
+            f"{sorted(manual)} but not over {missing}; call it inside a shard_map over "
+            f"every axis of its mesh {tuple(mesh.axis_names)} (as sf.parallel does), or outside "
+            "any shard_map: JAX cannot differentiate a shard_map nested in a partially manual one"
+        )
+    return True
+
+
+def check_divisible(argument: str, value: int, mesh, axes):
+    """ValueError unless `value` divides evenly over mesh axes `axes` (a name, a tuple or None).
+
+    In a manual region (`in_manual_region`) values are local sizes: no check.
+    """
+    if in_manual_region(mesh):
+        return
+    size = axes_size(mesh, (axes,) if isinstance(axes, str) else axes)
+    if size > 1 and value % size != 0:
+        raise ValueError(
+            f"{argument}={value} must be divisible by the size {size} of mesh axis {axes!r}"
+        )
+
+
+def place(x, mesh, spec: P):
+    """Puts `x` on `NamedSharding(mesh, spec)` (a no-op when it is already there).
+
+    In a manual region `x` is already this device's shard and is returned as is.
+    """
+    if in_manual_region(mesh):
+        return x
+    sharding = NamedSharding(mesh, spec)
+    if explicit_axes(mesh):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def check_activations(x, argument: str = "x"):
+    """TypeError unless `x` is a floating-point array (activations, not token ids)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{argument} has dtype {dtype}; expected floating-point activations "
+            "(float32, bfloat16 or float16). Integer token ids go through an embedding first."
+        )

@@ -24,44 +24,27 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import axes_size, check_mesh_axes, explicit_axes, spec_axes
+from shardfuse import axes
+from shardfuse.collectives.sharding import axes_size, check_mesh_axes, spec_axes
+
+# Moved down to `shardfuse.collectives.sharding` (public there: `shardfuse.parallel` uses them
+# too); the layers keep calling them `_sharding.<name>`.
+from shardfuse.collectives.sharding import check_activations as check_activations
+from shardfuse.collectives.sharding import check_divisible as check_divisible
+from shardfuse.collectives.sharding import in_manual_region as in_manual_region
+from shardfuse.collectives.sharding import manual_axes as manual_axes
+from shardfuse.collectives.sharding import place as place
 from shardfuse.kernels.vma import to_varying
 from shardfuse.layers._init_random import fused_key
 
-DEFAULT_DATA_AXIS = "data"
-DEFAULT_SEQUENCE_AXIS = "sequence"
-DEFAULT_MODEL_AXIS = "model"
+DEFAULT_DATA_AXIS = axes.DATA
+DEFAULT_SEQUENCE_AXIS = axes.SEQUENCE
+DEFAULT_MODEL_AXIS = axes.MODEL
 
 
 def is_variable(x) -> bool:
     """Whether `x` is an `nnx.Variable` (the `is_leaf` of trees of layer state)."""
     return isinstance(x, nnx.Variable)
-
-
-def manual_axes() -> frozenset:
-    """Mesh axes that are manual in the current context (inside `jax.shard_map`)."""
-    context = jax.sharding.get_abstract_mesh()
-    return frozenset(getattr(context, "manual_axes", ()) or ())
-
-
-def in_manual_region(mesh) -> bool:
-    """True when every axis of `mesh` is manual here (the caller runs per shard).
-
-    Raises:
-      NotImplementedError: only some of the axes of `mesh` are manual.
-    """
-    manual = manual_axes() & set(mesh.axis_names)
-    if not manual:
-        return False
-    missing = [name for name in mesh.axis_names if name not in manual]
-    if missing:
-        raise NotImplementedError(
-            f"a shardfuse layer was called inside a jax.shard_map that is manual over "
-            f"{sorted(manual)} but not over {missing}; call it inside a shard_map over "
-            f"every axis of its mesh {tuple(mesh.axis_names)} (as sf.parallel does), or outside "
-            "any shard_map: JAX cannot differentiate a shard_map nested in a partially manual one"
-        )
-    return True
 
 
 def axis_size(mesh, name) -> int:
@@ -114,33 +97,6 @@ def sequence_spec(sequence_axis, model_axis, parallel: bool):
     """
     axes = tuple(a for a in (sequence_axis, model_axis if parallel else None) if a)
     return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def check_divisible(argument: str, value: int, mesh, axes):
-    """ValueError unless `value` divides evenly over mesh axes `axes` (a name, a tuple or None).
-
-    In a manual region (`in_manual_region`) values are local sizes: no check.
-    """
-    if in_manual_region(mesh):
-        return
-    size = axes_size(mesh, (axes,) if isinstance(axes, str) else axes)
-    if size > 1 and value % size != 0:
-        raise ValueError(
-            f"{argument}={value} must be divisible by the size {size} of mesh axis {axes!r}"
-        )
-
-
-def place(x, mesh, spec: P):
-    """Puts `x` on `NamedSharding(mesh, spec)` (a no-op when it is already there).
-
-    In a manual region `x` is already this device's shard and is returned as is.
-    """
-    if in_manual_region(mesh):
-        return x
-    sharding = NamedSharding(mesh, spec)
-    if explicit_axes(mesh):
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def canonical_spec(spec) -> P:
@@ -245,16 +201,6 @@ def _as_sharded(value, spec):
 def compute_dtype(dtype, *arrays):
     """The layer's compute dtype: `dtype`, else the promoted dtype of the inputs."""
     return jnp.dtype(dtype) if dtype is not None else jnp.result_type(*arrays)
-
-
-def check_activations(x, argument: str = "x"):
-    """TypeError unless `x` is a floating-point array (activations, not token ids)."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"{argument} has dtype {dtype}; expected floating-point activations "
-            "(float32, bfloat16 or float16). Integer token ids go through an embedding first."
-        )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -10,6 +10,8 @@ sequence parallelism, Korthikanti et al. 2022). The whole block is one
 `ParallelSelfAttention` and `ParallelMLP`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,18 @@ def normalize(kind: str, x, scale, bias, eps: float):
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def _fsdp_axis_alone_shards(init):
+    """`Norm(fsdp_axis=...)` without `zero=`: a name shards the parameters (zero=3), None not."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        if "fsdp_axis" in kwargs and "zero" not in kwargs:
+            kwargs["zero"] = 0 if kwargs["fsdp_axis"] is None else 3
+        return init(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Norm(nnx.Module):
@@ -70,6 +84,8 @@ class Norm(nnx.Module):
       (2, 8)
     """
 
+    @_fsdp_axis_alone_shards
+    @options_lib.option_keywords
     def __init__(
         self,
         features: int,
@@ -77,20 +93,10 @@ class Norm(nnx.Module):
         kind: str = "rmsnorm",
         eps: float = 1e-6,
         options: options_lib.LayerOptions | None = None,
-        mesh=options_lib.UNSET,
-        param_dtype=options_lib.UNSET,
-        fsdp_axis=options_lib.UNSET,
         rngs: nnx.Rngs,
     ):
         if kind not in NORMS:
             raise ValueError(f"kind={kind!r} must be one of {NORMS}")
-        # `fsdp_axis=` given alone keeps its single-layer meaning: a name shards, None replicates.
-        zero = options_lib.UNSET
-        if fsdp_axis is not options_lib.UNSET:
-            zero = 0 if fsdp_axis is None else 3
-        options = options_lib.resolve(
-            options, mesh=mesh, param_dtype=param_dtype, fsdp_axis=fsdp_axis, zero=zero
-        )
         mesh = options_lib.require_mesh(options, "Norm")
         self.options = options
         self.kind, self.eps, self.mesh, self.features = kind, float(eps), mesh, features

@@ -41,11 +41,12 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from shardfuse import axes
 from shardfuse.collectives.sharding import check_mesh_axes
 from shardfuse.kernels.vma import to_varying, varying_axes
 
 ZERO_STAGES = (0, 1, 2, 3)
-DEFAULT_FSDP_AXIS = "fsdp"
+DEFAULT_FSDP_AXIS = axes.FSDP
 FSDP_GATHER = "fsdp_gather"  # checkpoint name of a gathered ZeRO-3 weight
 _GATHER_SCOPE = "fsdp_all_gather"  # named scope of the gather (how remat policies spot it)
 

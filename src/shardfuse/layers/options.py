@@ -89,7 +89,7 @@ def _floating_dtype(value, field: str, *, optional: bool):
     if value is None and optional:
         return None
     try:
-        dtype = jnp.dtype(value)
+        dtype = None if value is None else jnp.dtype(value)
     except TypeError:
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):

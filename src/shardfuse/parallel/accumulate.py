@@ -53,13 +53,13 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from shardfuse import axes
 from shardfuse.collectives.sharding import entry_axes, is_spec, spec_axes
 from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.layers import fsdp as fsdp_lib
-from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
+from shardfuse.layers.fsdp import check_zero
 from shardfuse.parallel import zero as zero_lib
 
-DEFAULT_DATA_AXIS = "data"
 SCATTER_MODES = ("microbatch", "step")
 
 
@@ -81,13 +81,10 @@ def _dim_or(param_spec, grad_spec, ndim: int) -> int:
 
 def _layer_param_ids(model) -> set:
     """ids of the `nnx.Param`s owned by shardfuse layers (they gather their own zero=3 shards)."""
-    from shardfuse.layers.attention import ParallelSelfAttention
-    from shardfuse.layers.block import Norm
-    from shardfuse.layers.linear import _ParallelLinear
-
     ids = set()
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, _ParallelLinear | ParallelSelfAttention | Norm):
+        # the layers holding their own ZeRO settings (linear, attention, norm) gather their shards
+        if isinstance(getattr(node, "zero", None), fsdp_lib.ZeroOptions):
             for _, variable in nnx.iter_graph(node):
                 if isinstance(variable, nnx.Variable):
                     ids.add(id(variable))
@@ -143,8 +140,8 @@ def accumulate(
     *,
     mesh,
     zero: int = 0,
-    fsdp_axis: str | None = DEFAULT_FSDP_AXIS,
-    data_axis: str | None = DEFAULT_DATA_AXIS,
+    fsdp_axis: str | None = axes.FSDP,
+    data_axis: str | None = axes.DATA,
     batch_spec=None,
     reduce_dtype=jnp.float32,
     wrt=nnx.Param,
@@ -224,7 +221,7 @@ def accumulate(
         )
     fsdp_axis = zero_lib.fsdp_axis_of(mesh, fsdp_axis)
     if data_axis is not None and data_axis not in mesh.axis_names:
-        if data_axis != DEFAULT_DATA_AXIS:
+        if data_axis != axes.DATA:
             raise ValueError(
                 f"data_axis={data_axis!r} is not an axis of the mesh; its axes are "
                 f"{tuple(mesh.axis_names)}"

@@ -36,9 +36,9 @@ from flax.nnx.training.optimizer import OptState, to_opt_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import entry_axes, is_spec
-from shardfuse.layers import _sharding
-from shardfuse.layers.fsdp import DEFAULT_FSDP_AXIS, check_zero
+from shardfuse import axes
+from shardfuse.collectives.sharding import entry_axes, is_spec, place
+from shardfuse.layers.fsdp import check_zero
 from shardfuse.layers.stack import STACKED
 
 
@@ -46,7 +46,7 @@ def fsdp_axis_of(mesh, fsdp_axis):
     """`fsdp_axis` if the mesh has it (None for an absent default); ValueError for a wrong name."""
     if fsdp_axis is None or fsdp_axis in mesh.axis_names:
         return fsdp_axis
-    if fsdp_axis == DEFAULT_FSDP_AXIS:
+    if fsdp_axis == axes.FSDP:
         return None
     raise ValueError(
         f"fsdp_axis={fsdp_axis!r} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)}"
@@ -117,8 +117,8 @@ def sharded_specs(state, mesh, zero: int, fsdp_axis, *, stage: int = 1):
 
 
 def put(tree, specs, mesh):
-    """Each array of `tree` placed on its spec (`_sharding.place`: reshard or constraint)."""
-    return jax.tree.map(lambda x, s: _sharding.place(x, mesh, s), tree, specs, is_leaf=is_spec)
+    """Each array of `tree` placed on its spec (`place`: reshard or constraint)."""
+    return jax.tree.map(lambda x, s: place(x, mesh, s), tree, specs, is_leaf=is_spec)
 
 
 class ZeroOptimizer(nnx.Optimizer):
@@ -160,9 +160,7 @@ class ZeroOptimizer(nnx.Optimizer):
       P('fsdp', 'model')
     """
 
-    def __init__(
-        self, model, tx, *, mesh, zero: int = 1, fsdp_axis=DEFAULT_FSDP_AXIS, wrt=nnx.Param
-    ):
+    def __init__(self, model, tx, *, mesh, zero: int = 1, fsdp_axis=axes.FSDP, wrt=nnx.Param):
         self.zero = check_zero(zero)
         self.mesh = mesh
         self.fsdp_axis = fsdp_axis_of(mesh, fsdp_axis)
@@ -193,9 +191,7 @@ class ZeroOptimizer(nnx.Optimizer):
         return updates
 
 
-def optimizer_state_program(
-    model, tx, *, mesh, zero: int = 1, fsdp_axis=DEFAULT_FSDP_AXIS, wrt=nnx.Param
-):
+def optimizer_state_program(model, tx, *, mesh, zero: int = 1, fsdp_axis=axes.FSDP, wrt=nnx.Param):
     """`(create, params)`: `create(params)` is the jitted `tx.init` that `ZeroOptimizer` runs.
 
     Its `out_shardings` put every state array that mirrors a parameter on
@@ -239,7 +235,7 @@ def optimizer_state_program(
     return jax.jit(tx.init, out_shardings=out_shardings), params
 
 
-def init(make_model, *, tx=None, mesh=None, zero: int = 0, fsdp_axis=DEFAULT_FSDP_AXIS):
+def init(make_model, *, tx=None, mesh=None, zero: int = 0, fsdp_axis=axes.FSDP):
     """Creates `make_model()` in one jitted program whose outputs are its sharded parameters.
 
     Every array is an output of `jax.jit` with `out_shardings` taken from the

@@ -16,10 +16,10 @@ executor runs. Presets (`Assumptions.preset(name)`, `PRESETS`): "shardfuse"
 import dataclasses
 import functools
 
+from shardfuse.axes import MESH_AXES as MESH_AXES  # outermost -> innermost
 from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes the FLOPs
 from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
 
-MESH_AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost -> innermost
 PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")

@@ -9,6 +9,7 @@ keyword dicts, so that a training script needs no hand-written glue.
 
 import dataclasses
 
+from shardfuse import axes
 from shardfuse.hardware import Cluster
 from shardfuse.models import ModelShape
 from shardfuse.planner.cost import Estimate
@@ -103,20 +104,53 @@ class Plan:
         """Keyword arguments of `sf.layers.ParallelTransformerBlock` (and the other layers).
 
         The axis names, Megatron sequence parallelism, the ring layout, and the
-        ZeRO options (`zero_kwargs`).
+        ZeRO options (`zero_kwargs`). `layer_options` gives the same as one
+        `sf.layers.LayerOptions` (all but the ring layout, an attention keyword).
         """
         return dict(
-            model_axis="model",
-            sequence_axis="sequence",
-            data_axis="data",
+            model_axis=axes.MODEL,
+            sequence_axis=axes.SEQUENCE,
+            data_axis=axes.DATA,
             sequence_parallel=self.assumptions.sequence_parallel,
             layout="zigzag",
             **self.zero_kwargs(),
         )
 
+    def layer_options(self, mesh=None, **changes):
+        """The plan's `sf.layers.LayerOptions`: axes, sequence parallelism, ZeRO and remat.
+
+        Args:
+          mesh: the mesh the layers are built on (e.g. `plan.mesh()`), or None.
+          **changes: fields to set besides (e.g. `dtype=jnp.bfloat16`).
+
+        The remat policy is that of each layer of a `sf.layers.Stack`: build the
+        blocks inside it with `options.replace(remat="none")`.
+
+        Example usage::
+
+          >>> import shardfuse as sf
+          >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
+          ...                global_batch=64, seq_len=4096)[0]
+          >>> options = best.layer_options()
+          >>> (options.zero, options.remat) == (best.layout.zero, best.layout.remat)
+          True
+        """
+        from shardfuse.layers.options import LayerOptions  # (the planner sits above the layers)
+
+        return LayerOptions(
+            mesh=mesh,
+            model_axis=axes.MODEL,
+            sequence_axis=axes.SEQUENCE,
+            data_axis=axes.DATA,
+            fsdp_axis=axes.FSDP,
+            zero=self.layout.zero,
+            remat=self.layout.remat,
+            sequence_parallel=self.assumptions.sequence_parallel,
+        ).replace(**changes)
+
     def zero_kwargs(self) -> dict:
         """`{"zero": stage, "fsdp_axis": "fsdp"}`: the ZeRO options of layers and `sf.parallel`."""
-        return dict(zero=self.layout.zero, fsdp_axis="fsdp")
+        return dict(zero=self.layout.zero, fsdp_axis=axes.FSDP)
 
     def remat_kwargs(self) -> dict:
         """`{"remat": policy}` for `sf.layers.Stack`."""
@@ -132,12 +166,12 @@ class Plan:
             schedule=self.layout.schedule,
             num_microbatches=self.layout.num_microbatches,
             virtual_stages=self.layout.virtual_stages,
-            pipeline_axis="pipeline",
+            pipeline_axis=axes.PIPELINE,
         )
 
     def accumulate_kwargs(self) -> dict:
         """Keyword arguments of `sf.parallel.accumulate` (gradient accumulation, ZeRO)."""
-        return dict(num_microbatches=self.layout.num_microbatches, data_axis="data",
+        return dict(num_microbatches=self.layout.num_microbatches, data_axis=axes.DATA,
                     **self.zero_kwargs())  # fmt: skip
 
     def context_parallel_kwargs(self) -> dict:

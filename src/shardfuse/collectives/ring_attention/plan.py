@@ -16,6 +16,7 @@ from collections.abc import Hashable
 import jax
 import jax.numpy as jnp
 
+from shardfuse import axes
 from shardfuse.collectives import sharding
 from shardfuse.collectives.collective_matmul.cost_model import Hardware
 from shardfuse.collectives.ring_attention import api, layouts
@@ -299,7 +300,7 @@ def make_plan(
 
 
 def ring_attention_plan(
-    q, k, v=None, *, mesh, sequence_axis="sequence", data_axis=None, model_axis=None,
+    q, k, v=None, *, mesh, sequence_axis=axes.SEQUENCE, data_axis=None, model_axis=None,
     causal: bool = False, hardware=None, latency_us: float | None = None,
 ) -> ContextParallelPlan:  # fmt: skip
     """What `sf.ring_attention(q, k, v, strategy=None, ...)` chooses, with every prediction.

@@ -33,6 +33,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse import axes
 from shardfuse.collectives import sharding
 from shardfuse.collectives.ring_attention import api, blocks, layouts, relayout, ring, ulysses
 from shardfuse.collectives.ring_attention.plan import Plan, make_plan
@@ -198,7 +199,7 @@ def ring_attention(
     v,
     *,
     mesh,
-    sequence_axis: str | tuple = "sequence",
+    sequence_axis: str | tuple = axes.SEQUENCE,
     layout: str = "zigzag",
     strategy: str | None = "ring",
     data_axis=None,

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.layers import _sharding
+from shardfuse import axes
+from shardfuse.collectives.sharding import check_activations, check_divisible, place
 from shardfuse.layers.stack import Stack, check_head
 from shardfuse.parallel.pipeline.program import (
     Config,
@@ -99,7 +100,7 @@ class Pipeline(nnx.Module):
         schedule: str = "1f1b",
         num_microbatches: int,
         virtual_stages: int = 1,
-        pipeline_axis: str = "pipeline",
+        pipeline_axis: str = axes.PIPELINE,
         io_spec=None,
         residuals: str = "recompute",
     ):
@@ -151,7 +152,7 @@ class Pipeline(nnx.Module):
         )
 
     def _check_batch(self, x, targets=None, weights=None):
-        _sharding.check_activations(x)
+        check_activations(x)
         features = self.stack.features
         if features is not None and (x.ndim < 1 or x.shape[-1] != features):
             raise ValueError(
@@ -164,7 +165,7 @@ class Pipeline(nnx.Module):
                 f"divisible by num_microbatches={m}"
             )
         batch_axes = self.io_spec[0] if len(self.io_spec) else None
-        _sharding.check_divisible(
+        check_divisible(
             f"the microbatch size x.shape[0] / num_microbatches = {x.shape[0] // m}",
             x.shape[0] // m,
             self.mesh,
@@ -181,7 +182,7 @@ class Pipeline(nnx.Module):
         """The stack's output `[B, T, F]` for input `x`, by the schedule's forward ticks."""
         self._check_batch(x)
         graphdef, values = pure(self.stack.blocks)
-        x = _sharding.place(x, self.mesh, P(*self.io_spec))
+        x = place(x, self.mesh, P(*self.io_spec))
         return forward_program(self._config(graphdef), values, x)
 
     def loss(self, x, targets, *, head, weights=None, loss_fn=cross_entropy, targets_spec=None):
@@ -227,7 +228,7 @@ class Pipeline(nnx.Module):
         )
         # On the activation layout first: the reshard's transpose brings x's gradient back
         # to x's own sharding (e.g. that of an embedding lookup).
-        x = _sharding.place(x, self.mesh, P(*self.io_spec))
+        x = place(x, self.mesh, P(*self.io_spec))
         return pipelined_loss(config, stack_values, head_values, x, targets, weights)
 
     def _config(self, graphdef, **head):

@@ -1,7 +1,7 @@
 """Runs a `LockstepTable` in one SPMD program: a scan over ticks, `ppermute` between stages.
 
 The program is one `jax.shard_map` over EVERY axis of the mesh (a full-manual
-region: the layers inside run per shard, see `shardfuse.layers._sharding`).
+region: the layers inside run per shard, see `shardfuse.collectives.sharding.in_manual_region`).
 Device `s` of the pipeline axis holds chunks `c = 0..v-1` of the stack
 (virtual stage `c * p + s`, `L / (p v)` layers each). Each tick
 (`schedule.LockstepTable`) has an F slot and a B slot per stage:
