@@ -20,8 +20,8 @@ from shardfuse.planner import (
     search,
 )
 
-MODULES = [axes, hardware, models, options, cost, memory, constraints, plans, search, cli, efficiency,
-           comm, pipeline_time, published, calibrate]  # fmt: skip
+MODULES = [axes, hardware, models, options, cost, memory, constraints, plans, search, cli,
+           efficiency, comm, pipeline_time, published, calibrate]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
