@@ -9,6 +9,7 @@ Example:
 """
 
 from shardfuse import (
+    axes,
     collectives,
     flops,
     hardware,
@@ -33,6 +34,7 @@ __all__ = [
     "BlockSizes",
     "MatmulBlockSizes",
     "attention_reference",
+    "axes",
     "collectives",
     "decode_attention",
     "flash_attention",

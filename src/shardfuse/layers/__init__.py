@@ -8,8 +8,16 @@ specs) and a mesh, and calls per-shard collectives inside `jax.shard_map`.
 Every layer works eagerly (one compiled program per layer configuration,
 reused from the second call on), under `nnx.jit`, `jax.jit` (through
 `nnx.split` / `nnx.merge`) and `nnx.grad`, on meshes with Explicit or Auto
-axes, with or without `jax.set_mesh`. Keywords: `model_axis` (tensor
-parallel), `sequence_axis` (context parallel), `data_axis` (batch);
+axes, with or without `jax.set_mesh`.
+
+Options. The settings every layer shares (mesh, axis names `model_axis`
+(tensor parallel), `sequence_axis` (context parallel), `data_axis` (batch),
+`fsdp_axis`; ZeRO; remat; dtypes; precision; implementations) are the fields
+of one frozen `LayerOptions`: build it once and pass `options=` to every
+layer; a composite layer hands it to its children. Each field is also a
+keyword of every layer, overriding the options it is given
+(`shardfuse.layers.options`).
+
 `place_on_mesh` readies an `nnx.Optimizer` so that a jitted training step
 compiles once (parameters are created in `canonical_spec` form, the form a
 jitted step returns them in).

@@ -69,6 +69,10 @@ class ParallelSelfAttention(nnx.Module):
       num_kv_heads: kv heads K (default H); `H % K == 0`, and K divisible by or
         dividing the tp size.
       head_dim: D (default F // H); even (RoPE).
+      options: the `LayerOptions` shared by the layers of a model (mesh, axes,
+        ZeRO, dtypes, precision, implementation); None: the defaults. Each
+        option keyword below overrides its field (not given: the field
+        stands; `shardfuse.layers.options` has the rule).
       mesh: the mesh.
       model_axis: tensor-parallel axis (heads); deprecated spelling `tp_axis`.
       sequence_axis: context-parallel axis: the sequence is sharded over it
@@ -92,6 +96,8 @@ class ParallelSelfAttention(nnx.Module):
       zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO options, as in
         `ColumnParallelLinear`; zero=3 shards the F dimension of the three
         kernels over `fsdp_axis` (`features` divisible by its size).
+      attention_implementation: the attention kernel's implementation (flash
+        or ring attention); None: `implementation`, which the projections use.
 
     Example usage::
 

@@ -55,7 +55,7 @@ def _fsdp_axis_alone_shards(init):
 class Norm(nnx.Module):
     """RMSNorm (`scale` `[F]`) or LayerNorm (`scale` and `bias` `[F]`), replicated `P()`.
 
-    With `fsdp_axis` (ZeRO-3) the parameters are sharded `P(fsdp_axis)` and
+    Under ZeRO-3 (`zero=3`, or `fsdp_axis=` alone) the parameters are sharded `P(fsdp_axis)` and
     gathered where used: per shard (inside a block's `jax.shard_map` or a
     manual region) by an all-gather, outside one by a reshard to `P()` (on
     Explicit axes as on Auto ones); either way the gradient comes back
@@ -68,10 +68,15 @@ class Norm(nnx.Module):
       features: F.
       kind: "rmsnorm" or "layernorm".
       eps: added to the mean square.
-      mesh: the mesh the parameters are replicated over.
+      options: the `LayerOptions` (a block hands its own); the norm reads
+        `mesh`, `param_dtype`, `zero` and `fsdp_axis`: under zero=3 the
+        parameters are sharded over the fsdp axis, else replicated. Option
+        keywords override its fields, as in every layer.
+      mesh: the mesh the parameters live on.
       param_dtype: storage dtype of `scale` (and `bias`).
-      fsdp_axis: None (replicated), or the mesh axis to shard them over (zero=3;
-        F divisible by its size).
+      fsdp_axis: given without `zero=`, its single-layer meaning: None
+        (replicated), or the mesh axis to shard them over (zero=3; F divisible
+        by its size).
       rngs: `nnx.Rngs`.
 
     Example usage::
@@ -166,6 +171,11 @@ class ParallelTransformerBlock(nnx.Module):
       features: model width.
       num_heads: query heads, divisible by the size of `model_axis`.
       hidden_features: MLP width, divisible by the size of `model_axis`.
+      options: the `LayerOptions` shared by the layers of a model (mesh, axes,
+        ZeRO, remat, dtypes, precision, implementation), handed to the
+        attention, the MLP and the norms; None: the defaults. Each
+        option keyword below overrides its field (not given: the field
+        stands; `shardfuse.layers.options` has the rule).
       mesh: the mesh (Explicit or Auto axes; `jax.set_mesh` is not needed).
       num_kv_heads, head_dim, causal, layout, rope_theta, window,
         logit_softcap: attention options, as in `ParallelSelfAttention`.
@@ -178,8 +188,9 @@ class ParallelTransformerBlock(nnx.Module):
         sequence is not split over a context axis (deprecated: `cp_axis`).
       data_axis: batch axis.
       sequence_parallel: Megatron sequence parallelism over `model_axis`.
-        Default True, unlike the single layers: activations stay sharded from
-        block to block, which is what a stack of blocks wants.
+        Default (None in the options) True, unlike the single layers:
+        activations stay sharded from block to block, which is what a stack of
+        blocks wants.
       use_bias: default False, Llama-style (the linear layers default to
         True for `nnx.Linear` compatibility).
       dtype, param_dtype, precision, kernel_init, bias_init, implementation:
@@ -187,8 +198,10 @@ class ParallelTransformerBlock(nnx.Module):
       remat: activation checkpointing of the block: "none" (default),
         "full", "selective", "dots" or "offload" (`shardfuse.layers.remat`).
       zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO options of
-        attention and MLP, as in `ColumnParallelLinear` (norm scales stay
-        replicated).
+        attention and MLP, as in `ColumnParallelLinear`; under zero=3 the norm
+        parameters are sharded over `fsdp_axis` too.
+      attention_implementation: the attention kernel's implementation (None:
+        `implementation`).
       rngs: `nnx.Rngs`.
 
     Example usage::

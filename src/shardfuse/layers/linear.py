@@ -161,6 +161,10 @@ class ColumnParallelLinear(_ParallelLinear):
       in_features, out_features: sizes; `out_features` divisible by the
         size of `model_axis`.
       gather_output: all-gather the output features (replicated output).
+      options: the `LayerOptions` shared by the layers of a model (mesh, axes,
+        ZeRO, dtypes, precision, implementation); None: the defaults. Each
+        option keyword below overrides its field (not given: the field
+        stands; `shardfuse.layers.options` has the rule).
       mesh: the `jax.sharding.Mesh` (Explicit or Auto axes; `jax.set_mesh` is
         not needed).
       model_axis: the tensor-parallel mesh axis (deprecated spelling: `axis`).

@@ -43,6 +43,9 @@ class ParallelMLP(nnx.Module):
       features: model width.
       hidden_features: MLP width, divisible by the size of `model_axis`.
       activation: "gelu" or "swiglu" (fused, interleaved gate/up kernel).
+      options: the `LayerOptions`, handed to both linear layers; None: the
+        defaults. The option keywords (`mesh`, `model_axis`, `zero`, ...,
+        every field of `LayerOptions`) override its fields.
       mesh, model_axis, sequence_parallel, use_bias, dtype, param_dtype,
         precision, kernel_init, bias_init, data_axis, sequence_axis,
         implementation, zero, fsdp_axis, reshard_after_forward, reduce_dtype,

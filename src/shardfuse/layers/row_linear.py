@@ -46,6 +46,10 @@ class RowParallelLinear(_ParallelLinear):
         `model_axis` and each shard slices its part. Both compute the same
         `x @ W + b`; the flag picks the input layout (and so which
         resharding, if any, an input on another layout costs).
+      options: the `LayerOptions` shared by the layers of a model (mesh, axes,
+        ZeRO, dtypes, precision, implementation); None: the defaults. Each
+        option keyword below overrides its field (not given: the field
+        stands; `shardfuse.layers.options` has the rule).
       mesh: the `jax.sharding.Mesh` (Explicit or Auto axes; `jax.set_mesh` is
         not needed).
       model_axis: the tensor-parallel mesh axis (deprecated spelling: `axis`).

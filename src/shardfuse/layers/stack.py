@@ -96,6 +96,12 @@ class Stack(nnx.Module):
         `ParallelTransformerBlock`). Its parameters' `out_sharding` metadata
         (what `nnx.get_partition_spec` reads) gives their sharding.
       num_layers: L >= 1.
+      options: a `LayerOptions`: the stack reads its `mesh` (that of the blocks'
+        parameters) and `remat`; option keywords override them (`mesh=`,
+        `remat=`). The blocks are `make_block`'s: to give them the same
+        options, build them with `options.replace(remat="none")` (the stack
+        applies the policy per layer; a block's own `remat` would apply it a
+        second time, inside).
       mesh: the mesh of the blocks' parameters.
       layer_axis: mesh axis of the stacked layer dimension: None (replicated)
         or the pipeline axis ("pipeline"), whose size must divide L.
