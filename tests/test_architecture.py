@@ -33,22 +33,17 @@ ROOT = "shardfuse"
 
 # The layers, bottom first; a module may import its own layer and those below.
 LAYERS = ("kernels", "collectives", "layers", "parallel", "planner")
-DATA_MODULES = ("models", "hardware", "flops", "ring_time")
+DATA_MODULES = ("models", "hardware", "flops", "ring_time", "axes")
 # Programs over the library: the library never imports them.
 APPLICATIONS = ("__main__", "_info", "bench", "demos", "profile")
 
 # Documented exceptions: (importer prefix, imported prefix, where it is documented).
 ALLOWED_UP = ()
 PARALLEL_READS_OF_KERNELS = ("shardfuse.kernels.vma",)  # parallel/__init__.py docstring
-# TODO(options helper): parallel imports the private layers/_sharding.py; the `options`
-# helper moves what parallel needs to a public module. Remove these once that has landed.
-KNOWN_PRIVATE_IMPORTS = {
-    ("shardfuse.parallel.zero", "shardfuse.layers._sharding"),
-    ("shardfuse.parallel.pipeline.api", "shardfuse.layers._sharding"),
-}
-# TODO(options helper, owner of layers/linear.py): accumulate tells the layers' own
-# parameters apart by their private base class; a public name (or a marker) replaces it.
-KNOWN_PRIVATE_NAMES = {("shardfuse.parallel.accumulate", "shardfuse.layers.linear._ParallelLinear")}
+# (none: parallel reads what it needs of the layers' mesh plumbing from collectives.sharding,
+# and tells the layers' own parameters apart by their public `fsdp.ZeroOptions`)
+KNOWN_PRIVATE_IMPORTS: set = set()
+KNOWN_PRIVATE_NAMES: set = set()
 
 
 def _module_name(path: Path) -> str:
