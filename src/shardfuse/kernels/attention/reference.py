@@ -23,11 +23,31 @@ from shardfuse.kernels.precision import dot_precision
 
 def reference_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """Attention on validated inputs; returns `(out [B, T, H, D], lse float32 [B, H, T])`."""
+    mask = masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
+    return masked_attention(config, q, k, v, mask)
+
+
+def masked_attention(config: base.AttentionConfig, q, k, v, mask):
+    """Attention under an explicit mask: `(out [B, T, H, D], lse float32 [B, H, T])`.
+
+    The oracle's arithmetic, shared by every op that states its mask its own
+    way (`reference_attention` from positions and segment ids, the decode
+    reference from cache lengths). Only `config.scale` and
+    `config.logit_softcap` are read; `mask` is bool `[B, T, S]` (or
+    broadcastable to it).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> config = base.AttentionConfig(causal=False, window=None, logit_softcap=None, scale=1.0)
+      >>> q = k = v = jnp.ones((1, 2, 1, 4))
+      >>> out, lse = masked_attention(config, q, k, v, jnp.array([[[True, False], [False, False]]]))
+      >>> out[0, :, 0, 0].tolist(), lse.tolist()
+      ([1.0, 0.0], [[[4.0, -inf]]])
+    """
     B, T, H, D = q.shape
     K = k.shape[2]
     G = H // K
     precision = dot_precision(q.dtype)
-    mask = masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)
     mask = jnp.broadcast_to(mask, (B, T, k.shape[1]))  # [B, T, S]
     # Zero what no query sees (and rows that see nothing), so that NaN or inf
     # there reaches neither outputs nor gradients: 0 * NaN would.
