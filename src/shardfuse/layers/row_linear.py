@@ -46,32 +46,12 @@ class RowParallelLinear(_ParallelLinear):
         `model_axis` and each shard slices its part. Both compute the same
         `x @ W + b`; the flag picks the input layout (and so which
         resharding, if any, an input on another layout costs).
-      options: the `LayerOptions` shared by the layers of a model (mesh, axes,
-        ZeRO, dtypes, precision, implementation); None: the defaults. Each
-        option keyword below overrides its field (not given: the field
-        stands; `shardfuse.layers.options` has the rule).
-      mesh: the `jax.sharding.Mesh` (Explicit or Auto axes; `jax.set_mesh` is
-        not needed).
-      model_axis: the tensor-parallel mesh axis (deprecated spelling: `axis`).
-      sequence_parallel: Megatron sequence parallelism: the sequence is sharded
-        over `model_axis` too (besides `sequence_axis`). Default False, as a
-        drop-in for `nnx.Linear` on replicated activations.
-      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
-        `nnx.Linear` (`dtype` = compute dtype, `param_dtype` = storage dtype,
-        `precision` of the matmuls; None: HIGHEST for float32, DEFAULT for
-        16-bit). `use_bias=True` as in `nnx.Linear`.
-      data_axis: mesh axis of the batch.
-      sequence_axis: the context-parallel mesh axis the sequence is sharded
-        over (the axis ring attention runs over). The defaults of `data_axis`
-        and `sequence_axis` are ignored when the mesh lacks them; None: not
-        sharded.
-      implementation: matmul / collective implementation (None: best).
-      zero, fsdp_axis, reshard_after_forward, reduce_dtype: ZeRO stage (0-3)
-        over `fsdp_axis` (default "fsdp", ignored when the mesh lacks it; the
-        batch is split over `(data_axis, fsdp_axis)`); zero=3 also shards the
-        kernel over it, gathered just in time (dropped after the forward
-        unless `reshard_after_forward=False`), its gradient reduce-scattered
-        in `reduce_dtype` (float32; None: compute dtype). See `layers.fsdp`.
+      options, use_bias, kernel_init, bias_init and the option keywords (mesh,
+        model_axis, sequence_parallel, dtype, param_dtype, precision,
+        data_axis, sequence_axis, implementation, zero, fsdp_axis,
+        reshard_after_forward, reduce_dtype): as in `ColumnParallelLinear`
+        (`axis` is the deprecated spelling of `model_axis`); zero=3 shards
+        the kernel's output dimension over `fsdp_axis`.
       rngs: `nnx.Rngs` for the initializers.
 
     Example usage::
