@@ -10,6 +10,7 @@ a markdown table.
     python -m shardfuse.bench.tools.triton_compile_stats      # the table, to stdout
     python -m shardfuse.bench.tools.triton_compile_stats --out bench/results/triton_compile_stats.md
     python -m shardfuse.bench.tools.triton_compile_stats --search  # how TUNED was chosen
+    python -m shardfuse.bench.tools.triton_compile_stats --decode  # the decode-attention kernel
 
 `--search` compiles the candidate configs below, largest tiles first, and
 prints for each (generation, head dim, dtype class, kernel) the first one with
@@ -165,10 +166,47 @@ def search():
             print(f"sm{arch} {kind} D={head_dim} {kernel}: {chosen}", flush=True)
 
 
+# Decode attention: (G, T) query rows per program, as in its compile tests.
+DECODE_ROWS = ((1, 1), (8, 2), (8, 4), (4, 16), (8, 16))
+DECODE_HEAD_DIMS = {"bfloat16": (16, 64, 128, 256), "float32": (16, 32, 64)}
+
+
+def decode_table(lines_out):
+    """The decode-attention kernel at its tuned configs (`decode_attention.triton_gpu.TUNED`)."""
+    from shardfuse.kernels.decode_attention import triton_compile, triton_gpu
+
+    lines_out("| arch | head dim | dtype | variant | rows (G x T) | tile n | warps | stages "
+              "| registers | spill stores / loads (B) | shared memory (B) | check |")  # fmt: skip
+    lines_out("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    failures = 0
+    for arch in (80, 90):
+        for dtype, head_dims in DECODE_HEAD_DIMS.items():
+            for head_dim in head_dims:
+                limit = triton_gpu.MAX_ROWS if head_dim <= 128 else triton_gpu.MAX_ROWS_WIDE
+                for G, T in (rows for rows in DECODE_ROWS if rows[0] * rows[1] <= limit):
+                    for variant in triton_compile.VARIANTS:
+                        s = triton_compile.compile_kernel(
+                            arch=arch, head_dim=head_dim, dtype=dtype, variant=variant,
+                            num_heads=8 * G, num_kv_heads=8, num_queries=T,
+                        )  # fmt: skip
+                        c = s.config
+                        lines_out(
+                            f"| sm_{arch} | {head_dim} | {dtype} | {variant} | {G} x {T} "
+                            f"| {c.block_n} | {c.num_warps} | {c.num_stages} | {s.registers} "
+                            f"| {s.spill_stores} / {s.spill_loads} | {s.shared_memory} "
+                            f"| {'ok' if s.ok else 'FAIL'} |"
+                        )
+                        failures += not s.ok
+    return failures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown table here (default: stdout)")
     parser.add_argument("--search", action="store_true", help="search the candidate configs")
+    parser.add_argument(
+        "--decode", action="store_true", help="the decode-attention kernel's table instead"
+    )
     args = parser.parse_args(argv)
     if args.search:
         search()
@@ -179,7 +217,7 @@ def main(argv=None):
         lines.append(line)
         print(line, flush=True)
 
-    failures = table(emit)
+    failures = decode_table(emit) if args.decode else table(emit)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -48,11 +48,12 @@ class DecodeKernelConfig:
 
 
 # (generation, "16bit" | "float32", "small" | "large") -> config, "small" for programs of at
-# most 16 query rows (G * T <= 16: the usual decode step), "large" up to MAX_ROWS. Chosen with
-# `python -m shardfuse.bench.tools.triton_compile_stats --decode` (no GPU was available to
-# time configs): the first candidate with 0 spills and shared memory within the limit for
-# every head dim (16-bit up to 256, float32 up to 64) and both variants; the compile tests
-# (tests/kernels/decode_attention/test_triton_compile.py) hold every entry to that.
+# most 16 query rows (G * T <= 16: the usual decode step), "large" up to MAX_ROWS. No GPU was
+# available to time configs: these are the first candidates (larger tiles first) that compiled
+# with 0 spills and shared memory within the limit for every head dim (16-bit up to 256,
+# float32 up to 64) and both variants; `python -m shardfuse.bench.tools.triton_compile_stats
+# --decode` lists them, and the compile tests (tests/kernels/decode_attention/
+# test_triton_compile.py) hold every entry to that.
 TUNED = {
     ("sm80", "16bit", "small"): DecodeKernelConfig(64, 4, 2),
     ("sm90", "16bit", "small"): DecodeKernelConfig(64, 4, 3),
