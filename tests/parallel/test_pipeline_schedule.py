@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 
 from shardfuse.parallel.pipeline.schedule import (
+    HEAD,
     IDLE,
     SCHEDULES,
     B,
     F,
     W,
     closed_form_bubble,
+    lockstep_table,
+    lockstep_work,
     schedule_table,
 )
 
@@ -138,3 +141,81 @@ def test_json_figures():
 def test_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         schedule_table(*args)
+
+
+# --- The lockstep table the executor runs ---------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule, p, m, v", list(_cases()))
+def test_lockstep_table_dependencies_and_work(schedule, p, m, v):
+    table = lockstep_table(schedule, p, m, v)
+    when = {}  # (kind, microbatch, virtual stage) -> tick
+    for kind, slot in ((F, table.forward), (B, table.backward)):
+        for t, s in zip(*np.nonzero(slot[..., 0] >= 0), strict=True):
+            i, c = (int(a) for a in slot[t, s])
+            key = (kind, i, c * p + int(s))
+            assert key not in when, f"{key} runs twice"
+            when[key] = int(t)
+    assert len(when) == 2 * m * v * p  # every microbatch through every virtual stage, F and B
+    last = v * p - 1
+    for i, k in itertools.product(range(m), range(v * p)):
+        # F on k one tick after F on k - 1 (the activation sent at the end of a tick);
+        # B on the last virtual stage in its F's tick (F, head, then B), else one tick after
+        # B on k + 1
+        if k > 0:
+            assert when[(F, i, k)] >= when[(F, i, k - 1)] + 1
+        if k == last:
+            assert when[(B, i, k)] >= when[(F, i, k)]
+        else:
+            assert when[(B, i, k)] >= when[(B, i, k + 1)] + 1
+            assert when[(B, i, k)] > when[(F, i, k)]
+    # the ring buffers: microbatches sharing a slot never overlap (stage input held F..B)
+    slots = table.buffer_slots
+    for k in range(v * p):
+        for i in range(m - slots):
+            arrive = when[(F, i + slots, k - 1)] + 1 if k > 0 else when[(F, i + slots, 0)]
+            assert arrive > when[(B, i, k)]
+    # lockstep work: the largest stage per tick equals the slots in use (same code on every
+    # stage); (v m + p - 1) ticks of F and B and m heads
+    cost = {F: 1.0, B: 2.5, W: 0.5, HEAD: 0.7}
+    active = table.active()
+    uniform = float((active @ np.array([1.0, 0.7, 3.0])).sum())
+    assert table.work(cost) == pytest.approx(uniform)
+    assert table.work(cost) == pytest.approx((v * m + p - 1) * 4.0 + m * 0.7)
+    assert lockstep_work(schedule, p, m, v, cost=cost) == pytest.approx(table.work(cost))
+    assert table.ideal(cost) == pytest.approx(m * v * 4.0 + m * 0.7)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_lockstep_bounds(p):
+    cost = {F: 1.0, B: 2.0, HEAD: 0.3}
+    ratio = {}
+    for m in (p, 2 * p, 4 * p):
+        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+            table = lockstep_table(schedule, p, m, v)
+            ratio[schedule, m] = table.work(cost) / table.ideal(cost)
+        # at most GPipe's (m + p - 1) / m: the fill and drain are the only waste
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            assert ratio[schedule, m] <= (m + p - 1) / m + 1e-12
+        assert ratio["interleaved", m] < ratio["1f1b", m]
+    # zb-h1 runs as 1F1B (its W inside B): equal, not below (see the executor's docstring)
+    assert ratio["zb-h1", 4 * p] == pytest.approx(ratio["1f1b", 4 * p])
+    # in flight: a tick holds an F and a B, so stage s holds 2 (p - 1 - s) + 1 (1F1B's p - s
+    # doubled, less one); GPipe all m
+    for m in (2 * p, 8 * p):
+        want = [min(m, 2 * (p - 1 - s) + 1) for s in range(p)]
+        assert list(lockstep_table("1f1b", p, m).in_flight()) == want
+        assert max(lockstep_table("gpipe", p, m).in_flight()) == m
+
+
+def test_lockstep_forward_only_and_grid():
+    table = lockstep_table("interleaved", 2, 4, 2, forward_only=True)
+    assert np.all(table.backward == -1) and table.num_ticks == 2 * 4 + 2 - 1
+    assert not table.active()[:, 1:].any()  # no head, no B
+    assert lockstep_table("1f1b", 2, 3).grid().splitlines()[1].split() == [
+        "stage", "0", "F0/.", "F1/.", "F2/B0", "./B1", "./B2",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="must give the cost of F"):
+        lockstep_table("1f1b", 2, 2).work({F: 1.0})
+    with pytest.raises(ValueError, match="num_microbatches=1 must be >="):
+        lockstep_table("1f1b", 2, 1)
