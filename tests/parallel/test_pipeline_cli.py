@@ -46,3 +46,12 @@ def test_bad_input_exit_status_2(capsys):
     status, _, err = _run(capsys, "--schedule", "interleaved", "-p", "4", "-m", "6")
     assert status == 2
     assert "num_microbatches=6 must be a multiple of the number of pipeline stages p=4" in err
+
+
+def test_lockstep_table(capsys):
+    status, out, _ = _run(capsys, "--schedule", "1f1b", "-p", "4", "-m", "8", "--lockstep")
+    assert status == 0
+    assert "stage 3" in out and "F0/B0" in out
+    assert "ticks: 14" in out  # m + 2 (p - 1)
+    assert "lockstep work / ideal (B = 2 F): 1.3750" in out  # (m + p - 1) / m
+    assert "peak in-flight microbatches per stage: 7 5 3 1" in out

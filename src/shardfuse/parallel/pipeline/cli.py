@@ -1,11 +1,16 @@
 """`shardfuse pipeline`: a schedule's action table as a grid, its bubble and memory figures.
 
     shardfuse pipeline --schedule 1f1b -p 4 -m 8 [-v 2] [--forward-only] [--plot f.png] [--json]
+    shardfuse pipeline --schedule 1f1b -p 4 -m 8 --lockstep
 
-prints the table that `schedule_table` builds (the one the executor runs),
-one row per stage and one column per tick, then the number of ticks, the
-bubble (idle fraction of the stage-ticks) next to its closed form, and the
-peak number of microbatches whose stage input each stage holds at once.
+prints the table that `schedule_table` builds (the schedule, one action per
+stage and tick), one row per stage and one column per tick, then the number
+of ticks, the bubble (idle fraction of the stage-ticks) next to its closed
+form, and the peak number of microbatches whose stage input each stage holds
+at once. `--lockstep` prints instead the `LockstepTable` the executor runs
+(an F and a B slot per stage and tick), its ticks, its lockstep work over
+the bubble-free work with a backward twice a forward and no head, and its
+in-flight peaks.
 `--json` prints the table and figures as JSON instead; `--plot PATH` draws the
 timeline chart (needs matplotlib: `pip install 'shardfuse[plot]'`).
 """
@@ -15,7 +20,7 @@ import json
 import sys
 
 from shardfuse.cli import fail
-from shardfuse.parallel.pipeline.schedule import SCHEDULES, schedule_table
+from shardfuse.parallel.pipeline.schedule import SCHEDULES, B, F, lockstep_table, schedule_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model chunks per stage (interleaved; default 2 there, else 1)",
     )
     parser.add_argument("--forward-only", action="store_true", help="the evaluation schedule")
+    parser.add_argument(
+        "--lockstep", action="store_true", help="the lockstep table the executor runs"
+    )
     parser.add_argument("--json", action="store_true", help="print the table and figures as JSON")
     parser.add_argument("--plot", metavar="PATH", help="draw the timeline (needs matplotlib)")
 
@@ -48,6 +56,8 @@ def main(args) -> int:
         )
     except ValueError as error:
         return fail("shardfuse pipeline", error)
+    if getattr(args, "lockstep", False):
+        return _print_lockstep(args, v)
     figures = table.to_dict()
     if args.plot:
         try:
@@ -73,4 +83,17 @@ def main(args) -> int:
     print("peak in-flight microbatches per stage: " + " ".join(map(str, figures["peak_in_flight"])))
     if args.plot:
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _print_lockstep(args, v) -> int:
+    table = lockstep_table(
+        args.schedule, args.stages, args.microbatches, v, forward_only=args.forward_only
+    )
+    cost = {F: 1.0, B: 2.0}
+    print(f"{args.schedule}: p={table.num_stages} m={table.num_microbatches} v={v} (lockstep)")
+    print(table.grid())
+    print(f"ticks: {table.num_ticks}")
+    print(f"lockstep work / ideal (B = 2 F): {table.work(cost) / table.ideal(cost):.4f}")
+    print("peak in-flight microbatches per stage: " + " ".join(map(str, table.in_flight())))
     return 0
