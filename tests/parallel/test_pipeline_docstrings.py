@@ -5,14 +5,20 @@ import doctest
 import pytest
 
 from shardfuse.layers import stack
-from shardfuse.parallel.pipeline import api, plot, schedule
+from shardfuse.parallel.pipeline import api, balance, plot, schedule
 
 SLOW = pytest.mark.slow  # each compiles a pipelined (or stacked) transformer program
 
 
 @pytest.mark.parametrize(
     "module",
-    [schedule, pytest.param(plot), pytest.param(stack, marks=SLOW), pytest.param(api, marks=SLOW)],
+    [
+        schedule,
+        balance,
+        pytest.param(plot),
+        pytest.param(stack, marks=SLOW),
+        pytest.param(api, marks=SLOW),
+    ],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

@@ -1,5 +1,6 @@
 """The search: returned plans respect every constraint; no fit explains itself; speed."""
 
+import dataclasses
 import re
 import time
 
@@ -29,7 +30,10 @@ def _check(p, model, cluster, global_batch, seq_len):
     assert lay.num_devices == cluster.num_devices
     assert layout_constraints(model, lay, global_batch=global_batch, seq_len=seq_len) == []
     assert model.heads % sizes["model"] == 0 and model.ffn_hidden % sizes["model"] == 0
-    assert model.num_layers % (sizes["pipeline"] * lay.virtual_stages) == 0
+    assert model.num_layers >= sizes["pipeline"]  # p may not divide L (balanced stages), v may
+    assert (
+        lay.virtual_stages == 1 or model.num_layers % (sizes["pipeline"] * lay.virtual_stages) == 0
+    )
     assert seq_len % (sizes["sequence"] * sizes["model"]) == 0
     assert (
         global_batch == sizes["data"] * sizes["fsdp"] * lay.microbatch_size * lay.num_microbatches
@@ -234,3 +238,31 @@ def test_materialised_scores_are_counted():
     act = {e: next(t.value for t in e.memory if t.name == "activations") for e in (flash, scores)}
     b, s, a, T = 1, 2048, model.heads, 2
     assert act[scores] - act[flash] == pytest.approx(5 * a * s * s * b / T * model.num_layers)
+
+
+def test_uneven_pipeline_stages_are_planned():
+    """Llama-3 405B's 126 layers over 16 stages: accepted, its fullest stage holds 8 layers
+    (`sf.parallel.balance_stages`), charged as the imbalance of every lockstep tick; 10
+    layers over 4 stages likewise (3)."""
+    model = models.get("llama3-405b")
+    cluster = hardware.cluster("h100", nodes=1024)
+    plans = plan(model, cluster, global_batch=2048, seq_len=8192,
+                 mesh=dict(pipeline=16, fsdp=64, model=8), top_k=3)  # fmt: skip
+    assert plans and all(p.mesh_shape["pipeline"] == 16 for p in plans)
+    terms = {t.name: t for t in plans[0].estimate.time}
+    imbalance = terms["pipeline_imbalance"]
+    assert "the fullest 8" in imbalance.formula and imbalance.value > 0
+    even = dataclasses.replace(model, num_layers=128)
+    ten = dataclasses.replace(TINY, num_layers=10)
+    tiny = plan(ten, hardware.cluster("h100"), global_batch=32, seq_len=256,
+                mesh=dict(pipeline=4, data=2), top_k=1)  # fmt: skip
+    assert tiny[0].mesh_shape["pipeline"] == 4
+    from shardfuse.planner.memory import slowest_stage_layers
+
+    assert slowest_stage_layers(ten, tiny[0].layout) == 3
+    assert slowest_stage_layers(even, Layout(pipeline=16)) == 8.0
+    # per-device parameters: the padded stage's 8 layers (as 128 over 16), not 126 / 16
+    from shardfuse.planner.memory import params_per_device
+
+    layout, a = Layout(pipeline=16, fsdp=64, model=8), Assumptions()
+    assert params_per_device(model, layout, a) == params_per_device(even, layout, a)

@@ -20,6 +20,8 @@ the data axes), read from the abstract output of one layer (`jax.eval_shape`).
 """
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,6 +36,46 @@ from shardfuse.layers import remat as remat_lib
 # Variable metadata of a stacked parameter (dimension 0 is the layer axis): ZeRO shards
 # its gradient and optimizer state on a later dimension (`shardfuse.parallel.zero`).
 STACKED = "stacked_layers"
+
+
+def check_stage_layers(stage_layers, num_layers: int, num_stages: int | None = None) -> tuple:
+    """`stage_layers` as a tuple of ints >= 1 summing to `num_layers` (over `num_stages`).
+
+    Raises:
+      ValueError: a count < 1 or not an int, a sum other than `num_layers`, or
+        (given `num_stages`) a length other than it.
+
+    Example:
+      >>> from shardfuse.layers.stack import check_stage_layers
+      >>> check_stage_layers([3, 3, 2, 2], 10, 4)
+      (3, 3, 2, 2)
+    """
+    try:
+        counts = tuple(stage_layers)
+    except TypeError:
+        raise ValueError(f"stage_layers={stage_layers!r} must be a sequence of ints") from None
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"stage_layers={counts} must be positive ints (the layers per stage)")
+    if sum(counts) != num_layers:
+        raise ValueError(
+            f"stage_layers={counts} sums to {sum(counts)}; it must sum to num_layers={num_layers}"
+        )
+    if num_stages is not None and len(counts) != num_stages:
+        raise ValueError(
+            f"stage_layers={counts} has {len(counts)} stages; the layer axis has {num_stages}"
+        )
+    return counts
+
+
+def _layer_rows(num_layers: int, stage_layers) -> list:
+    """The layer held in each stacked row (-1: padding): stage s in rows [s R, (s+1) R)."""
+    if stage_layers is None:
+        return list(range(num_layers))
+    most, rows, layer = max(stage_layers), [], 0
+    for count in stage_layers:
+        rows += list(range(layer, layer + count)) + [-1] * (most - count)
+        layer += count
+    return rows
 
 
 def features_of(module) -> int | None:
@@ -114,12 +156,20 @@ class Stack(nnx.Module):
         (`shardfuse.layers.prefetch`). Needs blocks built with `zero=3` over
         an fsdp axis of size > 1, `layer_axis=None` and a block with
         `io_spec()`. Same values and gradients as False.
+      stage_layers: uneven pipeline stages: the layers of each `layer_axis`
+        rank, in order (e.g. `(3, 3, 2, 2)`: 10 layers over 4 stages; from
+        `sf.parallel.balance_stages`). The stacked parameters then hold
+        `p x max(stage_layers)` rows, stage s's layers first in its rows and
+        zero padding after them (`apply_stage_layers` skips it; the plain
+        call runs the L real layers). Default None: L / p layers each.
       rngs: `nnx.Rngs`; its `params` stream seeds the L layers.
 
     Raises:
       ValueError: num_layers < 1, an unknown remat policy, a layer_axis
-        that is not a mesh axis, or L not divisible by its size;
-        prefetch=True where it does not apply (see `prefetch`).
+        that is not a mesh axis, or L not divisible by its size (without
+        stage_layers); stage_layers without layer_axis, of another length
+        than its size or not summing to L; prefetch=True where it does not
+        apply (see `prefetch`).
 
     Example usage::
 
@@ -134,6 +184,21 @@ class Stack(nnx.Module):
       ((4, 16, 64), P('pipeline', None, 'model'))
       >>> stack(jnp.ones((2, 8, 16))).shape
       (2, 8, 16)
+
+    Uneven stages: 10 layers over 4 pipeline stages, 3 rows each (the last of the two
+    lighter stages' rows are padding)::
+
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(16, 2, 32, mesh=mesh,
+      ...               rngs=rngs), 10, mesh=mesh, layer_axis="pipeline",
+      ...               stage_layers=(3, 3, 2, 2), rngs=nnx.Rngs(0))
+      Traceback (most recent call last):
+      ...
+      ValueError: stage_layers=(3, 3, 2, 2) has 4 stages; the layer axis has 2
+      >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(16, 2, 32, mesh=mesh,
+      ...               rngs=rngs), 5, mesh=mesh, layer_axis="pipeline",
+      ...               stage_layers=(3, 2), rngs=nnx.Rngs(0))
+      >>> stack.blocks.mlp.up.kernel.shape, stack(jnp.ones((2, 8, 16))).shape
+      ((6, 16, 64), (2, 8, 16))
 
     ZeRO-3 blocks with the next layer's weights prefetched::
 
@@ -156,6 +221,7 @@ class Stack(nnx.Module):
         options: options_lib.LayerOptions | None = None,
         layer_axis: str | None = None,
         prefetch: bool = False,
+        stage_layers=None,
         rngs: nnx.Rngs,
     ):
         mesh = options_lib.require_mesh(options, "Stack")
@@ -171,11 +237,25 @@ class Stack(nnx.Module):
                     f"{tuple(mesh.axis_names)} (or pass None: layers replicated)"
                 )
             size = mesh.shape[layer_axis]
-            if num_layers % size:
+            if stage_layers is not None:
+                stage_layers = check_stage_layers(stage_layers, num_layers, size)
+            elif num_layers % size:
                 raise ValueError(
                     f"num_layers={num_layers} must be divisible by the size {size} of "
-                    f"layer_axis={layer_axis!r}"
+                    f"layer_axis={layer_axis!r} (or give the layers per stage: stage_layers, "
+                    "e.g. from sf.parallel.balance_stages)"
                 )
+        elif stage_layers is not None:
+            raise ValueError(
+                f"stage_layers={stage_layers!r} needs a layer_axis (the pipeline axis the "
+                "stages are on)"
+            )
+        if stage_layers is not None and prefetch:
+            raise ValueError("prefetch=True needs stage_layers=None (the layers of one device)")
+        # Stage s's layers sit in rows [s R, s R + stage_layers[s]) of the stacked
+        # parameters, R the most layers of a stage; the rows after them are zero padding.
+        self.stage_layers = stage_layers
+        rows = _layer_rows(num_layers, stage_layers)
         self.options = options
         self.num_layers, self.layer_axis, self.remat, self.mesh = (
             num_layers,
@@ -201,7 +281,17 @@ class Stack(nnx.Module):
         # spmd_axis_name: each layer_axis rank creates only its own layers (their shards)
         keys = jax.random.split(rngs.params(), num_layers)
         make_all = jax.vmap(make_one, spmd_axis_name=layer_axis)
-        values = jax.jit(make_all, out_shardings=shardings)(keys)
+        if stage_layers is None:
+            values = jax.jit(make_all, out_shardings=shardings)(keys)
+        else:  # layer l from key l wherever its row is; padding rows zero
+            real = np.asarray(rows) >= 0
+
+            def make_rows(keys):
+                made = make_all(keys[np.maximum(np.asarray(rows), 0)])
+                keep = lambda a: jnp.where(real.reshape(-1, *(1,) * (a.ndim - 1)), a, 0)  # noqa: E731
+                return jax.tree.map(keep, made)
+
+            values = jax.jit(make_rows, out_shardings=shardings)(keys)
 
         def restack(variable, value, spec):
             metadata = {
@@ -319,4 +409,35 @@ class Stack(nnx.Module):
                 specs,
                 is_leaf=_sharding.is_variable,
             )
+        if self.stage_layers is not None:  # the real layers' rows, in order
+            real = np.flatnonzero(np.asarray(_layer_rows(self.num_layers, self.stage_layers)) >= 0)
+            state = jax.tree.map(
+                lambda v: (v[...] if _sharding.is_variable(v) else v)[real],
+                state,
+                is_leaf=_sharding.is_variable,
+            )
         return self.apply_layers(state, x, **kwargs)
+
+    def apply_stage_layers(self, state, x, **kwargs):
+        """Per shard, in a pipeline stage: its rows of the stacked `state` applied in order.
+
+        With `stage_layers`, this device's stage `s` (its index along
+        `layer_axis`) runs its `stage_layers[s]` layers; its padding rows
+        leave the activations unchanged (computed and discarded: the stage
+        runs in lockstep with the fullest one). Without, `apply_layers`.
+        """
+        if self.stage_layers is None:
+            return self.apply_layers(state, x, **kwargs)
+        x = self._as_carry(state, x, kwargs)
+        graphdef = nnx.graphdef(self.blocks)
+        counts = jnp.asarray(self.stage_layers, jnp.int32)
+        count = counts[jax.lax.axis_index(self.layer_axis)]
+        rows = jax.tree.leaves(state)[0].shape[0]
+
+        def body(x, layer):
+            index, layer_state = layer
+            y = nnx.merge(graphdef, layer_state)(x, **kwargs)
+            return jnp.where(index < count, y, x), None
+
+        body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
+        return jax.lax.scan(body, x, (jnp.arange(rows), state))[0]

@@ -2,7 +2,8 @@
 
 - `Pipeline` (`pipeline/`): a `shardfuse.layers.Stack` split into stages over
   the `pipeline` axis, run by "gpipe", "1f1b", "interleaved" or "zb-h1" in one
-  jitted program; `schedule_table` is the schedule as data.
+  jitted program; `schedule_table` is the schedule as data;
+  `balance_stages` the split of the layers that minimises the slowest stage.
 - `ZeroOptimizer`, `init` (`zero.py`): ZeRO-1/2/3 optimizer state sharded over
   `fsdp`, models and optimizers born sharded (`init_program`,
   `optimizer_state_program`: those programs, to measure their memory); `zero=` on the layers shards
@@ -21,7 +22,13 @@ bottom-level varying-axes helpers (`shardfuse.kernels.vma`), as every level does
 from shardfuse.parallel import distributed
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.checkpoint import Checkpointer
-from shardfuse.parallel.pipeline import SCHEDULES, Pipeline, ScheduleTable, schedule_table
+from shardfuse.parallel.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    ScheduleTable,
+    balance_stages,
+    schedule_table,
+)
 from shardfuse.parallel.zero import ZeroOptimizer, init, init_program, optimizer_state_program
 
 __all__ = [
@@ -31,6 +38,7 @@ __all__ = [
     "ScheduleTable",
     "ZeroOptimizer",
     "accumulate",
+    "balance_stages",
     "distributed",
     "init",
     "init_program",

@@ -59,7 +59,10 @@ def layout_constraints(
         kv = max(model.kv_heads // T, 1)
         if (model.heads // T) % C or kv % C:
             errors.append(f"ulysses: heads per device {model.heads // T} and kv {kv} % {C}")
-    if model.num_layers % (P * v):
+    if model.num_layers < P:
+        errors.append(f"num_layers={model.num_layers} < pipeline={P}: a stage without layers")
+    elif v > 1 and model.num_layers % (P * v):
+        # (v = 1: uneven stages, `Stack(stage_layers=sf.parallel.balance_stages(...))`)
         errors.append(f"num_layers={model.num_layers} % (pipeline={P} x virtual={v}) != 0")
     if global_batch != D * F * mb * m:
         errors.append(

@@ -52,9 +52,10 @@ from shardfuse.planner.memory import (
     memory_terms,
     params_per_device,
     saved_elements_per_token,
+    slowest_stage_layers,
 )
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
-from shardfuse.planner.pipeline_time import pipeline_terms
+from shardfuse.planner.pipeline_time import PIPELINED, pipeline_terms
 from shardfuse.planner.terms import Term
 from shardfuse.ring_time import ring_bandwidth, ring_collective_s, ring_transfer_s
 
@@ -196,7 +197,7 @@ def estimate(
     if a.flash_attention and a.compute_efficiency is None:
         attention_rate = peak_flops * attention_efficiency(cluster.device)
     compute = (hardware_flops - attention_flops) / n / rate + attention_flops / n / attention_rate
-    layers_dev = L / P
+    layers_dev = slowest_stage_layers(model, layout)  # L / P, or the balancer's fullest stage
     training = flops.TRAINING_OVER_FORWARD
     # forward + backward matmuls and attention cores
     matmul_time = training * tokens * L * flops.layer_matmul_flops(model) / n / rate
@@ -273,6 +274,14 @@ def estimate(
     if P > 1:
         head_s = flops.TRAINING_OVER_FORWARD * flops.logits_flops(model) * mb_tokens / T / rate
         send = mb_tokens * h * act / (T if a.sequence_parallel else 1)
+        if layers_dev * P != L:  # uneven stages: every tick runs as long as the fullest one
+            work = sum(t.value for t in time_terms if t.name in PIPELINED)
+            time_terms.append(Term(
+                "pipeline_imbalance", (layers_dev * P / L - 1) * work,
+                f"{L} layers over {P} stages, the fullest {layers_dev:g} "
+                f"(sf.parallel.balance_stages): ({layers_dev:g} x {P} / {L} - 1) x the stage "
+                f"work {work:.3g} s",
+            ))  # fmt: skip
         time_terms += pipeline_terms(
             layout, a, time_terms, head_s=head_s, send_bytes=send, overlap=overlap,
             link=axis_link(cluster, layout, "pipeline"),

@@ -12,7 +12,10 @@ steps of tests/planner/test_memory.py; the fitted terms say so.
 See `cost` for the notation.
 """
 
+import functools
+
 from shardfuse.models import ModelShape
+from shardfuse.parallel.pipeline.balance import balance_stages
 from shardfuse.parallel.pipeline.schedule import lockstep_table
 from shardfuse.planner.options import Assumptions, Layout
 from shardfuse.planner.terms import Term
@@ -99,6 +102,29 @@ def saved_elements_per_token(
     return {"full_layer": full, "saved": saved, "lse": heads, "scores": scores, "qkvo": qkvo}
 
 
+@functools.lru_cache(maxsize=256)
+def _stage_layers(num_layers: int, stages: int) -> tuple:
+    return balance_stages([1.0] * num_layers, stages)
+
+
+def slowest_stage_layers(model: ModelShape, layout: Layout) -> float:
+    """Layers of the fullest pipeline stage: `L / P`, or where P does not divide L the
+    most of `sf.parallel.balance_stages`'s split (layers of equal cost), which a
+    `Stack(stage_layers=...)` pads every stage to.
+
+    Example:
+      >>> from shardfuse import models
+      >>> from shardfuse.planner.memory import slowest_stage_layers
+      >>> from shardfuse.planner.options import Layout
+      >>> slowest_stage_layers(models.get("llama3-405b"), Layout(pipeline=16))  # 126 layers
+      8
+    """
+    L, P = model.num_layers, layout.pipeline
+    if L % P == 0:
+        return L / P
+    return max(_stage_layers(L, P))
+
+
 def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
     """Parameters one device holds before ZeRO: a stage's layers over T, the embedding tables.
 
@@ -118,7 +144,7 @@ def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> floa
         tables = table_in + (0 if model.tied_embeddings else table_out)
     else:  # first stage: input table, last stage: output table (tied: a copy on each)
         tables = max(table_in, table_out)
-    return model.num_layers / P * layer + tables + h
+    return slowest_stage_layers(model, layout) * layer + tables + h
 
 
 def table_params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
@@ -133,7 +159,7 @@ def table_params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -
       True
     """
     layer = (model.layer_params() - 2 * model.hidden) / layout.model + 2 * model.hidden
-    layers = model.num_layers / layout.pipeline * layer
+    layers = slowest_stage_layers(model, layout) * layer
     return params_per_device(model, layout, a) - layers - model.hidden
 
 

@@ -114,8 +114,8 @@ def mesh_shapes(
             for P in _divisors(n // (T * C)):
                 if not ok("pipeline", P):
                     continue
-                if model.num_layers % P:
-                    reject({"pipeline": P}, f"num_layers={model.num_layers} % pipeline={P} != 0")
+                if model.num_layers < P:  # (P not dividing L: uneven, balanced stages)
+                    reject({"pipeline": P}, f"num_layers={model.num_layers} < pipeline={P}")
                     continue
                 replicas = n // (T * C * P)
                 if global_batch % replicas:

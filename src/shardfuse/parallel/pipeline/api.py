@@ -43,7 +43,9 @@ __all__ = ["Pipeline", "cross_entropy"]
 class Pipeline(nnx.Module):
     """`stack` split into stages over `pipeline_axis`, run by one of the schedules.
 
-    Stage `s` of `p` holds layers `[s L/p, (s+1) L/p)` (v = 1); with
+    Stage `s` of `p` holds layers `[s L/p, (s+1) L/p)` (v = 1), or with a
+    stack built with `stage_layers` (uneven stages, e.g. 10 layers over 4 as
+    `(3, 3, 2, 2)`: `sf.parallel.balance_stages`) the next `stage_layers[s]`; with
     `virtual_stages=v` (schedule "interleaved") it holds chunks
     `s, s + p, ..., s + (v-1) p` of `v p` chunks of `L / (v p)` layers each.
     Everything runs in one `jax.shard_map` over all mesh axes: the blocks'
@@ -69,8 +71,9 @@ class Pipeline(nnx.Module):
 
     Raises:
       ValueError: a mesh without `pipeline_axis`, an invalid schedule or
-        (p, m, v), `num_layers` not divisible by `p * v`, or `residuals` not
-        "recompute" or "stored".
+        (p, m, v), `num_layers` not divisible by `p * v` (without the
+        stack's `stage_layers`; with them: v > 1 or another axis), or
+        `residuals` not "recompute" or "stored".
 
     Example usage::
 
@@ -114,7 +117,14 @@ class Pipeline(nnx.Module):
         p = int(mesh.shape[pipeline_axis])
         self.residuals = check_residuals(residuals)
         check_schedule(schedule, p, num_microbatches, virtual_stages)
-        if stack.num_layers % (p * virtual_stages):
+        if stack.stage_layers is not None:  # uneven stages: the stack's own split
+            if stack.layer_axis != pipeline_axis or virtual_stages != 1:
+                raise ValueError(
+                    f"a Stack with stage_layers={stack.stage_layers} runs with virtual_stages=1 "
+                    f"on its layer_axis={stack.layer_axis!r}; got pipeline_axis="
+                    f"{pipeline_axis!r}, virtual_stages={virtual_stages}"
+                )
+        elif stack.num_layers % (p * virtual_stages):
             raise ValueError(
                 f"num_layers={stack.num_layers} must be divisible by p * virtual_stages = "
                 f"{p} * {virtual_stages} = {p * virtual_stages} (pipeline axis "
@@ -242,7 +252,7 @@ class Pipeline(nnx.Module):
             io_spec=self.io_spec,
             stack_graphdef=graphdef,
             layer_specs=spec_tree(self.stack.layer_specs()),
-            apply_layers=self.stack.apply_layers,
+            apply_layers=self.stack.apply_stage_layers,
             poison=self.poison_buffers,
             residuals=self.residuals,
             **head,
