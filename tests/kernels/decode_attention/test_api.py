@@ -97,3 +97,35 @@ def test_traced_lengths_compile_once_for_every_length():
         expected = sf.decode_attention(q, k, k, lengths, implementation="reference")
         np.testing.assert_allclose(step(lengths), expected, atol=1e-5, rtol=1e-5)
     assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu"])
+def test_inside_shard_map_with_heads_over_model(implementation):
+    """A KV cache sharded like the attention (kv heads over `model`, batch over `data`): each
+    device runs the op on its shard; the result equals the unsharded reference."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardfuse.kernels.pallas_interpret import interpret_mode
+    from tests.kernels.decode_attention.decode_backends import STRICT
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (2, 2, 8, 128))  # H = 8 over 2 devices: 4 per shard
+    k = jax.random.normal(keys[1], (2, 160, 2, 128))  # K = 2: 1 per shard
+    v = jax.random.normal(keys[2], (2, 160, 2, 128))
+    lengths = jnp.array([160, 37], jnp.int32)
+    spec = P("data", None, "model", None)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(spec, spec, spec, P("data")), out_specs=spec)
+    def sharded(q, k, v, lengths):
+        return sf.decode_attention(q, k, v, lengths, window=(40, 0), implementation=implementation)
+
+    on_mesh = [
+        jax.device_put(x, jax.sharding.NamedSharding(mesh, s))
+        for x, s in ((q, spec), (k, spec), (v, spec), (lengths, P("data")))
+    ]
+    with interpret_mode(STRICT):
+        got = jax.block_until_ready(sharded(*on_mesh))
+    expected = sf.decode_attention(q, k, v, lengths, window=(40, 0), implementation="reference")
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)

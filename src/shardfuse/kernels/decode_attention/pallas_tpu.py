@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from shardfuse.kernels import vma
 from shardfuse.kernels.attention import masks
 from shardfuse.kernels.attention.base import apply_softcap
 from shardfuse.kernels.attention.pallas_tpu_blocks import NUM_LANES, NUM_SUBLANES
@@ -173,9 +174,9 @@ def _partials(config, q, k, v, lengths, *, interpret):
                 pl.BlockSpec((None, None, H, Tp, NUM_LANES), lambda b, c, *_: (b, c, 0, 0, 0)),
             ],
         ),
-        out_shape=[
-            jax.ShapeDtypeStruct((B, N, H, Tp, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, N, H, Tp, NUM_LANES), jnp.float32),
+        out_shape=[  # inside shard_map: varying like the inputs
+            vma.shape_dtype_struct((B, N, H, Tp, D), jnp.float32, like=q_t),
+            vma.shape_dtype_struct((B, N, H, Tp, NUM_LANES), jnp.float32, like=q_t),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=pl.CostEstimate(
