@@ -389,3 +389,18 @@ def test_the_children_check_catches_a_planted_bug(monkeypatch):
     block = sf.layers.ParallelTransformerBlock(8, 2, 16, options=options, rngs=nnx.Rngs(0))
     with pytest.raises(AssertionError):
         _children_follow(block, options)
+
+
+def test_mesh_axes_and_zero_options_resolve_on_the_mesh():
+    mesh = make_mesh("explicit")  # data x fsdp x model
+    options = LayerOptions(mesh=mesh, zero=3)
+    assert options.mesh_axes() == dict(model_axis="model", data_axis="data", sequence_axis=None,
+                                       fsdp_axis="fsdp")  # fmt: skip
+    assert options.zero_options().param_axis == "fsdp"
+    assert options.replace(zero=2).zero_options().param_axis is None
+    no_fsdp = options.replace(mesh=make_mesh("auto", (2, 4), ("data", "model")))
+    assert no_fsdp.mesh_axes()["fsdp_axis"] is None and no_fsdp.zero_options().param_axis is None
+    with pytest.raises(ValueError, match="sequence_axis='ring' is not an axis of the mesh"):
+        options.replace(sequence_axis="ring").mesh_axes()
+    with pytest.raises(TypeError, match="needs a mesh"):
+        LayerOptions().mesh_axes()

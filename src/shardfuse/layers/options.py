@@ -239,6 +239,56 @@ class LayerOptions:
             return self.attention_implementation
         return self.implementation
 
+    def mesh_axes(self) -> dict:
+        """The axis fields as the layers use them on `mesh`, checked.
+
+        A default name the mesh lacks becomes None (not sharded there); an
+        explicitly chosen name must be an axis of the mesh. The batch of every
+        layer is split over `(data_axis, fsdp_axis)`, those not None.
+
+        Returns:
+          `{"model_axis", "data_axis", "sequence_axis", "fsdp_axis"}` -> a name or None.
+
+        Raises:
+          TypeError: no mesh.
+          ValueError: an explicit name that is not in the mesh.
+
+        Example usage::
+
+          >>> import jax
+          >>> from shardfuse.layers import LayerOptions
+          >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+          >>> LayerOptions(mesh=mesh).mesh_axes()
+          {'model_axis': 'model', 'data_axis': 'data', 'sequence_axis': None, 'fsdp_axis': None}
+        """
+        mesh = require_mesh(self, "LayerOptions.mesh_axes")
+        model, data, sequence = _sharding.layer_axes(
+            mesh, model_axis=self.model_axis, data_axis=self.data_axis,
+            sequence_axis=self.sequence_axis,
+        )  # fmt: skip
+        fsdp_axis = self.zero_options().fsdp_axis
+        return dict(model_axis=model, data_axis=data, sequence_axis=sequence, fsdp_axis=fsdp_axis)
+
+    def zero_options(self) -> "fsdp.ZeroOptions":
+        """The ZeRO settings on `mesh` (`fsdp.ZeroOptions`; its `param_axis`: the axis
+        parameters are sharded over, the fsdp axis under zero=3 where the mesh has it).
+
+        Example usage::
+
+          >>> import jax
+          >>> from shardfuse.layers import LayerOptions
+          >>> mesh = jax.make_mesh((2, 4), ("fsdp", "model"))
+          >>> LayerOptions(mesh=mesh, zero=3).zero_options().param_axis
+          'fsdp'
+        """
+        return fsdp.zero_options(
+            require_mesh(self, "LayerOptions.zero_options"),
+            zero=self.zero,
+            fsdp_axis=self.fsdp_axis,
+            reshard_after_forward=self.reshard_after_forward,
+            reduce_dtype=self.reduce_dtype,
+        )
+
 
 FIELDS = tuple(field.name for field in dataclasses.fields(LayerOptions))
 
@@ -341,19 +391,10 @@ def configure(layer, options: LayerOptions, *, sequence_parallel: bool = False) 
     options = with_default_sequence_parallel(options, sequence_parallel)
     layer.options = options
     layer.mesh = mesh
-    layer.model_axis, layer.data_axis, layer.sequence_axis = _sharding.layer_axes(
-        mesh,
-        model_axis=options.model_axis,
-        data_axis=options.data_axis,
-        sequence_axis=options.sequence_axis,
-    )
-    layer.zero = fsdp.zero_options(
-        mesh,
-        zero=options.zero,
-        fsdp_axis=options.fsdp_axis,
-        reshard_after_forward=options.reshard_after_forward,
-        reduce_dtype=options.reduce_dtype,
-    )
+    axes = options.mesh_axes()
+    layer.model_axis, layer.data_axis = axes["model_axis"], axes["data_axis"]
+    layer.sequence_axis = axes["sequence_axis"]
+    layer.zero = options.zero_options()
     layer.batch_axes = fsdp.check_batch_axes(mesh, layer, layer.zero)
     layer.sequence_parallel = options.sequence_parallel
     layer.dtype, layer.param_dtype = options.dtype, options.param_dtype
