@@ -16,17 +16,17 @@ Usage: python examples/plan_and_train.py [--steps 20]
 
 # A Llama-style model small enough for CPU: GQA (8 query heads, 4 key/value
 # heads of 8), SwiGLU, RMSNorm, 4 layers, vocabulary 128.
-MODEL = dict(vocab=128, features=64, heads=8, kv_heads=4, hidden=128, layers=4)
+MODEL = dict(vocab_size=128, hidden=64, heads=8, kv_heads=4, ffn_hidden=128, num_layers=4)
 GLOBAL_BATCH, SEQ_LEN = 16, 128
 
 
 def config(steps=20, **overrides):
     """The `TrainConfig` of this example's model and batch (no mesh chosen yet)."""
-    from shardfuse.demos.llama import LlamaConfig
     from shardfuse.demos.train_lm import TrainConfig
+    from shardfuse.models import ModelSpec
 
-    fields = dict(model=LlamaConfig(**MODEL), steps=steps, global_batch=GLOBAL_BATCH,
-                  seq_len=SEQ_LEN) | overrides  # fmt: skip
+    model = ModelSpec.tiny("plan_and_train", **MODEL)
+    fields = dict(model=model, steps=steps, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN) | overrides
     return TrainConfig(**fields)
 
 

@@ -99,16 +99,17 @@ def setup(args):
     from shardfuse.parallel import distributed  # before any backend starts
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    from shardfuse.demos.llama import LlamaConfig
     from shardfuse.demos.train_lm import TrainConfig, Trainer, parse_mesh
+    from shardfuse.models import ModelSpec
 
-    model = LlamaConfig(
-        vocab=args.vocab,
-        features=args.features,
+    model = ModelSpec.tiny(
+        "train_lm",
+        vocab_size=args.vocab,
+        hidden=args.features,
         heads=args.heads,
         kv_heads=args.kv_heads,
-        hidden=args.hidden,
-        layers=args.layers,
+        ffn_hidden=args.hidden,
+        num_layers=args.layers,
     )
     config = TrainConfig(
         mesh=parse_mesh(args.mesh),

@@ -71,7 +71,7 @@ TRAIN_LM_CASES = [
     (["--batch", "two"], "'two' is not an integer"),
     (["--zero", "7"], "invalid choice: 7"),
     (["--num-processes", "2"], "coordinator, num_processes and process_id go together"),
-    (["--heads", "3"], "heads=3 must be divisible by kv_heads=2"),
+    (["--heads", "3"], "hidden=64 must be a multiple of heads=3"),
 ]
 
 

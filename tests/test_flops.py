@@ -6,7 +6,6 @@ import pytest
 
 from shardfuse import flops, models
 from shardfuse.bench import flops as bench_flops
-from shardfuse.demos.llama import LlamaConfig
 from shardfuse.demos.train_lm import (
     AXES,
     COMPUTE_DTYPE,
@@ -14,8 +13,8 @@ from shardfuse.demos.train_lm import (
     Trainer,
     estimate_for,
     layout_of,
-    model_spec,
 )
+from shardfuse.models import ModelSpec
 from shardfuse.planner import Assumptions
 
 
@@ -57,8 +56,9 @@ def test_one_definition_everywhere():
     assert bench_flops.attention_flops is flops.attention_flops
     assert bench_flops.matmul_flops is flops.matmul_flops
     assert bench_flops.visible_pairs is flops.visible_pairs
-    config = LlamaConfig(layers=3)
-    assert config.flops_per_token(64) == flops.model_flops_per_token(model_spec(config), 64)
+    spec = ModelSpec.tiny(num_layers=3)
+    # the spec's counts are the model's: one layer of matmul weights, FLOPs = 2 x weights
+    assert flops.layer_matmul_flops(spec) == 2 * spec.layer_matmul_params()
 
 
 def test_errors_name_the_value():
@@ -75,7 +75,7 @@ def test_trainer_mfu_equals_planner_mfu():
     """The trainer's printed MFU and the planner's, same model, tokens, step time and peak."""
     config = TrainConfig(
         mesh={"data": 2, "model": 4},
-        model=LlamaConfig(layers=1),
+        model=ModelSpec.tiny(num_layers=1),
         steps=1,
         global_batch=8,
         seq_len=32,
@@ -88,7 +88,7 @@ def test_trainer_mfu_equals_planner_mfu():
     assert f"mfu {record['mfu']:.2%}" in lines[-1]
     e = estimate_for(config, 8)  # the planner's cost function, same layout, model, tokens
     assert e.model_flops == flops.model_flops(
-        model_spec(config.model), seq_len=config.seq_len, batch=config.global_batch
+        config.model, seq_len=config.seq_len, batch=config.global_batch
     )
     assert layout_of(config, 8).mesh_shape == {**dict.fromkeys(AXES, 1), "data": 2, "model": 4}
     # same peak: the planner's compute dtype is the trainer's

@@ -10,10 +10,9 @@ import pytest
 from flax import nnx
 
 import shardfuse as sf
-from shardfuse.demos.llama import LlamaConfig, LlamaLM, LMHead
-from shardfuse.demos.tiny_lm import TinyLM
 from shardfuse.layers import stack as stack_lib
 from shardfuse.layers.stack import Stack
+from shardfuse.models import LMHead, ModelSpec, Transformer
 from shardfuse.parallel.pipeline.api import Pipeline
 
 F, WRONG, VOCAB = 16, 32, 32
@@ -54,7 +53,7 @@ def test_pipeline_head_of_another_width():
     x, targets = jnp.ones((4, 8, F)), jnp.zeros((4, 8), jnp.int32)
     for head in (
         nnx.Linear(WRONG, VOCAB, rngs=nnx.Rngs(1)),
-        LMHead(WRONG, VOCAB, mesh=mesh, layer_kwargs={}, rngs=nnx.Rngs(1)),
+        _head(WRONG, mesh),
     ):
         with pytest.raises(
             ValueError, match=f"takes {WRONG} features, but the width of the stack is {F}"
@@ -64,27 +63,21 @@ def test_pipeline_head_of_another_width():
         pipe.loss(jnp.ones((4, 8, WRONG)), targets, head=nnx.Linear(F, VOCAB, rngs=nnx.Rngs(1)))
 
 
-def test_llama_head_of_another_width():
-    mesh = jax.make_mesh((2,), ("data",))
-    model = LlamaLM(LlamaConfig(vocab=VOCAB, features=F, heads=2, kv_heads=1, hidden=2 * F,
-                                layers=1), mesh=mesh, rngs=nnx.Rngs(0))  # fmt: skip
-    model.head = LMHead(WRONG, VOCAB, mesh=mesh, layer_kwargs={}, rngs=nnx.Rngs(1))
+def _head(width, mesh):
+    spec = ModelSpec.tiny(vocab_size=VOCAB, hidden=width, heads=2, kv_heads=1)
+    return LMHead(spec, mesh=mesh, options={}, sequence_parallel=False, rngs=nnx.Rngs(1))
+
+
+@pytest.mark.parametrize("names", [("data",), ("model",)])
+def test_transformer_head_of_another_width(names):
+    mesh = jax.make_mesh((2,), names)
+    spec = ModelSpec.tiny(vocab_size=VOCAB, hidden=F, heads=2, kv_heads=1, ffn_hidden=2 * F,
+                          num_layers=1)  # fmt: skip
+    model = Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0))
+    model.head = _head(WRONG, mesh)
     tokens = jnp.zeros((2, 8), jnp.int32)
     match = f"takes {WRONG} features, but the width of the block stack is {F}"
     with pytest.raises(ValueError, match=match):
         model(tokens)
     with pytest.raises(ValueError, match=match):  # and under jit, before the head's matmul
         nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
-
-
-def test_tiny_lm_head_of_another_width():
-    mesh = jax.make_mesh((2,), ("model",))
-    model = TinyLM(vocab=VOCAB, features=F, heads=2, kv_heads=2, hidden=2 * F, layers=1,
-                   mesh=mesh, rngs=nnx.Rngs(0))  # fmt: skip
-    model.head = sf.layers.ColumnParallelLinear(
-        WRONG, VOCAB, mesh=mesh, sequence_parallel=True, gather_output=True, rngs=nnx.Rngs(1)
-    )
-    with pytest.raises(
-        ValueError, match=f"takes {WRONG} features, but the width of the blocks is {F}"
-    ):
-        model(jnp.zeros((2, 8), jnp.int32))

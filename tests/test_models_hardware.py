@@ -184,17 +184,41 @@ def test_only_the_command_line_and_demos_import_bench():
     assert not offences, "library modules that import the bench harness:\n" + "\n".join(offences)
 
 
-DATA_MODULES = ("models", "hardware", "flops", "ring_time", "axes")
+# The data modules at the bottom: each imports nothing of shardfuse but the others.
+DATA_MODULES = {
+    "models/spec.py": "shardfuse.models.spec",
+    "hardware.py": "shardfuse.hardware",
+    "flops.py": "shardfuse.flops",
+    "ring_time.py": "shardfuse.ring_time",
+    "axes.py": "shardfuse.axes",
+}
 
 
-@pytest.mark.parametrize("name", [f"{module}.py" for module in DATA_MODULES])
+@pytest.mark.parametrize("name", sorted(DATA_MODULES))
 def test_data_modules_import_nothing_of_shardfuse_but_each_other(name):
-    allowed = {f"shardfuse.{module}" for module in DATA_MODULES}
+    allowed = set(DATA_MODULES.values()) - {DATA_MODULES[name]}
+    short = {m.removeprefix("shardfuse.") for m in allowed}
     for line, module, names in _imports(PACKAGE / name):
         if module == "shardfuse":
-            assert names is not None and set(names) <= set(DATA_MODULES), (name, line)
-        elif module.startswith("shardfuse."):
+            assert names is not None and set(names) <= short, (name, line, names)
+        elif module.startswith("shardfuse"):
             assert module in allowed, f"{name}:{line} imports {module}"
+
+
+def test_models_package_imports_the_model_lazily():
+    """`shardfuse.models` imports the spec eagerly and nothing else of shardfuse: the
+    planner, flops and benchmarks read specs without Flax or the layers; the model
+    (`models.transformer`) loads on first use of its names."""
+    for line, module, _ in _imports(PACKAGE / "models" / "__init__.py"):
+        if module.startswith("shardfuse"):
+            assert module == "shardfuse.models.spec", f"models/__init__.py:{line} imports {module}"
+    from shardfuse.models import transformer
+
+    assert models.Transformer is transformer.Transformer
+    assert models.LMHead is transformer.LMHead
+    assert "Transformer" in dir(models)
+    with pytest.raises(AttributeError, match="no attribute 'Transformr'"):
+        models.Transformr  # noqa: B018
 
 
 # ---- GPT families, published runs, custom specs --------------------------------

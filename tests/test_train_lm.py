@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardfuse.demos.llama import LlamaConfig
 from shardfuse.demos.train_lm import TrainConfig, Trainer, parse_mesh
+from shardfuse.models import ModelSpec
 
-TINY = LlamaConfig(vocab=64, features=32, heads=4, kv_heads=2, hidden=64, layers=2)
+TINY = ModelSpec.tiny(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, num_layers=2)
 
 
 def _config(mesh, **kwargs):
@@ -107,7 +107,7 @@ def test_text_data_trains():
     losses = Trainer(
         _config(
             {"data": 8},
-            model=LlamaConfig(vocab=256, features=32, heads=4, kv_heads=2, hidden=64, layers=1),
+            model=ModelSpec.tiny(vocab_size=256, hidden=32, ffn_hidden=64, num_layers=1),
             data="text",
             steps=4,
         ),

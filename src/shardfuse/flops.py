@@ -1,6 +1,6 @@
 """The one FLOPs and MFU definition: model FLOPs, hardware FLOPs, op FLOPs for benchmarks.
 
-This module sits at the bottom of the package beside `models.py` and
+This module sits at the bottom of the package beside `models/spec.py` and
 `hardware.py`: it imports nothing from shardfuse but those two. The planner,
 the trainer's printed MFU, the profiler and every benchmark read it, so their
 numbers can be compared.
@@ -56,7 +56,7 @@ import functools
 import numpy as np
 
 from shardfuse.hardware import Device
-from shardfuse.models import ModelShape
+from shardfuse.models.spec import ModelShape
 
 FWD = "fwd"
 FWD_BWD = "fwd+bwd"
@@ -207,7 +207,7 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
 
 def layer_matmul_flops(spec: ModelShape) -> float:
     """Forward matmul FLOPs of one block per token: `2 x` its matmul weights (norms excluded)."""
-    return 2.0 * (spec.layer_params() - 2 * spec.hidden)
+    return 2.0 * spec.layer_matmul_params()
 
 
 def layer_attention_flops(spec: ModelShape, seq_len: int, *, causal_skip: bool = False) -> float:

@@ -34,9 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.layers import reference
+from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack
 from shardfuse.parallel.pipeline import program
-from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
+from shardfuse.parallel.pipeline.api import Pipeline
 from tests.differential.budget import assert_catches, budget_params, run, settings
 from tests.differential.strategies_model import PipelineCase, pipeline_cases
 
@@ -193,7 +194,7 @@ def oracle_loss(model: Model, case: PipelineCase):
         else:
             y = reference.norm(model.head.norm, head["norm"], x)
             logits = reference.linear(model.head.out, head["out"], y)
-        total, count = cross_entropy(logits, targets, weights)
+        total, count = token_loss(logits, targets, weights)
         return total / count
 
     return loss

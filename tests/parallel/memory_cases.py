@@ -8,7 +8,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.ring_attention import to_ring_layout
-from shardfuse.demos.tiny_lm import TinyLM, token_loss
+from shardfuse.models import ModelSpec, Transformer
 
 VOCAB, FEATURES = 32, 32
 # name -> (shape, axis names, batch spec of [B, T] token arrays)
@@ -33,18 +33,11 @@ def batch_spec(mesh):
 
 
 def make_lm(mesh, zero: int = 0, layers: int = 1, **kwargs):
-    return TinyLM(
-        vocab=VOCAB,
-        features=FEATURES,
-        heads=4,
-        kv_heads=2,
-        hidden=64,
-        layers=layers,
-        mesh=mesh,
-        rngs=nnx.Rngs(0),
-        zero=zero,
-        **kwargs,
-    )
+    spec = ModelSpec.tiny(vocab_size=VOCAB, hidden=FEATURES, ffn_hidden=64, num_layers=layers)
+    return Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0), zero=zero, **kwargs)
+
+
+token_loss = Transformer.loss  # loss_fn(model, batch) -> (sum_loss, num_tokens)
 
 
 def one_device_mesh():

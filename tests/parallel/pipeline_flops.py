@@ -128,7 +128,7 @@ def measure(shape, names, schedule, m, v=1, residuals="recompute"):
     vjp = _flops(nnx.grad(lambda stack, x: jnp.sum(stack(x)), argnums=(0, 1)), stack, x)
 
     def head_loss(head, y):
-        total, count = pm.cross_entropy(head(y), targets, jnp.ones(targets.shape))
+        total, count = pm.token_loss(head(y), targets, jnp.ones(targets.shape))
         return total / count
 
     head_flops = _flops(nnx.grad(head_loss, argnums=(0, 1)), head, x)

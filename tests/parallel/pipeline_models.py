@@ -1,9 +1,10 @@
 """Models and the oracle of the pipeline tests.
 
 `mlp_case`: a residual-MLP stack on a pipeline-only mesh (cheap to compile:
-the schedule grid). `lm_case`: an embedding, a `Stack` of
-`ParallelTransformerBlock`s, a norm and a tensor-parallel vocabulary head on
-a composed mesh, its oracle the same parameters on a 1-device mesh.
+the schedule grid). `lm_case`: an `sf.models.Transformer` (embedding, `Stack`
+of `ParallelTransformerBlock`s, norm, tensor-parallel vocabulary head) with its
+blocks in a `Pipeline`, on a composed mesh, its oracle the same parameters on
+a 1-device mesh.
 Both compare the loss and EVERY gradient leaf (stack, head, embedding).
 """
 
@@ -11,12 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
+from shardfuse.layers import token_loss
 from shardfuse.layers.stack import Stack
-from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
+from shardfuse.models import ModelSpec
+from shardfuse.parallel.pipeline.api import Pipeline
 
 RTOL, ATOL = 1e-5, 4e-5
 FEATURES, VOCAB = 8, 16
@@ -67,7 +70,7 @@ def pipelined_loss(model, tokens, targets, weights, **kwargs):
 def plain_loss(model, tokens, targets, weights):
     """The oracle: the same parameters, no pipeline (the stack as a scan)."""
     x = jnp.take(model.embed[...], tokens, axis=0)
-    s, w = cross_entropy(model.head(model.pipe.stack(x)), targets, weights)
+    s, w = token_loss(model.head(model.pipe.stack(x)), targets, weights)
     return s / w
 
 
@@ -108,62 +111,38 @@ def _poison(pipe):
     pipe.poison_buffers = True
 
 
-class Head(nnx.Module):
-    def __init__(self, mesh, sequence_axis, data_axis):
-        self.norm = sf.layers.Norm(FEATURES * 2, mesh=mesh, rngs=nnx.Rngs(1))
-        self.out = sf.layers.ColumnParallelLinear(
-            FEATURES * 2,
-            VOCAB * 2,
-            mesh=mesh,
-            sequence_parallel=True,
-            gather_output=True,
-            use_bias=False,
-            sequence_axis=sequence_axis,
-            data_axis=data_axis,
-            rngs=nnx.Rngs(2),
-        )
-
-    def __call__(self, y):
-        return self.out(self.norm(y))
+def lm_spec(layers: int, *, tied: bool = False) -> ModelSpec:
+    """The LM's spec: width 16, 4 heads, MLP 32, vocabulary 32 (Llama-style; tied or not)."""
+    return ModelSpec.tiny("pipeline-lm", vocab_size=VOCAB * 2, hidden=FEATURES * 2, heads=4,
+                          kv_heads=4, ffn_hidden=32, num_layers=layers,
+                          tied_embeddings=tied)  # fmt: skip
 
 
 class LM(nnx.Module):
-    """Embedding, `Stack` of transformer blocks (in a Pipeline), norm and vocabulary head."""
+    """An `sf.models.Transformer` whose stacked blocks run in a `Pipeline`."""
 
     def __init__(self, mesh, *, schedule="1f1b", m=2, v=1, layers=2, tied=False):
         names = mesh.axis_names
-        sequence = "sequence" if "sequence" in names else None
-        data = "data" if "data" in names else None
-        features = FEATURES * 2
-
-        def block(rngs):
-            return sf.layers.ParallelTransformerBlock(
-                features,
-                4,
-                32,
-                mesh=mesh,
-                layout="contiguous",
-                sequence_axis=sequence,
-                data_axis=data,
-                rngs=rngs,
-            )
-
-        embed = jax.random.normal(jax.random.key(5), (VOCAB * 2, features)) * 0.1
-        self.embed = nnx.Param(jax.device_put(embed, NamedSharding(mesh, P())))
-        stack = Stack(block, layers, mesh=mesh, layer_axis="pipeline", rngs=nnx.Rngs(0))
-        self.pipe = Pipeline(
-            stack, mesh=mesh, schedule=schedule, num_microbatches=m, virtual_stages=v
+        self.model = sf.models.Transformer(
+            lm_spec(layers, tied=tied),
+            mesh=mesh,
+            pipelined=True,
+            layout="contiguous",
+            rngs=nnx.Rngs(0),
         )
-        self.head = Head(mesh, sequence, data)
-        self.targets_spec = P(data, sequence)
+        self.embed, self.head = self.model.embed, self.model.head
+        self.pipe = Pipeline(
+            self.model.blocks, mesh=mesh, schedule=schedule, num_microbatches=m, virtual_stages=v
+        )
+        self.targets_spec = P(*(a if a in names else None for a in ("data", "sequence")))
 
     def loss(self, tokens, targets):
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = self.model.embed_tokens(tokens)
         return self.pipe.loss(x, targets, head=self.head, targets_spec=self.targets_spec)
 
     def plain_loss(self, tokens, targets):
-        x = jnp.take(self.embed[...], tokens, axis=0)
-        s, w = cross_entropy(self.head(self.pipe.stack(x)), targets, jnp.ones(targets.shape))
+        """The oracle's loss: the same model, its stack as one scan (no pipeline)."""
+        s, w = token_loss(self.head(self.pipe.stack(self.model.embed_tokens(tokens))), targets)
         return s / w
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardfuse.demos.tiny_lm import token_loss
 from shardfuse.layers import ParallelMLP
 from shardfuse.parallel.accumulate import accumulate
 from tests.parallel import hlo_collectives
@@ -26,6 +25,7 @@ from tests.parallel.memory_cases import (
     one_device_mesh,
     padded_batch,
     reference_grads,
+    token_loss,
 )
 
 

@@ -23,10 +23,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
-from shardfuse.demos.tiny_lm import TinyLM
 from shardfuse.layers import _init_random
 from shardfuse.layers._init_random import FUSED_THREEFRY, fused_key
 from shardfuse.layers.stack import Stack
+from shardfuse.models import ModelSpec, Transformer
 from shardfuse.parallel.zero import init, init_program, optimizer_state_program
 from tests.parallel.memory_cases import make_lm, one_device_mesh
 
@@ -132,32 +132,14 @@ def test_fused_key_gives_threefry_values_bitwise():
 
 def _tiny_lm(mesh):
     """Issue 14's case: vocab 1024, F 256, hidden 1024, 2 blocks, ZeRO-3."""
-    return TinyLM(
-        vocab=1024,
-        features=256,
-        heads=4,
-        kv_heads=2,
-        hidden=1024,
-        layers=2,
-        mesh=mesh,
-        rngs=nnx.Rngs(0),
-        zero=3,
-    )
+    spec = ModelSpec.tiny(vocab_size=1024, hidden=256, ffn_hidden=1024, num_layers=2)
+    return Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0), zero=3)
 
 
 def _odd_lm(mesh):
     """Odd sizes: vocab 1000, F 96, 6 heads (2 kv), hidden 344, 3 blocks, ZeRO-3."""
-    return TinyLM(
-        vocab=1000,
-        features=96,
-        heads=6,
-        kv_heads=2,
-        hidden=344,
-        layers=3,
-        mesh=mesh,
-        rngs=nnx.Rngs(0),
-        zero=3,
-    )
+    spec = ModelSpec.tiny(vocab_size=1000, hidden=96, heads=6, ffn_hidden=344, num_layers=3)
+    return Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0), zero=3)
 
 
 def _pipeline_stack(mesh):

@@ -15,13 +15,13 @@ import time
 import numpy as np
 import pytest
 
-from shardfuse.demos.llama import LlamaConfig
 from shardfuse.demos.train_lm import TrainConfig, Trainer
+from shardfuse.models import ModelSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "examples" / "train_lm.py")
 LAUNCH = str(ROOT / "examples" / "launch_local.py")
-SIZES = dict(vocab=64, features=32, heads=4, kv_heads=2, hidden=64, layers=1)
+SIZES = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, num_layers=1)
 FLAGS = [
     "--vocab=64",
     "--features=32",
@@ -38,7 +38,7 @@ FLAGS = [
 def _in_process(mesh, steps):
     config = TrainConfig(
         mesh=mesh,
-        model=LlamaConfig(**SIZES),
+        model=ModelSpec.tiny("train_lm", **SIZES),
         steps=steps,
         global_batch=8,
         seq_len=16,

@@ -17,8 +17,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
+from shardfuse.layers import token_loss
 from shardfuse.layers.stack import Stack, _layer_rows
-from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
+from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.pipeline.balance import balance_stages, stage_costs
 from tests.parallel.pipeline_models import ATOL, FEATURES, RTOL, VOCAB, ResidualMLP, mlp_batch
 
@@ -46,7 +47,7 @@ class UnevenModel(nnx.Module):
 
     def plain_loss(self, tokens, targets, weights):
         x = jnp.take(self.embed[...], tokens, axis=0)
-        s, w = cross_entropy(self.head(self.stack(x)), targets, weights)
+        s, w = token_loss(self.head(self.stack(x)), targets, weights)
         return s / w
 
 
@@ -120,7 +121,7 @@ def test_uneven_stages_with_tensor_parallel_blocks():
         return pipe.loss(x, targets, head=head, targets_spec=P())
 
     def unpipelined(stack, head):
-        s, w = cross_entropy(head(stack(x)), targets, jnp.ones(targets.shape))
+        s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
         return s / w
 
     loss, grads = nnx.jit(nnx.value_and_grad(pipelined))(stack, head)

@@ -21,7 +21,6 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.demos.tiny_lm import token_loss
 from shardfuse.layers import ColumnParallelLinear, ParallelTransformerBlock
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.zero import ZeroOptimizer, shard_spec
@@ -37,6 +36,7 @@ from tests.parallel.memory_cases import (  # noqa: E402
     mesh_of,
     one_device_mesh,
     padded_batch,
+    token_loss,
 )
 
 STEPS = 3

@@ -25,12 +25,13 @@ import time
 import jax
 import pytest
 
-from shardfuse.demos.llama import LlamaConfig
 from shardfuse.demos.train_lm import TrainConfig, Trainer, layout_of
+from shardfuse.models import ModelSpec
 from shardfuse.planner import Assumptions, Layout, estimate, plan
 from shardfuse.planner.calibrate import calibrate, cpu_cluster
 
-MODEL = LlamaConfig(vocab=512, features=256, heads=8, kv_heads=4, hidden=1024, layers=4)
+MODEL = ModelSpec.tiny(vocab_size=512, hidden=256, heads=8, kv_heads=4, ffn_hidden=1024,
+                      num_layers=4)  # fmt: skip
 BATCH, SEQ = 16, 128
 CALIBRATE_ON = {"data": 8}
 UNSEEN = ({"data": 2, "model": 4}, {"fsdp": 8}, {"data": 2, "sequence": 2, "model": 2})
@@ -72,7 +73,7 @@ def _measure(meshes, rounds=6, cores=CORES):
 
 def _predict(mesh, assumptions, cluster):
     layout = layout_of(_config(mesh), 8)
-    return estimate(MODEL.spec(), cluster, layout, global_batch=BATCH, seq_len=SEQ,
+    return estimate(MODEL, cluster, layout, global_batch=BATCH, seq_len=SEQ,
                     assumptions=assumptions).step_time_s  # fmt: skip
 
 
@@ -80,24 +81,24 @@ def test_calibration_recovers_the_efficiency():
     cluster = cpu_cluster(8, cores=2)
     layout = Layout(data=2, model=4)
     truth = ASSUMPTIONS.__class__(**{**ASSUMPTIONS.__dict__, "compute_efficiency": 0.123})
-    e = estimate(MODEL.spec(), cluster, layout, global_batch=BATCH, seq_len=SEQ, assumptions=truth)
+    e = estimate(MODEL, cluster, layout, global_batch=BATCH, seq_len=SEQ, assumptions=truth)
     measured = {"profile": {"step_time_s": e.step_time_s}, "layout": layout,
                 "global_batch": BATCH, "seq_len": SEQ}  # fmt: skip
-    fitted = calibrate(measured, model=MODEL.spec(), cluster=cluster, assumptions=ASSUMPTIONS)
+    fitted = calibrate(measured, model=MODEL, cluster=cluster, assumptions=ASSUMPTIONS)
     assert fitted.name == "calibrated"
     assert fitted.compute_efficiency == pytest.approx(0.123, rel=1e-6)
     # from a profile's categories: the compute term alone
     compute = e.time[0].value
     by_category = dict(measured, profile={"step_time_s": 1.0, "categories": {
         "matmul": compute * 0.75, "attention": compute * 0.25, "other": 0.5}})  # fmt: skip
-    fitted = calibrate(by_category, model=MODEL.spec(), cluster=cluster, assumptions=ASSUMPTIONS)
+    fitted = calibrate(by_category, model=MODEL, cluster=cluster, assumptions=ASSUMPTIONS)
     assert fitted.compute_efficiency == pytest.approx(0.123, rel=1e-6)
     # sf.plan takes it, and the plans record it
-    plans = plan(MODEL.spec(), cluster, global_batch=BATCH, seq_len=SEQ, assumptions=ASSUMPTIONS,
+    plans = plan(MODEL, cluster, global_batch=BATCH, seq_len=SEQ, assumptions=ASSUMPTIONS,
                  calibration=measured, top_k=2)  # fmt: skip
     assert plans[0].to_dict()["assumptions"]["compute_efficiency"] == pytest.approx(0.123)
     with pytest.raises(ValueError, match="calibration must be a dict with 'profile'"):
-        calibrate({"step_time_s": 1.0}, model=MODEL.spec(), cluster=cluster)
+        calibrate({"step_time_s": 1.0}, model=MODEL, cluster=cluster)
 
 
 @pytest.mark.slow
@@ -112,7 +113,7 @@ def test_calibrated_cpu_prediction_holds_on_three_unseen_meshes():
     base, *unseen = _measure([CALIBRATE_ON, *UNSEEN])
     measured = {"profile": {"step_time_s": base}, "layout": layout_of(_config(CALIBRATE_ON), 8),
                 "global_batch": BATCH, "seq_len": SEQ}  # fmt: skip
-    fitted = calibrate(measured, model=MODEL.spec(), cluster=cluster, assumptions=ASSUMPTIONS)
+    fitted = calibrate(measured, model=MODEL, cluster=cluster, assumptions=ASSUMPTIONS)
     rows = []
     for mesh, actual in zip(UNSEEN, unseen, strict=True):
         predicted = _predict(mesh, fitted, cluster)

@@ -5,6 +5,7 @@ import doctest
 import pytest
 
 from shardfuse import axes, hardware, models
+from shardfuse.models import spec
 from shardfuse.planner import (
     calibrate,
     cli,
@@ -20,7 +21,7 @@ from shardfuse.planner import (
     search,
 )
 
-MODULES = [axes, hardware, models, options, cost, memory, constraints, plans, search, cli,
+MODULES = [axes, hardware, models, spec, options, cost, memory, constraints, plans, search, cli,
            efficiency, comm, pipeline_time, published, calibrate]  # fmt: skip
 
 

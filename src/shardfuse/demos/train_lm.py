@@ -1,4 +1,4 @@
-"""Train the Llama-style LM on any mesh over `pipeline, data, fsdp, sequence, model`.
+"""Train an `sf.models.Transformer` on any mesh over `pipeline, data, fsdp, sequence, model`.
 
 The engine behind `examples/train_lm.py` (and a small run in `shardfuse
 demo`): builds the mesh from the configuration (or from a plan), the model
@@ -25,7 +25,9 @@ from jax.sharding import PartitionSpec as P
 from shardfuse import flops, hardware
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.demos.data import CORPUS, SyntheticTokens, TextTokens
-from shardfuse.demos.llama import LlamaConfig, LlamaLM, token_loss
+from shardfuse.layers.loss import token_loss
+from shardfuse.models.spec import ModelSpec
+from shardfuse.models.transformer import Transformer
 from shardfuse.parallel import distributed
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.checkpoint import Checkpointer
@@ -41,7 +43,7 @@ class TrainConfig:
     """Everything a run needs; every field is a flag of `examples/train_lm.py`."""
 
     mesh: dict = dataclasses.field(default_factory=lambda: {"data": 2, "sequence": 2, "model": 2})
-    model: LlamaConfig = dataclasses.field(default_factory=LlamaConfig)
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec.tiny)
     steps: int = 20
     global_batch: int = 8
     seq_len: int = 64
@@ -88,11 +90,6 @@ def parse_mesh(text: str) -> dict:
     return sizes
 
 
-def model_spec(model: LlamaConfig):
-    """The planner's `sf.models.ModelSpec` of a `LlamaConfig` (name "train_lm")."""
-    return model.spec()
-
-
 def plan_for(config: TrainConfig, device_count: int, *, chip: str = "h100", **restrict) -> list:
     """`sf.plan` for `config`'s model and batch on one node of `device_count` `chip`s.
 
@@ -124,7 +121,7 @@ def _planner_inputs(config: TrainConfig, device_count: int, chip: str) -> tuple:
 
     cluster = hardware.cluster(config.device or chip, devices_per_node=device_count)
     assumptions = planner.Assumptions.float32(embedding_sharded=False, donate=False)
-    return model_spec(config.model), cluster, assumptions
+    return config.model, cluster, assumptions
 
 
 def layout_of(config: TrainConfig, device_count: int):
@@ -188,11 +185,11 @@ def planned(config: TrainConfig, device_count: int, *, chip: str = "h100") -> tu
 
 def _stream(config: TrainConfig):
     if config.data == "synthetic":
-        return SyntheticTokens(config.model.vocab, config.seq_len, config.seed)
+        return SyntheticTokens(config.model.vocab_size, config.seq_len, config.seed)
     if config.data == "text":
         stream = TextTokens(config.text_file or CORPUS, config.seq_len, config.seed)
-        if config.model.vocab < stream.vocab:
-            raise ValueError(f"--data text needs vocab >= 256; got {config.model.vocab}")
+        if config.model.vocab_size < stream.vocab:
+            raise ValueError(f"--data text needs vocab_size >= 256; got {config.model.vocab_size}")
         return stream
     raise ValueError(f"data={config.data!r} must be 'synthetic' or 'text'")
 
@@ -211,8 +208,9 @@ class Trainer:
     Example usage::
 
       >>> from shardfuse.demos.train_lm import TrainConfig, Trainer
-      >>> from shardfuse.demos.llama import LlamaConfig
-      >>> trainer = Trainer(TrainConfig(steps=2, model=LlamaConfig(layers=1)), log=lambda s: None)
+      >>> from shardfuse.models import ModelSpec
+      >>> config = TrainConfig(steps=2, model=ModelSpec.tiny(num_layers=1))
+      >>> trainer = Trainer(config, log=lambda s: None)
       >>> len(trainer.run())
       2
     """
@@ -229,7 +227,7 @@ class Trainer:
         self.batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
         self.ring = self.mesh.shape["sequence"]
         self.pipelined = self.mesh.shape["pipeline"] > 1
-        self.model = LlamaLM(
+        self.model = Transformer(
             config.model,
             mesh=self.mesh,
             zero=config.zero,
@@ -327,7 +325,7 @@ class Trainer:
         """Trains until `config.steps`; returns this run's losses (one per step taken)."""
         c = self.config
         tokens_per_step = c.global_batch * c.seq_len
-        flops_per_step = c.model.flops_per_token(c.seq_len) * tokens_per_step
+        flops_per_step = flops.model_flops_per_token(c.model, c.seq_len) * tokens_per_step
         peak = _peak_flops(c)
         losses = []
         try:
@@ -401,7 +399,7 @@ def rows(seq_len: int = 512):
     """
     del seq_len
     config = TrainConfig(
-        model=LlamaConfig(vocab=64, features=64, heads=4, kv_heads=2, hidden=128, layers=2),
+        model=ModelSpec.tiny(vocab_size=64, num_layers=2),
         steps=20,
         global_batch=8,
         seq_len=64,

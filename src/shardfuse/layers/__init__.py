@@ -34,6 +34,7 @@ from shardfuse.layers._sharding import (
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear
+from shardfuse.layers.loss import token_loss
 from shardfuse.layers.mlp import ParallelMLP
 from shardfuse.layers.options import LayerOptions
 from shardfuse.layers.row_linear import RowParallelLinear
@@ -56,4 +57,5 @@ __all__ = [
     "reference",
     "remat",
     "sharded_param",
+    "token_loss",
 ]

@@ -7,7 +7,7 @@ On CPU, JAX lowers the threefry hash as a rolled loop (`lax.fori_loop` over
 its 5 round groups) whose carry holds both 32-bit words of every element:
 that loop cannot fuse with the initializer's arithmetic, and an initializer
 (a truncated normal: bits, uniform, `erf_inv`, scale) then needs about 5x a
-parameter's bytes of temporaries while it runs (measured on TinyLM: a
+parameter's bytes of temporaries while it runs (measured on the tiny LM: a
 compiled `sf.parallel.init` peaked at 2.6x the sharded state).
 
 `fused_key(key)` rewraps a threefry key as a key of `FUSED_THREEFRY`, an

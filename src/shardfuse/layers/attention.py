@@ -33,8 +33,14 @@ from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
 
-def rope(x, positions, theta: float):
-    """Rotary embedding (rotate-half form) of `x` `[B, T, N, D]` at int `positions` `[T]`."""
+def rope(x, positions, theta: float | None):
+    """Rotary embedding (rotate-half form) of `x` `[B, T, N, D]` at int `positions` `[T]`.
+
+    `theta` None: no rotary embedding (`x` unchanged), for models with learned or no
+    position embeddings.
+    """
+    if theta is None:
+        return x
     half = x.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
@@ -68,7 +74,7 @@ class ParallelSelfAttention(nnx.Module):
       num_heads: query heads H, divisible by the size of `model_axis`.
       num_kv_heads: kv heads K (default H); `H % K == 0`, and K divisible by or
         dividing the tp size.
-      head_dim: D (default F // H); even (RoPE).
+      head_dim: D (default F // H); even with RoPE.
       options: the `LayerOptions` shared by the layers of a model (mesh, axes,
         ZeRO, dtypes, precision, implementation); None: the defaults. Each
         option keyword below overrides its field (not given: the field
@@ -86,10 +92,13 @@ class ParallelSelfAttention(nnx.Module):
       causal: causal mask on absolute positions.
       layout: ring layout of the sequence over `sequence_axis`: "contiguous",
         "zigzag" or "striped".
-      rope_theta: RoPE base.
+      rope_theta: RoPE base; None: no rotary embedding (positions then feed
+        nothing but the masks; for learned or no position embeddings).
       window, logit_softcap: as in `sf.flash_attention`.
       use_bias: biases on the projections; default False (Llama-style
         attention, unlike the `nnx.Linear`-compatible linear layers).
+      qkv_bias: biases on the q, k and v projections only (Qwen2), not on the
+        output projection; implied by `use_bias`. Default False.
       dtype, param_dtype, precision, kernel_init, bias_init, implementation,
         rngs: as in `nnx.Linear` / `ColumnParallelLinear` (`precision`
         applies to the projections).
@@ -123,10 +132,11 @@ class ParallelSelfAttention(nnx.Module):
         options: options_lib.LayerOptions | None = None,
         causal: bool = True,
         layout: str = "zigzag",
-        rope_theta: float = 10000.0,
+        rope_theta: float | None = 10000.0,
         window=None,
         logit_softcap: float | None = None,
         use_bias: bool = False,
+        qkv_bias: bool = False,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         rngs: nnx.Rngs,
@@ -151,8 +161,10 @@ class ParallelSelfAttention(nnx.Module):
                     f"features={features} not divisible by num_heads={num_heads}; pass head_dim"
                 )
             head_dim = features // num_heads
-        if head_dim % 2:
-            raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
+        if head_dim % 2 and rope_theta is not None:
+            raise ValueError(
+                f"head_dim={head_dim} must be even for rotary embeddings (or rope_theta=None)"
+            )
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} must be one of {tuple(LAYOUTS)}")
         self.features, self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -161,7 +173,8 @@ class ParallelSelfAttention(nnx.Module):
             num_kv_heads,
             head_dim,
         )
-        self.causal, self.layout, self.rope_theta = bool(causal), layout, float(rope_theta)
+        self.causal, self.layout = bool(causal), layout
+        self.rope_theta = None if rope_theta is None else float(rope_theta)
         # a tuple: the layer configuration is a (hashable) cache key of `call_compiled`
         self.window = None if window is None else tuple(window)
         self.logit_softcap = logit_softcap
@@ -174,9 +187,9 @@ class ParallelSelfAttention(nnx.Module):
         self.q_kernel = make(kernel_init, (F, H * D), specs["q_kernel"])
         self.kv_kernel = make(kernel_init, (F, K * 2 * D), specs["kv_kernel"])
         self.o_kernel = make(kernel_init, (H * D, F), specs["o_kernel"])
-        self.use_bias = use_bias
-        self.q_bias = make(bias_init, (H * D,), specs["q_bias"]) if use_bias else None
-        self.kv_bias = make(bias_init, (K * 2 * D,), specs["kv_bias"]) if use_bias else None
+        self.use_bias, self.qkv_bias = use_bias, bool(use_bias or qkv_bias)
+        self.q_bias = make(bias_init, (H * D,), specs["q_bias"]) if self.qkv_bias else None
+        self.kv_bias = make(bias_init, (K * 2 * D,), specs["kv_bias"]) if self.qkv_bias else None
         self.o_bias = make(bias_init, (F,), specs["o_bias"]) if use_bias else None
 
     def _param_specs(self):

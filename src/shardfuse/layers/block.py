@@ -193,6 +193,7 @@ class ParallelTransformerBlock(nnx.Module):
         blocks wants.
       use_bias: default False, Llama-style (the linear layers default to
         True for `nnx.Linear` compatibility).
+      qkv_bias: biases on attention's q, k and v projections only (Qwen2).
       dtype, param_dtype, precision, kernel_init, bias_init, implementation:
         as in `ColumnParallelLinear`, for attention and MLP alike.
       remat: activation checkpointing of the block: "none" (default),
@@ -230,13 +231,14 @@ class ParallelTransformerBlock(nnx.Module):
         head_dim: int | None = None,
         causal: bool = True,
         layout: str = "zigzag",
-        rope_theta: float = 10000.0,
+        rope_theta: float | None = 10000.0,
         window=None,
         logit_softcap: float | None = None,
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
         use_bias: bool = False,
+        qkv_bias: bool = False,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         rngs: nnx.Rngs,
@@ -259,6 +261,7 @@ class ParallelTransformerBlock(nnx.Module):
             rope_theta=rope_theta,
             window=window,
             logit_softcap=logit_softcap,
+            qkv_bias=qkv_bias,
             options=options,
             **inits,
         )

@@ -252,7 +252,8 @@ def init(make_model, *, tx=None, mesh=None, zero: int = 0, fsdp_axis=axes.FSDP):
     temporaries).
 
     Args:
-      make_model: `make_model() -> nnx.Module`, e.g. `lambda: TinyLM(..., rngs=nnx.Rngs(0))`.
+      make_model: `make_model() -> nnx.Module`, e.g.
+        `lambda: sf.models.Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0))`.
       tx: optional optax transformation for the optimizer.
       mesh: the mesh (needed with `tx`).
       zero, fsdp_axis: as `ZeroOptimizer`.

@@ -29,8 +29,8 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from shardfuse.bench.harness import BenchCase
-from shardfuse.demos.tiny_lm import TinyLM, token_loss
 from shardfuse.layers import ParallelTransformerBlock, Stack, remat
+from shardfuse.models import ModelSpec, Transformer
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.zero import ZeroOptimizer
 
@@ -150,20 +150,10 @@ def _per_device(tree) -> int:
 
 def test_zero_step(measure, benchmark, zero, policy):
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
-    model = TinyLM(
-        vocab=512,
-        features=128,
-        heads=4,
-        kv_heads=2,
-        hidden=512,
-        layers=2,
-        mesh=mesh,
-        rngs=nnx.Rngs(0),
-        zero=zero,
-        remat=policy,
-    )
+    spec = ModelSpec.tiny(vocab_size=512, hidden=128, ffn_hidden=512, num_layers=2)
+    model = Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0), zero=zero, remat=policy)
     optimizer = ZeroOptimizer(model, optax.adamw(1e-3), mesh=mesh, zero=zero)
-    grad_fn = accumulate(token_loss, 4, mesh=mesh, zero=zero)
+    grad_fn = accumulate(Transformer.loss, 4, mesh=mesh, zero=zero)
     B, T = 32, 64
     rng = np.random.default_rng(0)
     batch = dict(

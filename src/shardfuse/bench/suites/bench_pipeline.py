@@ -39,9 +39,10 @@ from jax.sharding import PartitionSpec as P
 import shardfuse as sf
 from shardfuse import flops
 from shardfuse.bench.harness import BenchCase
+from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack
 from shardfuse.models import MODELS
-from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
+from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table, schedule_table
 
 OP = "pipeline_step"
@@ -111,7 +112,7 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
 
         def step(stack, head, x):
             def loss(stack, head, x):
-                s, w = cross_entropy(head(stack(x)), targets, jnp.ones(targets.shape))
+                s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
                 return s / w
 
             return nnx.value_and_grad(loss, argnums=(0, 1, 2))(stack, head, x)
@@ -203,7 +204,7 @@ def test_pipeline_by_model_step(measure, bench_scale, benchmark, m, implementati
 
         def step(stack, head, x):
             def loss(stack, head, x):
-                s, w = cross_entropy(head(stack(x)), targets, jnp.ones(targets.shape))
+                s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
                 return s / w
 
             return nnx.value_and_grad(loss, argnums=(0, 1, 2))(stack, head, x)

@@ -36,8 +36,8 @@ from shardfuse import ring_time
 from shardfuse.flops import matmul_flops
 from shardfuse.hardware import Device
 from shardfuse.hardware import device as hardware_device
-from shardfuse.models import ModelShape
-from shardfuse.models import get as model_shape
+from shardfuse.models.spec import ModelShape
+from shardfuse.models.spec import get as model_shape
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 PARTIAL_SUM_BYTES = 4  # partial sums travel in float32

@@ -330,7 +330,7 @@ def main() -> None:
     """Prints the predicted winners for llama3-8b, 8k to 1M tokens, on H100 SXM and TPU v5p
     (8 devices; USP as 4 x 2):
     `python -c "from shardfuse.collectives.ring_attention import strategy; strategy.main()"`."""
-    from shardfuse.models import get
+    from shardfuse.models.spec import get
 
     lens = [8192 << i for i in range(8)]
     for hardware in ("h100-sxm", "tpu-v5p"):

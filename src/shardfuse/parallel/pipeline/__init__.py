@@ -7,7 +7,7 @@ by that table in one jitted program; `shardfuse pipeline` prints and draws it.
 (`Stack(..., stage_layers=...)`).
 """
 
-from shardfuse.parallel.pipeline.api import Pipeline, cross_entropy
+from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.pipeline.balance import balance_stages, stage_costs
 from shardfuse.parallel.pipeline.schedule import (
     SCHEDULES,
@@ -22,7 +22,6 @@ __all__ = [
     "balance_stages",
     "ScheduleTable",
     "closed_form_bubble",
-    "cross_entropy",
     "schedule_table",
     "stage_costs",
 ]

@@ -24,10 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
 from shardfuse.collectives.sharding import check_activations, check_divisible, place
+from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack, check_head
 from shardfuse.parallel.pipeline.program import (
     Config,
-    cross_entropy,
     forward_program,
     pipelined_loss,
     pure,
@@ -37,7 +37,7 @@ from shardfuse.parallel.pipeline.program import (
 from shardfuse.parallel.pipeline.residuals import check_residuals
 from shardfuse.parallel.pipeline.schedule import check_schedule, lockstep_table, schedule_table
 
-__all__ = ["Pipeline", "cross_entropy"]
+__all__ = ["Pipeline"]
 
 
 class Pipeline(nnx.Module):
@@ -195,7 +195,7 @@ class Pipeline(nnx.Module):
         x = place(x, self.mesh, P(*self.io_spec))
         return forward_program(self._config(graphdef), values, x)
 
-    def loss(self, x, targets, *, head, weights=None, loss_fn=cross_entropy, targets_spec=None):
+    def loss(self, x, targets, *, head, weights=None, loss_fn=token_loss, targets_spec=None):
         """Token-weighted loss of `loss_fn(head(stack(x)), targets, weights)`, pipelined.
 
         Args:
@@ -205,7 +205,7 @@ class Pipeline(nnx.Module):
             `io_spec`) to logits; it runs on the last stage.
           weights: `[B, T]` token weights (default 1).
           loss_fn: `loss_fn(logits, targets, weights) -> (loss_sum, weight_sum)`
-            over local tokens (default `cross_entropy`); the result is
+            over local tokens (default `sf.layers.token_loss`); the result is
             `sum(loss_sum) / sum(weight_sum)` over all tokens.
           targets_spec: PartitionSpec of targets/weights as the head's logits
             lay out tokens (default: the first two entries of `io_spec`).

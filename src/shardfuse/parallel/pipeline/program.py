@@ -29,25 +29,6 @@ from shardfuse.parallel.pipeline import executor
 from shardfuse.parallel.pipeline.schedule import lockstep_table
 
 
-def cross_entropy(logits, targets, weights):
-    """Token-weighted softmax cross entropy: `(sum(w * ce), sum(w))` in float32.
-
-    `logits` `[..., V]`, integer `targets` `[...]`, `weights` `[...]`.
-
-    Example usage::
-
-      >>> import jax.numpy as jnp
-      >>> total, count = cross_entropy(jnp.zeros((2, 4)), jnp.array([1, 2]), jnp.ones(2))
-      >>> round(float(total / count), 4), float(count)
-      (1.3863, 2.0)
-    """
-    logits = logits.astype(jnp.float32)
-    label = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    ce = jax.nn.logsumexp(logits, axis=-1) - label
-    weights = weights.astype(jnp.float32)
-    return jnp.sum(ce * weights), jnp.sum(weights)
-
-
 def pure(module):
     graphdef, state = nnx.split(module)
     return graphdef, jax.tree.map(

@@ -1,7 +1,10 @@
-"""Transformer shapes of published models: the data that benchmarks, cost models and planner read.
+"""The model spec: shapes of published models, read by benchmarks, cost models, planner and model.
 
-One home for model sizes. This module sits at the bottom of the package: it
-imports nothing from shardfuse, and everything else may import it.
+One home for model sizes and architecture options. This module sits at the
+bottom of the package: it imports nothing from shardfuse, and everything else
+may import it (`shardfuse.flops` reads its parameter counts:
+`flops.model_flops_per_token(spec, seq_len)`). `shardfuse.models.Transformer` builds the
+model a spec describes.
 
 Every figure is the published checkpoint's `config.json` on the Hugging Face Hub:
 
@@ -30,8 +33,17 @@ sequence length 2048 (the paper's section 5.1), tied input/output embeddings.
 batch, GPUs (A100 80GB, Selene) and the achieved TFLOP/s per GPU.
 
 `ModelSpec` is another name of `ModelShape`: a user model is one constructor
-call (`ModelSpec("mine", hidden=..., ...)`), and `ModelShape.gpt(...)` fills in
-the GPT conventions from hidden size, heads and layers.
+call (`ModelSpec("mine", hidden=..., ...)`), `ModelShape.gpt(...)` fills in
+the GPT conventions from hidden size, heads and layers, and `ModelSpec.tiny(...)`
+gives a small Llama-style model (what the examples and tests train on CPU).
+
+Architecture options beyond the sizes (defaults: Llama-style, what every
+published entry but the GPTs is): `norm` ("rmsnorm" or "layernorm") and
+`norm_eps`; `positions` ("rope" with `rope_theta`, "learned" absolute position
+embeddings of `max_positions` rows, or "none"); `use_bias` (GPT-style biases on
+every linear and the learned LayerNorm shift) and `qkv_bias` (biases on the
+query, key and value projections only, as Qwen2); `activation`,
+`tied_embeddings`, `window`, `logit_softcap`.
 
 Example:
   >>> from shardfuse import models
@@ -44,6 +56,8 @@ Example:
 import dataclasses
 
 ACTIVATIONS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "learned", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +79,20 @@ class ModelShape:
       activation: MLP activation: "swiglu" (gated: three `hidden x ffn_hidden`
         matrices, Llama, Mistral, Gemma) or "gelu" (two, GPT).
       tied_embeddings: the output projection reuses the input embedding (GPT).
+      norm: "rmsnorm" (scale only) or "layernorm" (scale and shift).
+      norm_eps: epsilon of every norm (added to the mean square).
+      positions: "rope" (rotary, base `rope_theta`), "learned" (a `[max_positions,
+        hidden]` table added to the token embeddings, GPT-2) or "none".
+      rope_theta: RoPE base (with `positions="rope"`).
+      max_positions: rows of the learned position table (required with
+        `positions="learned"`: the longest sequence the model reads), else None.
+      use_bias: biases on every linear layer (q, k, v, o and the MLP), GPT-style.
+      qkv_bias: biases on the q, k and v projections only (Qwen2); implied by
+        `use_bias`.
 
     Raises:
-      ValueError: a size is not a positive int, or `heads % kv_heads != 0`.
+      ValueError: a size is not a positive int, `heads % kv_heads != 0`, or an
+        option outside its valid values (the message names the field).
 
     Example:
       >>> from shardfuse.models import ModelShape
@@ -88,6 +113,13 @@ class ModelShape:
     logit_softcap: float | None = None
     activation: str = "swiglu"
     tied_embeddings: bool = False
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    positions: str = "rope"
+    rope_theta: float = 10000.0
+    max_positions: int | None = None
+    use_bias: bool = False
+    qkv_bias: bool = False
 
     def __post_init__(self):
         for field in (
@@ -106,9 +138,45 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape heads={self.heads} must be a multiple of kv_heads={self.kv_heads}"
             )
-        if self.activation not in ACTIVATIONS:
+        for field, valid in (
+            ("activation", ACTIVATIONS),
+            ("norm", NORMS),
+            ("positions", POSITIONS),
+        ):
+            if getattr(self, field) not in valid:
+                raise ValueError(
+                    f"ModelShape.{field}={getattr(self, field)!r} must be one of {valid}"
+                )
+        for field in ("tied_embeddings", "use_bias", "qkv_bias"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(
+                    f"ModelShape.{field}={getattr(self, field)!r} must be a bool (True or False)"
+                )
+        for field, optional in (
+            ("norm_eps", False),
+            ("rope_theta", False),
+            ("logit_softcap", True),
+        ):
+            value = getattr(self, field)
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"ModelShape.{field}={value!r} must be a positive number")
+        for field in ("window", "max_positions"):
+            value = getattr(self, field)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"ModelShape.{field}={value!r} must be None or a positive int")
+        if self.positions == "learned" and self.max_positions is None:
             raise ValueError(
-                f"ModelShape.activation={self.activation!r} must be one of {ACTIVATIONS}"
+                "ModelShape.max_positions=None: positions='learned' needs the number of "
+                "position embeddings (the longest sequence), e.g. max_positions=2048"
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"ModelShape.head_dim={self.head_dim} must be even with positions='rope' "
+                "(rotary embeddings rotate pairs)"
             )
 
     @classmethod
@@ -140,28 +208,107 @@ class ModelShape:
             tied_embeddings=True,
         )
 
+    @classmethod
+    def tiny(
+        cls,
+        name: str = "tiny",
+        *,
+        hidden: int = 64,
+        heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int | None = None,
+        ffn_hidden: int = 128,
+        num_layers: int = 4,
+        vocab_size: int = 256,
+        **options,
+    ):
+        """A small model, Llama-style by default, that trains on 8 CPU devices in seconds.
+
+        Sizes by keyword, `head_dim` defaulting to `hidden // heads`; `options`: any
+        other field (`activation="gelu"`, `positions="learned"`, `max_positions=...`).
+
+        Raises:
+          ValueError: `hidden % heads != 0` without a `head_dim`, or an invalid field.
+
+        Example:
+          >>> from shardfuse.models import ModelSpec
+          >>> spec = ModelSpec.tiny(num_layers=2)
+          >>> spec.hidden, spec.head_dim, spec.num_layers
+          (64, 16, 2)
+        """
+        if head_dim is None:
+            if not isinstance(heads, int) or heads < 1 or not isinstance(hidden, int):
+                raise ValueError(f"hidden={hidden!r} and heads={heads!r} must be positive ints")
+            if hidden % heads:
+                raise ValueError(
+                    f"hidden={hidden} must be a multiple of heads={heads}; or pass head_dim"
+                )
+            head_dim = hidden // heads
+        return cls(
+            name,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn_hidden,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            **options,
+        )
+
+    def replace(self, **fields):
+        """A copy with `fields` changed (validated again): `dataclasses.replace`.
+
+        Example:
+          >>> from shardfuse.models import ModelSpec
+          >>> ModelSpec.tiny().replace(num_layers=1).num_layers
+          1
+        """
+        return dataclasses.replace(self, **fields)
+
     @property
     def mlp_matrices(self) -> int:
         """`hidden x ffn_hidden` matrices per MLP: 3 gated (swiglu), 2 plain (gelu)."""
         return 3 if self.activation == "swiglu" else 2
 
+    def layer_matmul_params(self) -> int:
+        """Matmul weights of one block: q, k, v, o projections and the MLP (what FLOPs count).
+
+        Example:
+          >>> from shardfuse import models
+          >>> models.get("llama3-8b").layer_matmul_params()
+          218103808
+        """
+        q_out = self.heads * self.head_dim
+        kv_out = self.kv_heads * self.head_dim
+        attention = self.hidden * (q_out + 2 * kv_out) + q_out * self.hidden
+        return attention + self.mlp_matrices * self.hidden * self.ffn_hidden
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: scale (RMSNorm), scale and shift (LayerNorm)."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
     def layer_params(self) -> int:
-        """Weights of one transformer block: q, k, v, o projections, MLP, two norms.
+        """Weights of one transformer block: q, k, v, o projections, MLP, biases, two norms.
 
         Example:
           >>> from shardfuse import models
           >>> models.get("llama3-8b").layer_params()
           218112000
         """
-        q_out = self.heads * self.head_dim
-        kv_out = self.kv_heads * self.head_dim
-        attention = self.hidden * (q_out + 2 * kv_out) + q_out * self.hidden
-        return attention + self.mlp_matrices * self.hidden * self.ffn_hidden + 2 * self.hidden
+        biases = 0
+        if self.use_bias or self.qkv_bias:
+            biases += (self.heads + 2 * self.kv_heads) * self.head_dim
+        if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
+            biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
+        return self.layer_matmul_params() + biases + 2 * self.norm_params
 
     def embedding_params(self) -> int:
-        """Input embedding plus output projection (once when tied) and the final norm."""
+        """Input embedding, output projection (once when tied), positions, the final norm."""
         tables = 1 if self.tied_embeddings else 2
-        return tables * self.vocab_size * self.hidden + self.hidden
+        positions = self.max_positions * self.hidden if self.positions == "learned" else 0
+        return tables * self.vocab_size * self.hidden + positions + self.norm_params
 
     def num_params(self) -> int:
         """Total weights: `num_layers * layer_params() + embedding_params()`.

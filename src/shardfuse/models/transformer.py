@@ -1,0 +1,401 @@
+"""`Transformer`: the one decoder-only language model, built from `sf.layers` by a `ModelSpec`.
+
+    tokens -> embedding (+ learned positions) -> Stack of ParallelTransformerBlock
+           -> final norm -> unembedding (its own, or the embedding tied) -> logits
+
+One class for every architecture a `ModelSpec` describes: Llama-style
+(RoPE, GQA, SwiGLU, RMSNorm; Mistral's window, Qwen2's q/k/v bias, Gemma 2's
+softcap) and GPT-style (GELU, LayerNorm, biases, learned or no positions,
+tied embeddings). The model knows the architecture; how it is laid out
+comes in as keywords (the mesh, the ZeRO stage, the remat policy, whether
+the stacked layers are split over the pipeline axis), all forwarded to the
+layers from one place (`Transformer.layer_options`). It runs on any mesh
+over `pipeline, data, fsdp, sequence, model` (absent axes are size 1),
+plainly, per shard (inside `sf.parallel.accumulate`'s full-manual region) or
+pipelined (`sf.parallel.Pipeline(model.blocks, ...)` with `model.embed_tokens`
+and `model.head`, what the trainer does).
+
+Its loss is `sf.layers.token_loss`: `(sum of token losses, number of tokens)`,
+so that microbatches and shards combine into the exact large-batch mean.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives.ring_attention import ring_positions
+from shardfuse.kernels.vma import to_varying
+from shardfuse.layers import (
+    ColumnParallelLinear,
+    Norm,
+    ParallelTransformerBlock,
+    in_manual_region,
+    place,
+    sharded_param,
+)
+from shardfuse.layers.loss import token_loss
+from shardfuse.layers.stack import Stack, check_head
+from shardfuse.models.spec import ModelSpec
+
+AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost to innermost
+
+
+def layer_options(mesh, *, zero: int = 0, **overrides) -> dict:
+    """The keywords every layer of the model takes: mesh axes present in `mesh`, ZeRO stage.
+
+    The one place the model's layer options are assembled (`overrides`: other
+    layer keywords, e.g. `dtype`, `implementation`, `reshard_after_forward`).
+
+    Example:
+      >>> import jax
+      >>> from shardfuse.models.transformer import layer_options
+      >>> layer_options(jax.make_mesh((2, 4), ("data", "model")), zero=1)["sequence_axis"] is None
+      True
+    """
+    axes = set(mesh.axis_names)
+    present = lambda name: name if name in axes else None  # noqa: E731
+    return dict(
+        model_axis=present("model"),
+        sequence_axis=present("sequence"),
+        data_axis=present("data"),
+        zero=zero,
+        **overrides,
+    )
+
+
+class TiedUnembed(nnx.Module):
+    """Logits from the input embedding table `[V, F]`: `x @ embed.T` (tied embeddings).
+
+    Holds the same `nnx.Param` as the model's embedding (one parameter; its
+    gradient sums both uses). Input `[B, T, F]` as the blocks return it
+    (sequence-sharded over `model_axis` with `sequence_parallel`), output
+    `[B, T, V]` sharded like an untied `ColumnParallelLinear(...,
+    gather_output=True)`'s: the whole vocabulary, the sequence gathered over
+    `model_axis`. Per shard the sequence is all-gathered over `model_axis`
+    (and a ZeRO-3 table over `fsdp_axis`).
+    """
+
+    def __init__(self, embed: nnx.Param, *, mesh, model_axis, fsdp_axis, sequence_parallel,
+                 out_spec):  # fmt: skip
+        self.embed = embed
+        self.mesh, self.model_axis, self.fsdp_axis = mesh, model_axis, fsdp_axis
+        self.sequence_parallel, self.out_spec = sequence_parallel, out_spec
+        self.in_features, self.out_features = embed.shape[1], embed.shape[0]
+
+    def __call__(self, x):
+        table = self.embed[...]
+        if in_manual_region(self.mesh):
+            if self.sequence_parallel and self.model_axis is not None:
+                x = jax.lax.all_gather(x, self.model_axis, axis=1, tiled=True)
+            if table.shape[0] != self.out_features:  # a ZeRO-3 shard of the vocabulary
+                table = jax.lax.all_gather(table, self.fsdp_axis, axis=0, tiled=True)
+        else:
+            table = place(table, self.mesh, P())
+            x = place(x, self.mesh, self.out_spec)
+        precision = "highest" if x.dtype == jnp.float32 else None
+        logits = jnp.einsum("BTF,VF->BTV", x, table.astype(x.dtype), precision=precision)
+        if in_manual_region(self.mesh):
+            return logits
+        return place(logits, self.mesh, self.out_spec)
+
+
+class LMHead(nnx.Module):
+    """Final norm and unembedding: `[B, T, F]` -> logits `[B, T, vocab]`.
+
+    Args:
+      spec: the `ModelSpec` (norm kind and epsilon, widths, tied or not).
+      mesh: the mesh.
+      options: the layers' keywords (`layer_options`).
+      sequence_parallel: the blocks' Megatron sequence parallelism (the head
+        gathers the sequence over the model axis).
+      embed: the embedding `nnx.Param` to tie to (`spec.tied_embeddings`), else None.
+      rngs: `nnx.Rngs`.
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from shardfuse.models import LMHead, ModelSpec
+      >>> from shardfuse.models.transformer import layer_options
+      >>> mesh = jax.make_mesh((2,), ("model",))
+      >>> head = LMHead(ModelSpec.tiny(), mesh=mesh, options=layer_options(mesh),
+      ...               sequence_parallel=False, rngs=nnx.Rngs(0))
+      >>> head(jnp.ones((2, 8, 64))).shape
+      (2, 8, 256)
+    """
+
+    def __init__(self, spec: ModelSpec, *, mesh, options: dict, sequence_parallel: bool = True,
+                 embed: nnx.Param | None = None, rngs: nnx.Rngs):  # fmt: skip
+        self.features = spec.hidden  # the width it takes (what `check_head` reads)
+        self.norm = Norm(spec.hidden, kind=spec.norm, eps=spec.norm_eps, mesh=mesh, rngs=rngs)
+        if spec.tied_embeddings:
+            if embed is None:
+                raise ValueError("spec.tied_embeddings=True: pass the embedding table as embed=")
+            batch = tuple(a for a in (options.get("data_axis"), _fsdp(mesh)) if a) or None
+            self.unembed = TiedUnembed(
+                embed,
+                mesh=mesh,
+                model_axis=options.get("model_axis"),
+                fsdp_axis=_fsdp(mesh),
+                sequence_parallel=sequence_parallel,
+                out_spec=P(batch, options.get("sequence_axis"), None),
+            )
+        else:
+            self.unembed = ColumnParallelLinear(
+                spec.hidden,
+                spec.vocab_size,
+                mesh=mesh,
+                sequence_parallel=sequence_parallel,
+                gather_output=True,
+                use_bias=False,
+                **options,
+                rngs=rngs,
+            )
+
+    def __call__(self, x):
+        return self.unembed(self.norm(x))
+
+
+def _fsdp(mesh):
+    return "fsdp" if "fsdp" in mesh.axis_names else None
+
+
+class Transformer(nnx.Module):
+    """A decoder-only LM of `spec`: embedding, `Stack` of blocks, final norm, unembedding.
+
+    Runs on any mesh over `pipeline, data, fsdp, sequence, model` (absent axes
+    are size 1): batch over `(data, fsdp)`, ring attention over `sequence`
+    (tokens in the ring `layout` order, `sf.to_ring_layout`), tensor and
+    sequence parallelism over `model`, ZeRO stage `zero` over `fsdp` (zero=3:
+    the embedding's vocabulary dimension too), the stacked layers over
+    `pipeline` when `pipelined` (run them with `sf.parallel.Pipeline`). Works
+    normally and per shard (inside `sf.parallel.accumulate`'s region).
+
+    Parameters: `embed` `[V, F]`; `pos_embed` `[max_positions, F]` (learned
+    positions only); `blocks` (a `Stack`, each parameter `[L, ...]`); `head`
+    (`norm`, and `unembed`: a `ColumnParallelLinear` `[F, V]`, or the
+    embedding itself when tied). Embeddings are initialised N(0, 0.02).
+
+    Args:
+      spec: the `sf.models.ModelSpec` (e.g. `ModelSpec.tiny()`, `sf.models.get(...)`).
+      mesh: the mesh.
+      zero: ZeRO stage 0..3 of the layers (over the `fsdp` axis).
+      remat: activation checkpointing policy of each layer (`shardfuse.layers.remat`).
+      pipelined: stack the layers over the `pipeline` axis.
+      layout: ring layout of the sequence over the `sequence` axis
+        ("zigzag", "contiguous" or "striped").
+      sequence_parallel: Megatron sequence parallelism over `model` (default True).
+      rngs: `nnx.Rngs`.
+      **layer_kwargs: other keywords of the layers (`dtype`, `param_dtype`,
+        `implementation`, `reshard_after_forward`, ...), given to every block
+        and the head.
+
+    Raises:
+      TypeError: `spec` is not a `ModelSpec`.
+      ValueError: sizes the mesh does not divide (from the layers).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> spec = sf.models.ModelSpec.tiny(num_layers=2)
+      >>> model = sf.models.Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+      (2, 16, 256)
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        mesh,
+        zero: int = 0,
+        remat: str = "none",
+        pipelined: bool = False,
+        layout: str = "zigzag",
+        sequence_parallel: bool = True,
+        rngs: nnx.Rngs,
+        **layer_kwargs,
+    ):
+        if not isinstance(spec, ModelSpec):
+            raise TypeError(
+                f"spec={spec!r} must be an sf.models.ModelSpec (e.g. ModelSpec.tiny(...) or "
+                "sf.models.get(name))"
+            )
+        self.spec, self.mesh = spec, mesh
+        self.layout, self.sequence_parallel = layout, bool(sequence_parallel)
+        options = layer_options(mesh, zero=zero, **layer_kwargs)
+        self.model_axis, self.sequence_axis = options["model_axis"], options["sequence_axis"]
+        fsdp = _fsdp(mesh) if zero == 3 else None
+        init = nnx.initializers.normal(0.02)
+        F = spec.hidden
+        self.embed = sharded_param(
+            init, rngs.params(), (spec.vocab_size, F), jnp.float32, mesh, P(fsdp, None)
+        )
+        self.pos_embed = (
+            sharded_param(init, rngs.params(), (spec.max_positions, F), jnp.float32, mesh, P())
+            if spec.positions == "learned"
+            else None
+        )
+        rope_theta = spec.rope_theta if spec.positions == "rope" else None
+
+        def block(rngs):
+            return ParallelTransformerBlock(
+                F,
+                spec.heads,
+                spec.ffn_hidden,
+                num_kv_heads=spec.kv_heads,
+                head_dim=spec.head_dim,
+                rope_theta=rope_theta,
+                window=spec.causal_mask[0],
+                logit_softcap=spec.logit_softcap,
+                norm=spec.norm,
+                norm_eps=spec.norm_eps,
+                activation=spec.activation,
+                use_bias=spec.use_bias,
+                qkv_bias=spec.qkv_bias,
+                layout=layout,
+                sequence_parallel=sequence_parallel,
+                mesh=mesh,
+                **options,
+                rngs=rngs,
+            )
+
+        self.blocks = Stack(
+            block,
+            spec.num_layers,
+            mesh=mesh,
+            layer_axis="pipeline" if pipelined else None,
+            remat=remat,
+            rngs=rngs,
+        )
+        self.head = LMHead(
+            spec,
+            mesh=mesh,
+            options=options,
+            sequence_parallel=sequence_parallel,
+            embed=self.embed if spec.tied_embeddings else None,
+            rngs=rngs,
+        )
+
+    def positions(self, seq_len: int):
+        """int32 `[T]`: the natural position of each token slot in the ring layout order."""
+        ring = self.mesh.shape[self.sequence_axis] if self.sequence_axis else 1
+        if ring == 1:
+            return jnp.arange(seq_len, dtype=jnp.int32)
+        return ring_positions(seq_len, ring, self.layout).reshape(-1)
+
+    def _check_length(self, seq_len: int):
+        if self.pos_embed is not None and seq_len > self.spec.max_positions:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds spec.max_positions={self.spec.max_positions} "
+                "(the learned position table's rows)"
+            )
+
+    def embed_tokens(self, tokens):
+        """tokens int `[B, T]` -> `[B, T, F]` (per shard: this device's sequence part).
+
+        Adds the learned position embeddings of the tokens' natural positions.
+
+        Raises:
+          ValueError: with learned positions, T beyond `spec.max_positions`.
+        """
+        if in_manual_region(self.mesh):
+            x = jnp.take(self.embed[...], tokens, axis=0)
+            if self.pos_embed is not None:
+                x = x + self._local_position_rows(tokens.shape[1])
+            x = self._model_shard_of_sequence(x)
+            # Typed as the blocks' shard_map would type their input (the gradient of the
+            # embedding is then summed over the model axis where the sequence is split).
+            return to_varying(x, frozenset(self.mesh.axis_names) - {"pipeline"})
+        self._check_length(tokens.shape[1])
+        x = embed_lookup(self.embed[...], tokens, self.mesh)
+        if self.pos_embed is not None:
+            table = place(self.pos_embed[...], self.mesh, P())
+            rows = jnp.take(table, self.positions(x.shape[1]), axis=0)
+            x = x + rows.astype(x.dtype)
+        return place(x, self.mesh, self.blocks.blocks.io_spec())  # the blocks' layout
+
+    def _local_position_rows(self, local_len: int):
+        """Per shard: position embedding rows `[t, F]` of this sequence shard's tokens."""
+        ring = self.mesh.shape[self.sequence_axis] if self.sequence_axis else 1
+        self._check_length(local_len * ring)
+        positions = self.positions(local_len * ring)
+        if ring > 1:
+            start = jax.lax.axis_index(self.sequence_axis) * local_len
+            positions = jax.lax.dynamic_slice_in_dim(positions, start, local_len)
+        return jnp.take(self.pos_embed[...], positions, axis=0)
+
+    def _model_shard_of_sequence(self, x):
+        """Per shard, sequence parallelism: this model shard's part of `x` `[b, t, F]` along t."""
+        if not self.sequence_parallel or self.model_axis is None:
+            return x
+        size = self.mesh.shape[self.model_axis]
+        if size == 1:
+            return x
+        part = x.shape[1] // size
+        start = jax.lax.axis_index(self.model_axis) * part
+        return jax.lax.dynamic_slice_in_dim(x, start, part, axis=1)
+
+    def check_widths(self):
+        """ValueError unless the embedding and the head have the block stack's width F.
+
+        (A head built for another width would otherwise fail deep inside its traced matmul.)
+        """
+        features = self.blocks.features
+        if features is not None and self.embed.shape[-1] != features:
+            raise ValueError(
+                f"the embedding has width {self.embed.shape[-1]} (shape {self.embed.shape}) but "
+                f"the block stack takes {features} features"
+            )
+        check_head(self.head, features, source="the block stack")
+
+    def __call__(self, tokens):
+        """tokens int `[B, T]` (ring layout order over `sequence`) -> logits `[B, T, vocab]`.
+
+        Raises:
+          ValueError: the embedding or the head not of the stack's width (`check_widths`);
+            with learned positions, T beyond `spec.max_positions`.
+        """
+        self.check_widths()
+        return self.head(self.blocks(self.embed_tokens(tokens)))
+
+    def loss(self, batch):
+        """`(sum of token losses, number of tokens)` of `batch` (`sf.layers.token_loss`).
+
+        `batch`: a dict of int `tokens` and `targets` `[B, T]` and an optional 0/1
+        (or weight) `mask` `[B, T]`. `Transformer.loss` is a `loss_fn(model, batch)`
+        as `sf.parallel.accumulate` takes; run plainly, `sum / count` is the
+        token-weighted mean.
+
+        Example usage::
+
+          >>> import jax, jax.numpy as jnp
+          >>> from flax import nnx
+          >>> import shardfuse as sf
+          >>> mesh = jax.make_mesh((8,), ("data",))
+          >>> model = sf.models.Transformer(sf.models.ModelSpec.tiny(num_layers=1), mesh=mesh,
+          ...                               rngs=nnx.Rngs(0))
+          >>> tokens = jnp.zeros((8, 16), jnp.int32)
+          >>> with jax.set_mesh(mesh):  # Explicit axes: the loss's gathers need the mesh
+          ...     total, count = model.loss({"tokens": tokens, "targets": tokens})
+          >>> float(count)
+          128.0
+        """
+        return token_loss(self(batch["tokens"]), batch["targets"], batch.get("mask"))
+
+
+def embed_lookup(table, tokens, mesh):
+    """Rows of `table` `[V, F]` for `tokens` `[B, T]` -> `[B, T, F]`, sharded like the tokens."""
+    spec = tuple(jax.typeof(tokens).sharding.spec)
+    if any(spec):  # Explicit axes: the gather's output sharding must be stated
+        out = NamedSharding(mesh, P(*spec, *(None,) * (tokens.ndim - len(spec)), None))
+        return table.at[tokens].get(out_sharding=out)
+    return jnp.take(table, tokens, axis=0)
+
+
+__all__ = ["LMHead", "TiedUnembed", "Transformer", "embed_lookup", "layer_options", "token_loss"]
