@@ -176,19 +176,18 @@ def _stack_lm_step(layers, zero, scatter="microbatch", microbatches=2):
     float32 bytes of all gradients and `layer` those of one block."""
     from jax.sharding import PartitionSpec as P
 
-    from shardfuse.demos.llama import LlamaConfig, LlamaLM
-    from shardfuse.demos.llama import token_loss as logits_loss
+    from shardfuse.models import ModelSpec, Transformer
 
     mesh = mesh_of("data2-fsdp4")
-    config = LlamaConfig(vocab=64, features=64, heads=4, kv_heads=2, hidden=256, layers=layers)
-    model = LlamaLM(config, mesh=mesh, zero=zero, rngs=nnx.Rngs(0))
+    spec = ModelSpec.tiny(vocab_size=64, hidden=64, ffn_hidden=256, num_layers=layers)
+    model = Transformer(spec, mesh=mesh, zero=zero, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
     batch = {
-        name: jax.numpy.asarray(rng.integers(0, config.vocab, (16, 8)), jax.numpy.int32)
+        name: jax.numpy.asarray(rng.integers(0, spec.vocab_size, (16, 8)), jax.numpy.int32)
         for name in ("tokens", "targets")
     }
     fn = accumulate(
-        lambda model, b: logits_loss(model(b["tokens"]), b["targets"]),
+        Transformer.loss,
         microbatches,
         mesh=mesh,
         zero=zero,
