@@ -7,9 +7,9 @@ One class for every architecture a `ModelSpec` describes: Llama-style
 (RoPE, GQA, SwiGLU, RMSNorm; Mistral's window, Qwen2's q/k/v bias, Gemma 2's
 softcap) and GPT-style (GELU, LayerNorm, biases, learned or no positions,
 tied embeddings). The model knows the architecture; how it is laid out
-comes in as keywords (the mesh, the ZeRO stage, the remat policy, whether
-the stacked layers are split over the pipeline axis), all forwarded to the
-layers from one place (`Transformer.layer_options`). It runs on any mesh
+comes in as one `sf.layers.LayerOptions` (the mesh, axes, ZeRO stage, remat
+policy, dtypes, ...), handed to every layer, and whether the stacked layers
+are split over the pipeline axis. It runs on any mesh
 over `pipeline, data, fsdp, sequence, model` (absent axes are size 1),
 plainly, per shard (inside `sf.parallel.accumulate`'s full-manual region) or
 pipelined (`sf.parallel.Pipeline(model.blocks, ...)` with `model.embed_tokens`
@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse import axes
 from shardfuse.collectives.ring_attention import ring_positions
 from shardfuse.kernels.vma import to_varying
 from shardfuse.layers import (
@@ -35,34 +36,10 @@ from shardfuse.layers import (
     place,
     sharded_param,
 )
+from shardfuse.layers import options as options_lib
 from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack, check_head
 from shardfuse.models.spec import ModelSpec
-
-AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost to innermost
-
-
-def layer_options(mesh, *, zero: int = 0, **overrides) -> dict:
-    """The keywords every layer of the model takes: mesh axes present in `mesh`, ZeRO stage.
-
-    The one place the model's layer options are assembled (`overrides`: other
-    layer keywords, e.g. `dtype`, `implementation`, `reshard_after_forward`).
-
-    Example:
-      >>> import jax
-      >>> from shardfuse.models.transformer import layer_options
-      >>> layer_options(jax.make_mesh((2, 4), ("data", "model")), zero=1)["sequence_axis"] is None
-      True
-    """
-    axes = set(mesh.axis_names)
-    present = lambda name: name if name in axes else None  # noqa: E731
-    return dict(
-        model_axis=present("model"),
-        sequence_axis=present("sequence"),
-        data_axis=present("data"),
-        zero=zero,
-        **overrides,
-    )
 
 
 class TiedUnembed(nnx.Module):
@@ -106,10 +83,10 @@ class LMHead(nnx.Module):
 
     Args:
       spec: the `ModelSpec` (norm kind and epsilon, widths, tied or not).
-      mesh: the mesh.
-      options: the layers' keywords (`layer_options`).
-      sequence_parallel: the blocks' Megatron sequence parallelism (the head
-        gathers the sequence over the model axis).
+      options: the model's `sf.layers.LayerOptions` (its `sequence_parallel`:
+        the blocks', whose sequence the head gathers over the model axis;
+        None there: True, as the blocks). Option keywords (`mesh=`, ...)
+        override its fields, as in every layer.
       embed: the embedding `nnx.Param` to tie to (`spec.tied_embeddings`), else None.
       rngs: `nnx.Rngs`.
 
@@ -118,48 +95,46 @@ class LMHead(nnx.Module):
       >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> from shardfuse.models import LMHead, ModelSpec
-      >>> from shardfuse.models.transformer import layer_options
       >>> mesh = jax.make_mesh((2,), ("model",))
-      >>> head = LMHead(ModelSpec.tiny(), mesh=mesh, options=layer_options(mesh),
-      ...               sequence_parallel=False, rngs=nnx.Rngs(0))
+      >>> head = LMHead(ModelSpec.tiny(), mesh=mesh, sequence_parallel=False, rngs=nnx.Rngs(0))
       >>> head(jnp.ones((2, 8, 64))).shape
       (2, 8, 256)
     """
 
-    def __init__(self, spec: ModelSpec, *, mesh, options: dict, sequence_parallel: bool = True,
+    @options_lib.option_keywords
+    def __init__(self, spec: ModelSpec, *, options: options_lib.LayerOptions | None = None,
                  embed: nnx.Param | None = None, rngs: nnx.Rngs):  # fmt: skip
+        options = options_lib.with_default_sequence_parallel(options, True)
+        mesh = options_lib.require_mesh(options, "LMHead")
         self.features = spec.hidden  # the width it takes (what `check_head` reads)
-        self.norm = Norm(spec.hidden, kind=spec.norm, eps=spec.norm_eps, mesh=mesh, rngs=rngs)
+        # the final norm's parameters stay replicated, whatever the ZeRO stage
+        self.norm = Norm(spec.hidden, kind=spec.norm, eps=spec.norm_eps, options=options, zero=0,
+                         rngs=rngs)  # fmt: skip
         if spec.tied_embeddings:
             if embed is None:
                 raise ValueError("spec.tied_embeddings=True: pass the embedding table as embed=")
-            batch = tuple(a for a in (options.get("data_axis"), _fsdp(mesh)) if a) or None
+            names = options.mesh_axes()
+            batch = tuple(a for a in (names["data_axis"], names["fsdp_axis"]) if a) or None
             self.unembed = TiedUnembed(
                 embed,
                 mesh=mesh,
-                model_axis=options.get("model_axis"),
-                fsdp_axis=_fsdp(mesh),
-                sequence_parallel=sequence_parallel,
-                out_spec=P(batch, options.get("sequence_axis"), None),
+                model_axis=names["model_axis"],
+                fsdp_axis=names["fsdp_axis"],
+                sequence_parallel=options.sequence_parallel,
+                out_spec=P(batch, names["sequence_axis"], None),
             )
         else:
             self.unembed = ColumnParallelLinear(
                 spec.hidden,
                 spec.vocab_size,
-                mesh=mesh,
-                sequence_parallel=sequence_parallel,
+                options=options,
                 gather_output=True,
                 use_bias=False,
-                **options,
                 rngs=rngs,
             )
 
     def __call__(self, x):
         return self.unembed(self.norm(x))
-
-
-def _fsdp(mesh):
-    return "fsdp" if "fsdp" in mesh.axis_names else None
 
 
 class Transformer(nnx.Module):
@@ -180,17 +155,14 @@ class Transformer(nnx.Module):
 
     Args:
       spec: the `sf.models.ModelSpec` (e.g. `ModelSpec.tiny()`, `sf.models.get(...)`).
-      mesh: the mesh.
-      zero: ZeRO stage 0..3 of the layers (over the `fsdp` axis).
-      remat: activation checkpointing policy of each layer (`shardfuse.layers.remat`).
+      options: the `sf.layers.LayerOptions` of every layer (mesh, axes, ZeRO
+        stage, remat policy of each layer, dtypes, precision, implementations;
+        `sequence_parallel` None: True). Each field is also a keyword
+        (`mesh=`, `zero=`, `remat=`, `dtype=`, ...) overriding it.
       pipelined: stack the layers over the `pipeline` axis.
       layout: ring layout of the sequence over the `sequence` axis
         ("zigzag", "contiguous" or "striped").
-      sequence_parallel: Megatron sequence parallelism over `model` (default True).
       rngs: `nnx.Rngs`.
-      **layer_kwargs: other keywords of the layers (`dtype`, `param_dtype`,
-        `implementation`, `reshard_after_forward`, ...), given to every block
-        and the head.
 
     Raises:
       TypeError: `spec` is not a `ModelSpec`.
@@ -208,29 +180,29 @@ class Transformer(nnx.Module):
       (2, 16, 256)
     """
 
+    @options_lib.option_keywords
     def __init__(
         self,
         spec: ModelSpec,
         *,
-        mesh,
-        zero: int = 0,
-        remat: str = "none",
+        options: options_lib.LayerOptions | None = None,
         pipelined: bool = False,
         layout: str = "zigzag",
-        sequence_parallel: bool = True,
         rngs: nnx.Rngs,
-        **layer_kwargs,
     ):
         if not isinstance(spec, ModelSpec):
             raise TypeError(
                 f"spec={spec!r} must be an sf.models.ModelSpec (e.g. ModelSpec.tiny(...) or "
                 "sf.models.get(name))"
             )
-        self.spec, self.mesh = spec, mesh
-        self.layout, self.sequence_parallel = layout, bool(sequence_parallel)
-        options = layer_options(mesh, zero=zero, **layer_kwargs)
-        self.model_axis, self.sequence_axis = options["model_axis"], options["sequence_axis"]
-        fsdp = _fsdp(mesh) if zero == 3 else None
+        # Megatron sequence parallelism by default: activations stay sharded from block to block
+        options = options_lib.with_default_sequence_parallel(options, True)
+        mesh = options_lib.require_mesh(options, "Transformer")
+        self.spec, self.mesh, self.options = spec, mesh, options
+        self.layout, self.sequence_parallel = layout, options.sequence_parallel
+        names = options.mesh_axes()
+        self.model_axis, self.sequence_axis = names["model_axis"], names["sequence_axis"]
+        fsdp = options.zero_options().param_axis  # zero=3: the vocabulary sharded too
         init = nnx.initializers.normal(0.02)
         F = spec.hidden
         self.embed = sharded_param(
@@ -242,6 +214,8 @@ class Transformer(nnx.Module):
             else None
         )
         rope_theta = spec.rope_theta if spec.positions == "rope" else None
+        # the Stack applies the remat policy per layer; the blocks themselves apply none
+        block_options = options.replace(remat="none")
 
         def block(rngs):
             return ParallelTransformerBlock(
@@ -259,25 +233,20 @@ class Transformer(nnx.Module):
                 use_bias=spec.use_bias,
                 qkv_bias=spec.qkv_bias,
                 layout=layout,
-                sequence_parallel=sequence_parallel,
-                mesh=mesh,
-                **options,
+                options=block_options,
                 rngs=rngs,
             )
 
         self.blocks = Stack(
             block,
             spec.num_layers,
-            mesh=mesh,
-            layer_axis="pipeline" if pipelined else None,
-            remat=remat,
+            options=options,
+            layer_axis=axes.PIPELINE if pipelined else None,
             rngs=rngs,
         )
         self.head = LMHead(
             spec,
-            mesh=mesh,
             options=options,
-            sequence_parallel=sequence_parallel,
             embed=self.embed if spec.tied_embeddings else None,
             rngs=rngs,
         )
@@ -311,7 +280,7 @@ class Transformer(nnx.Module):
             x = self._model_shard_of_sequence(x)
             # Typed as the blocks' shard_map would type their input (the gradient of the
             # embedding is then summed over the model axis where the sequence is split).
-            return to_varying(x, frozenset(self.mesh.axis_names) - {"pipeline"})
+            return to_varying(x, frozenset(self.mesh.axis_names) - {axes.PIPELINE})
         self._check_length(tokens.shape[1])
         x = embed_lookup(self.embed[...], tokens, self.mesh)
         if self.pos_embed is not None:
@@ -398,4 +367,4 @@ def embed_lookup(table, tokens, mesh):
     return jnp.take(table, tokens, axis=0)
 
 
-__all__ = ["LMHead", "TiedUnembed", "Transformer", "embed_lookup", "layer_options", "token_loss"]
+__all__ = ["LMHead", "TiedUnembed", "Transformer", "embed_lookup", "token_loss"]
