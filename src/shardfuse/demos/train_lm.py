@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardfuse import flops, hardware
+from shardfuse import axes, flops, hardware
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.demos.data import CORPUS, SyntheticTokens, TextTokens
 from shardfuse.layers.loss import token_loss
@@ -34,7 +34,7 @@ from shardfuse.parallel.checkpoint import Checkpointer
 from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.zero import ZeroOptimizer
 
-AXES = ("pipeline", "data", "fsdp", "sequence", "model")  # outermost to innermost
+AXES = axes.MESH_AXES  # outermost to innermost
 COMPUTE_DTYPE = "float32"  # the model's weights and activations: the peak its MFU divides by
 
 
