@@ -65,7 +65,7 @@ def test_pipeline_head_of_another_width():
 
 def _head(width, mesh):
     spec = ModelSpec.tiny(vocab_size=VOCAB, hidden=width, heads=2, kv_heads=1)
-    return LMHead(spec, mesh=mesh, options={}, sequence_parallel=False, rngs=nnx.Rngs(1))
+    return LMHead(spec, mesh=mesh, sequence_parallel=False, rngs=nnx.Rngs(1))
 
 
 @pytest.mark.parametrize("names", [("data",), ("model",)])
