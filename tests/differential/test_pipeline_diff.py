@@ -65,25 +65,6 @@ class TiedHead(nnx.Module):
         return y @ self.embed[...].T
 
 
-class TransformerHead(nnx.Module):
-    def __init__(self, mesh, *, sequence_parallel, sequence_axis, data_axis):
-        self.norm = sf.layers.Norm(FEATURES, mesh=mesh, rngs=nnx.Rngs(1))
-        self.out = sf.layers.ColumnParallelLinear(
-            FEATURES,
-            VOCAB,
-            mesh=mesh,
-            sequence_parallel=sequence_parallel,
-            gather_output=True,
-            use_bias=False,
-            sequence_axis=sequence_axis,
-            data_axis=data_axis,
-            rngs=nnx.Rngs(2),
-        )
-
-    def __call__(self, y):
-        return self.out(self.norm(y))
-
-
 class Model(nnx.Module):
     """Embedding -> `Pipeline` over a `Stack` -> head, built from a `PipelineCase`."""
 
@@ -95,41 +76,30 @@ class Model(nnx.Module):
         embed = jax.random.normal(jax.random.key(5), (VOCAB, FEATURES)) * 0.5
         self.embed = nnx.Param(jax.device_put(embed, NamedSharding(mesh, P())))
         if case.model == "mlp":
-            make, remat = ResidualMLP, "none"
+            stack = Stack(ResidualMLP, case.layers, mesh=mesh, layer_axis="pipeline",
+                          rngs=nnx.Rngs(0))  # fmt: skip
             io_spec = P()
             self.head = (
                 TiedHead(self.embed) if case.tied else nnx.Linear(FEATURES, VOCAB, rngs=nnx.Rngs(1))
             )
             self.targets_spec = P()
-        else:
-            remat = block["remat"]
-
-            def make(rngs):
-                return sf.layers.ParallelTransformerBlock(
-                    FEATURES,
-                    4,
-                    HIDDEN,
-                    num_kv_heads=block["num_kv_heads"],
-                    activation=block["activation"],
-                    sequence_parallel=block["sequence_parallel"],
-                    mesh=mesh,
-                    layout="contiguous",
-                    sequence_axis=sequence,
-                    data_axis=data,
-                    rngs=rngs,
-                )
-
-            io_spec = None
-            self.head = TransformerHead(
-                mesh,
+        else:  # the blocks and head of an sf.models.Transformer of the drawn configuration
+            spec = sf.models.ModelSpec.tiny("diff", vocab_size=VOCAB, hidden=FEATURES, heads=4,
+                                            kv_heads=block["num_kv_heads"], ffn_hidden=HIDDEN,
+                                            num_layers=case.layers,
+                                            activation=block["activation"])  # fmt: skip
+            lm = sf.models.Transformer(
+                spec,
+                mesh=mesh,
+                pipelined=True,
+                layout="contiguous",
                 sequence_parallel=block["sequence_parallel"],
-                sequence_axis=sequence,
-                data_axis=data,
+                remat=block["remat"],
+                rngs=nnx.Rngs(0),
             )
+            stack, self.head = lm.blocks, lm.head
+            io_spec = None
             self.targets_spec = P(data, sequence)
-        stack = Stack(
-            make, case.layers, mesh=mesh, layer_axis="pipeline", remat=remat, rngs=nnx.Rngs(0)
-        )
         self.pipe = Pipeline(
             stack,
             mesh=mesh,
@@ -193,7 +163,7 @@ def oracle_loss(model: Model, case: PipelineCase):
             logits = _dense(x, head["kernel"], head["bias"])
         else:
             y = reference.norm(model.head.norm, head["norm"], x)
-            logits = reference.linear(model.head.out, head["out"], y)
+            logits = reference.linear(model.head.unembed, head["unembed"], y)
         total, count = token_loss(logits, targets, weights)
         return total / count
 
