@@ -1,8 +1,9 @@
 """Pipeline benchmarks: a training step through `Pipeline.loss`, schedules x m at fixed p.
 
 Each group (one number of microbatches m) times, in the same run, the loss
-and every gradient (stack, head, input) of a small LM stack of residual-MLP
-blocks (width from the scale's model / 8 on CPU), batch = 2 m, by:
+and every gradient (stack, head, input) of the blocks and head of an
+`sf.models.Transformer` (the scale's Llama 3 8B, widths and heads / 8 on CPU,
+8 layers, vocabulary 256), batch = 2 m, by:
 
 - `shardfuse.pipeline.<schedule>` for gpipe, 1f1b, interleaved (v=2) and
   zb-h1 on a pipeline mesh of p=4 of the CPU devices: one jitted program, a
@@ -20,8 +21,8 @@ bubble, peak in-flight microbatches of the executor's lockstep table) and
 `lockstep_over_ideal`: the IR's lockstep work (`schedule.lockstep_work`,
 what every device executes: every stage one F and one B per tick, the head
 in the last stage's F ticks) over the busiest stage's work without a bubble,
-from the stack's and the head's matmul FLOPs, next to the compiled memory
-the harness records.
+from the layers' and the head's FLOPs (`sf.flops`), next to the compiled
+memory the harness records.
 
 `test_pipeline_by_model_step` times the same kind of step on a tensor
 parallel stack (`sf.layers.ParallelMLP` blocks, a psum per layer inside the
@@ -34,7 +35,6 @@ pipelined program's overhead, not the speedup of p accelerators.
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse import flops
@@ -69,44 +69,28 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("m, implementation", params, ids=[f"m{m}-{i}" for m, i in params])
 
 
-class Block(nnx.Module):
-    def __init__(self, features, hidden, rngs):
-        self.up = nnx.Linear(features, hidden, rngs=rngs)
-        self.down = nnx.Linear(hidden, features, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jax.nn.gelu(self.up(x)))
-
-
 def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
-    model = bench_scale.scaled(MODELS[MODEL])
-    features, hidden = model.hidden, model.ffn_hidden
+    spec = bench_scale.scaled(MODELS[MODEL]).replace(num_layers=LAYERS, vocab_size=VOCAB)
+    features = spec.hidden
     devices = jax.devices()[:STAGES] if implementation != BASELINE else jax.devices()[:1]
     mesh = jax.make_mesh((len(devices),), ("pipeline",), devices=devices)
-    stack = Stack(
-        lambda rngs: Block(features, hidden, rngs),
-        LAYERS,
-        mesh=mesh,
-        layer_axis="pipeline",
-        rngs=nnx.Rngs(0),
-    )
-    head = nnx.Linear(features, VOCAB, rngs=nnx.Rngs(1))
+    lm = sf.models.Transformer(spec, mesh=mesh, pipelined=True, rngs=nnx.Rngs(0))
+    stack, head = lm.blocks, lm.head
     batch = MICROBATCH * m
     x = jax.random.normal(jax.random.key(0), (batch, SEQ, features))
     targets = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB)
     tokens = batch * SEQ
-    matmuls = LAYERS * 2 * flops.matmul_flops(tokens, hidden, features)
     case = BenchCase(
         op=OP,
         implementation=implementation,
         mode=flops.FWD_BWD,
         shape={"p": STAGES, "m": m, "B": batch, "T": SEQ, "F": features, "L": LAYERS},
         dtype="float32",
-        flops=flops.TRAINING_OVER_FORWARD * (matmuls + flops.matmul_flops(tokens, VOCAB, features)),
+        flops=flops.model_flops(spec, seq_len=SEQ, batch=batch),
         bytes=4 * tokens * features * 4,
         baseline=BASELINE,
-        model=model.name,
-        variant="residual MLP stack",
+        model=spec.name,
+        variant="transformer stack",
     )
     if implementation == BASELINE:
 
@@ -127,7 +111,6 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
         schedule=schedule,
         num_microbatches=m,
         virtual_stages=v,
-        io_spec=P(),
         residuals="stored" if stored else "recompute",
     )
 
@@ -136,17 +119,22 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
         return nnx.value_and_grad(loss, argnums=(0, 1, 2))(pipe, head, x)
 
     measure(nnx.jit(step), (pipe, head, x), case)
-    benchmark.extra_info.update(schedule_figures(schedule, m, v, pipe.residuals, features, hidden))
+    layer = flops.layer_matmul_flops(spec) + flops.layer_attention_flops(spec, SEQ)
+    figures = schedule_figures(schedule, m, v, pipe.residuals, layer, flops.logits_flops(spec))
+    benchmark.extra_info.update(figures)
 
 
-def schedule_figures(schedule, m, v, residuals, features, hidden):
-    """The IR's figures of one case: ticks, bubbles, in flight, lockstep work / ideal."""
+def schedule_figures(schedule, m, v, residuals, layer_flops, head_flops):
+    """The IR's figures of one case: ticks, bubbles, in flight, lockstep work / ideal.
+
+    `layer_flops` and `head_flops`: forward FLOPs per token of one layer and of the head.
+    """
     figures = schedule_table(schedule, STAGES, m, v).to_dict()
     table = lockstep_table(schedule, STAGES, m, v)
     tokens = MICROBATCH * SEQ
-    forward = LAYERS // (STAGES * v) * 2 * flops.matmul_flops(tokens, hidden, features)
+    forward = LAYERS // (STAGES * v) * tokens * layer_flops
     backward = 2 * forward + (forward if residuals == "recompute" else 0)
-    cost = {F: forward, B: backward, HEAD: 3 * flops.matmul_flops(tokens, VOCAB, features)}
+    cost = {F: forward, B: backward, HEAD: 3 * tokens * head_flops}
     return dict(
         ticks=table.num_ticks,
         bubble=figures["bubble"],
@@ -218,4 +206,8 @@ def test_pipeline_by_model_step(measure, bench_scale, benchmark, m, implementati
         return nnx.value_and_grad(loss, argnums=(0, 1, 2))(pipe, head, x)
 
     measure(nnx.jit(step), (pipe, head, x), case)
-    benchmark.extra_info.update(schedule_figures("1f1b", m, 1, pipe.residuals, features, hidden))
+    layer, head_flops = (
+        2 * flops.matmul_flops(1, hidden, features),
+        flops.matmul_flops(1, VOCAB, features),
+    )
+    benchmark.extra_info.update(schedule_figures("1f1b", m, 1, pipe.residuals, layer, head_flops))
