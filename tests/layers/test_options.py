@@ -404,3 +404,21 @@ def test_mesh_axes_and_zero_options_resolve_on_the_mesh():
         options.replace(sequence_axis="ring").mesh_axes()
     with pytest.raises(TypeError, match="needs a mesh"):
         LayerOptions().mesh_axes()
+
+
+def test_the_model_takes_one_options_object():
+    mesh = make_mesh("explicit")  # data x fsdp x model
+    spec = sf.models.ModelSpec.tiny(num_layers=2)
+    options = LayerOptions(mesh=mesh, zero=3, remat="selective", param_dtype=jnp.float32)
+    by_options = sf.models.Transformer(spec, options=options, rngs=nnx.Rngs(0))
+    by_keywords = sf.models.Transformer(spec, mesh=mesh, zero=3, remat="selective",
+                                        rngs=nnx.Rngs(0))  # fmt: skip
+    assert nnx.graphdef(by_options) == nnx.graphdef(by_keywords)
+    assert by_options.blocks.remat == "selective"  # the stack applies remat per layer ...
+    assert by_options.blocks.blocks.remat == "none"  # ... and the blocks none (not twice)
+    assert by_options.blocks.blocks.attention.sequence_parallel  # the model's default
+    assert by_options.embed[...].sharding.spec == P("fsdp", None)  # zero=3: the table too
+    assert by_options.blocks.blocks.mlp.up.kernel[...].sharding.spec == P(None, "fsdp", "model")
+    assert by_options.head.unembed.kernel[...].sharding.spec == P("fsdp", "model")
+    scale = by_options.head.norm.scale[...]
+    assert _canonical(scale.sharding.spec, 1) == (None,)  # the final norm stays replicated
