@@ -160,6 +160,8 @@ class Transformer(nnx.Module):
         `sequence_parallel` None: True). Each field is also a keyword
         (`mesh=`, `zero=`, `remat=`, `dtype=`, ...) overriding it.
       pipelined: stack the layers over the `pipeline` axis.
+      stage_layers: layers per pipeline stage when uneven (`sf.parallel.balance_stages`),
+        else None (`Stack`'s `stage_layers`).
       layout: ring layout of the sequence over the `sequence` axis
         ("zigzag", "contiguous" or "striped").
       rngs: `nnx.Rngs`.
@@ -187,6 +189,7 @@ class Transformer(nnx.Module):
         *,
         options: options_lib.LayerOptions | None = None,
         pipelined: bool = False,
+        stage_layers=None,
         layout: str = "zigzag",
         rngs: nnx.Rngs,
     ):
@@ -242,6 +245,7 @@ class Transformer(nnx.Module):
             spec.num_layers,
             options=options,
             layer_axis=axes.PIPELINE if pipelined else None,
+            stage_layers=stage_layers,
             rngs=rngs,
         )
         self.head = LMHead(

@@ -10,6 +10,9 @@
   parameters (ZeRO-3).
 - `accumulate` (`accumulate.py`): token-weighted gradient accumulation over
   microbatches, reduced once per step.
+- `parallelize` (`parallelize.py`): a `ModelSpec` and `RunOptions` (or a
+  planner `Plan`, which converts itself) -> the model, the optimizer and the
+  jitted step, each parallelism applied once in one documented order.
 - `Checkpointer` (`checkpoint.py`): orbax checkpoints, restored onto any mesh.
 - `distributed`: `jax.distributed.initialize` from flags or environment, and
   per-process batch loading.
@@ -22,6 +25,7 @@ bottom-level varying-axes helpers (`shardfuse.kernels.vma`), as every level does
 from shardfuse.parallel import distributed
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.checkpoint import Checkpointer
+from shardfuse.parallel.parallelize import Run, RunOptions, parallelize
 from shardfuse.parallel.pipeline import (
     SCHEDULES,
     Pipeline,
@@ -36,6 +40,8 @@ __all__ = [
     "Checkpointer",
     "Pipeline",
     "ScheduleTable",
+    "Run",
+    "RunOptions",
     "ZeroOptimizer",
     "accumulate",
     "balance_stages",
@@ -43,5 +49,6 @@ __all__ = [
     "init",
     "init_program",
     "optimizer_state_program",
+    "parallelize",
     "schedule_table",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 from shardfuse import axes
 from shardfuse.hardware import Cluster
 from shardfuse.models import ModelShape
+from shardfuse.parallel.parallelize import RunOptions
 from shardfuse.planner.cost import Estimate
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 
@@ -147,6 +148,34 @@ class Plan:
             remat=self.layout.remat,
             sequence_parallel=self.assumptions.sequence_parallel,
         ).replace(**changes)
+
+    def run_options(self):
+        """The plan as `sf.parallel.RunOptions`: what `sf.parallel.parallelize` applies.
+
+        ZeRO stage, remat, microbatches, pipeline schedule and virtual stages,
+        sequence parallelism, and the mesh sizes (`parallelize` checks its mesh
+        against them).
+
+        Example usage::
+
+          >>> import shardfuse as sf
+          >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
+          ...                global_batch=64, seq_len=4096)[0]
+          >>> options = best.run_options()
+          >>> (options.zero, options.microbatches) == (best.layout.zero,
+          ...                                          best.layout.num_microbatches)
+          True
+        """
+        layout = self.layout
+        return RunOptions(
+            zero=layout.zero,
+            remat=layout.remat,
+            microbatches=layout.num_microbatches,
+            schedule=layout.schedule,
+            virtual_stages=layout.virtual_stages,
+            sequence_parallel=self.assumptions.sequence_parallel,
+            mesh_shape=dict(self.mesh_shape),
+        )
 
     def zero_kwargs(self) -> dict:
         """`{"zero": stage, "fsdp_axis": "fsdp"}`: the ZeRO options of layers and `sf.parallel`."""

@@ -1,0 +1,176 @@
+"""`sf.parallel.parallelize`: the run built from a `Plan` (or options) is the run built by hand.
+
+The oracle is written out here, independently of `parallelize`: the
+`Transformer`, the `ZeroOptimizer` and the step (`sf.parallel.Pipeline` or
+`sf.parallel.accumulate`) composed by hand from the same options. Same
+initial parameters (same seed), same batches: the loss trajectories of 3
+steps must agree, on data x model, fsdp with ZeRO-3, and pipeline x data.
+"""
+
+import doctest
+import importlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardfuse as sf
+from shardfuse import planner
+from shardfuse.layers.loss import token_loss
+from shardfuse.parallel.parallelize import RunOptions, parallelize
+
+AXES = ("pipeline", "data", "fsdp", "sequence", "model")
+SPEC = sf.models.ModelSpec.tiny(
+    vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, num_layers=2
+)
+B, T = 8, 16
+
+
+def _mesh(sizes: dict):
+    return jax.make_mesh(tuple(sizes.get(a, 1) for a in AXES), AXES)
+
+
+def _rows(step, sharding):
+    rng = np.random.default_rng(step)
+    start = rng.integers(0, 64, (B, 1))
+    rows = (start + rng.integers(1, 4, (B, 1)) * np.arange(T + 1)) % 64
+    return jax.device_put(rows.astype(np.int32), sharding)
+
+
+def _by_hand(mesh, zero=0, microbatches=1, schedule="1f1b"):
+    """The run composed directly from the library's parts (the oracle)."""
+    pipelined = mesh.shape["pipeline"] > 1
+    model = sf.models.Transformer(SPEC, mesh=mesh, zero=zero, pipelined=pipelined, rngs=nnx.Rngs(0))
+    optimizer = sf.parallel.ZeroOptimizer(model, optax.adamw(1e-2), mesh=mesh, zero=zero)
+    spec = P(("data", "fsdp"), "sequence")
+
+    @nnx.jit
+    def step(model, optimizer, rows):
+        tokens, targets = rows[:, :-1], rows[:, 1:]
+        if pipelined:
+
+            def loss_fn(model):
+                pipe = sf.parallel.Pipeline(
+                    model.blocks, mesh=mesh, schedule=schedule, num_microbatches=microbatches
+                )
+                return pipe.loss(
+                    model.embed_tokens(tokens), targets, head=model.head, targets_spec=spec
+                )
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+        else:
+            loss, grads = sf.parallel.accumulate(
+                lambda m, b: token_loss(m(b["tokens"]), b["targets"]),
+                microbatches,
+                mesh=mesh,
+                zero=zero,
+                batch_spec=spec,
+            )(model, {"tokens": tokens, "targets": targets})
+        optimizer.update(model, grads)
+        return loss
+
+    return model, optimizer, step
+
+
+def _trajectory(model, optimizer, step, mesh, steps=3):
+    batch = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+    sharding = NamedSharding(mesh, P(batch))
+    with jax.set_mesh(mesh):
+        return [float(step(model, optimizer, _rows(i, sharding))) for i in range(steps)]
+
+
+def _plan(sizes, **restrict):
+    """`sf.plan`'s best plan for SPEC on 8 devices, restricted to the mesh `sizes`."""
+    cluster = sf.hardware.cluster("h100", devices_per_node=8)
+    mesh = {a: sizes.get(a, 1) for a in AXES}
+    plans = planner.plan(
+        SPEC,
+        cluster,
+        global_batch=B,
+        seq_len=T,
+        assumptions=planner.Assumptions.float32(embedding_sharded=False, donate=False),
+        mesh=mesh,
+        **restrict,
+    )
+    assert plans, (sizes, restrict)
+    return plans[0]
+
+
+CASES = [
+    pytest.param({"data": 2, "model": 4}, dict(zero=0, microbatches=1), id="data-model"),
+    pytest.param(
+        {"fsdp": 8}, dict(zero=3, microbatches=2), id="fsdp-zero3", marks=pytest.mark.slow
+    ),
+    pytest.param(
+        {"pipeline": 2, "data": 4},
+        dict(zero=0, microbatches=2),
+        id="pipeline-data",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize("sizes, restrict", CASES)
+def test_step_from_a_plan_equals_the_step_by_hand(sizes, restrict):
+    plan = _plan(sizes, zero=restrict["zero"])
+    options = plan.run_options()
+    assert options.mesh_shape == {a: sizes.get(a, 1) for a in AXES}
+    mesh = plan.mesh()
+    run = parallelize(SPEC, plan, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
+    got = _trajectory(run.model, run.optimizer, run.step, mesh)
+    want = _trajectory(
+        *_by_hand(
+            mesh,
+            zero=options.zero,
+            microbatches=options.microbatches,
+            schedule=options.schedule,
+        ),
+        mesh,
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    assert got[-1] < got[0], got  # it trains
+
+
+@pytest.mark.parametrize("sizes, restrict", CASES[:1] + CASES[2:])
+def test_step_from_options_equals_the_step_by_hand(sizes, restrict):
+    mesh = _mesh(sizes)
+    options = RunOptions(**restrict, remat="none")
+    run = parallelize(SPEC, options, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
+    got = _trajectory(run.model, run.optimizer, run.step, mesh)
+    want = _trajectory(*_by_hand(mesh, **restrict), mesh)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_uneven_layers_are_balanced_over_the_stages():
+    spec = SPEC.replace(num_layers=3)
+    mesh = _mesh({"pipeline": 2, "data": 4})
+    run = parallelize(spec, RunOptions(microbatches=2), mesh, rngs=nnx.Rngs(0))
+    assert run.stage_layers == sf.parallel.balance_stages([1.0] * 3, 2) == (2, 1)
+    losses = _trajectory(run.model, run.optimizer, run.step, mesh, steps=2)
+    assert np.all(np.isfinite(losses)), losses
+
+
+def test_a_plan_for_another_mesh_is_refused():
+    plan = _plan({"data": 2, "model": 4})
+    with pytest.raises(ValueError, match="does not match the plan's mesh"):
+        parallelize(SPEC, plan, _mesh({"data": 8}))
+
+
+def test_bad_inputs_name_the_argument():
+    with pytest.raises(TypeError, match="plan_or_options"):
+        parallelize(SPEC, {"zero": 1}, _mesh({"data": 8}))
+    with pytest.raises(ValueError, match="zero=5"):
+        RunOptions(zero=5)
+    with pytest.raises(ValueError, match="schedule="):
+        RunOptions(schedule="nope")
+    with pytest.raises(ValueError, match="microbatches="):
+        RunOptions(microbatches=0)
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(importlib.import_module("shardfuse.parallel.parallelize")).failed == 0
