@@ -224,9 +224,9 @@ class Trainer:
             )
         else:
             self.mesh = jax.make_mesh(shape, AXES)
-        self.batch_axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape[a] > 1) or None
-        self.ring = self.mesh.shape["sequence"]
-        self.pipelined = self.mesh.shape["pipeline"] > 1
+        self.batch_axes = tuple(a for a in axes.BATCH_AXES if self.mesh.shape[a] > 1) or None
+        self.ring = self.mesh.shape[axes.SEQUENCE]
+        self.pipelined = self.mesh.shape[axes.PIPELINE] > 1
         self.model = Transformer(
             config.model,
             mesh=self.mesh,
@@ -287,7 +287,7 @@ class Trainer:
                     model.embed_tokens(tokens),
                     targets,
                     head=model.head,
-                    targets_spec=P(("data", "fsdp"), "sequence"),
+                    targets_spec=P(axes.BATCH_AXES, axes.SEQUENCE),
                 )
 
             loss, grads = nnx.value_and_grad(pipelined_loss)(model)
@@ -301,7 +301,7 @@ class Trainer:
                 c.microbatches,
                 mesh=self.mesh,
                 zero=c.zero,
-                batch_spec=P(("data", "fsdp"), "sequence"),
+                batch_spec=P(axes.BATCH_AXES, axes.SEQUENCE),
             )(model, {"tokens": tokens, "targets": targets})
         optimizer.update(model, grads)
         return loss
