@@ -5,7 +5,7 @@ options (ZeRO stage, remat policy, microbatches, pipeline schedule) by
 predicted step time, for the figures of an 8-GPU H100 node (CPUs have no
 entry in `shardfuse.hardware`; the devices only change the ranking, not
 what runs). The plan then becomes the configuration of the Llama-style
-trainer of `examples/train_lm.py` (`shardfuse.demos.train_lm.from_plan`):
+trainer of `examples/train_lm.py` (`shardfuse.train.from_plan`):
 its mesh, `sf.layers.Stack` with the plan's remat policy, ZeRO through the
 layers' `zero=` and `sf.parallel.ZeroOptimizer`, gradient accumulation or
 `sf.parallel.Pipeline` over the plan's microbatches. The same training step
@@ -22,8 +22,8 @@ GLOBAL_BATCH, SEQ_LEN = 16, 128
 
 def config(steps=20, **overrides):
     """The `TrainConfig` of this example's model and batch (no mesh chosen yet)."""
-    from shardfuse.demos.train_lm import TrainConfig
     from shardfuse.models import ModelSpec
+    from shardfuse.train import TrainConfig
 
     model = ModelSpec.tiny("plan_and_train", **MODEL)
     fields = dict(model=model, steps=steps, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN) | overrides
@@ -32,14 +32,14 @@ def config(steps=20, **overrides):
 
 def plan_for_cpu(**restrict):
     """`sf.plan` for this model on one 8-device node (`restrict`: `sf.plan`'s options)."""
-    from shardfuse.demos.train_lm import plan_for
+    from shardfuse.train import plan_for
 
     return plan_for(config(), 8, **restrict)
 
 
 def train(the_plan, *, steps=20, log=print):
     """Trains the model with `the_plan` on the first 8 devices; returns the losses."""
-    from shardfuse.demos.train_lm import Trainer, from_plan
+    from shardfuse.train import Trainer, from_plan
 
     return Trainer(from_plan(config(steps), the_plan), log=log).run()
 

@@ -99,8 +99,8 @@ def setup(args):
     from shardfuse.parallel import distributed  # before any backend starts
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    from shardfuse.demos.train_lm import TrainConfig, Trainer, parse_mesh
     from shardfuse.models import ModelSpec
+    from shardfuse.train import TrainConfig, Trainer, parse_mesh
 
     model = ModelSpec.tiny(
         "train_lm",
@@ -135,7 +135,7 @@ def setup(args):
     if args.plan:
         import jax
 
-        from shardfuse.demos.train_lm import planned
+        from shardfuse.train import planned
 
         config, best = planned(config, jax.device_count())
         if distributed.is_primary():

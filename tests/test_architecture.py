@@ -34,7 +34,8 @@ ROOT = "shardfuse"
 # The layers, bottom first; a module may import its own layer and those below.
 # `models` (the package, and its model `models.transformer`) sits on the layers; its spec
 # (`models.spec`) is a data module.
-LAYERS = ("kernels", "collectives", "layers", "models", "parallel", "planner")
+# `train` (the trainer) sits on the planner: it reads plans, and builds runs with `parallel`.
+LAYERS = ("kernels", "collectives", "layers", "models", "parallel", "planner", "train")
 DATA_MODULES = ("models.spec", "hardware", "flops", "ring_time", "axes")
 # Programs over the library: the library never imports them.
 APPLICATIONS = ("__main__", "_info", "bench", "demos", "profile")

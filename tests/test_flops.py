@@ -6,7 +6,9 @@ import pytest
 
 from shardfuse import flops, models
 from shardfuse.bench import flops as bench_flops
-from shardfuse.demos.train_lm import (
+from shardfuse.models import ModelSpec
+from shardfuse.planner import Assumptions
+from shardfuse.train import (
     AXES,
     COMPUTE_DTYPE,
     TrainConfig,
@@ -14,8 +16,6 @@ from shardfuse.demos.train_lm import (
     estimate_for,
     layout_of,
 )
-from shardfuse.models import ModelSpec
-from shardfuse.planner import Assumptions
 
 
 def test_model_flops_is_megatron_eq3_and_palm():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardfuse.demos.train_lm import TrainConfig, Trainer, parse_mesh
 from shardfuse.models import ModelSpec
+from shardfuse.train import TrainConfig, Trainer, parse_mesh
 
 TINY = ModelSpec.tiny(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, num_layers=2)
 
@@ -86,7 +86,7 @@ def test_bad_mesh_is_refused():
 
 
 def test_token_streams_are_per_row_and_deterministic(tmp_path):
-    from shardfuse.demos.data import CORPUS, SyntheticTokens, TextTokens
+    from shardfuse.train.data import CORPUS, SyntheticTokens, TextTokens
 
     for stream in (SyntheticTokens(64, 16, seed=3), TextTokens(CORPUS, 16, seed=3)):
         whole = stream.rows(5, 0, 8)
@@ -114,3 +114,12 @@ def test_text_data_trains():
         log=lambda line: None,
     ).run()
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_docstring_examples_of_the_train_package():
+    import doctest
+    import importlib
+
+    for name in ("shardfuse.train", "shardfuse.train.trainer"):
+        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, (name, result)

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from shardfuse.demos.train_lm import TrainConfig, Trainer
 from shardfuse.models import ModelSpec
+from shardfuse.train import TrainConfig, Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "examples" / "train_lm.py")

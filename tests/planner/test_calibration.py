@@ -3,7 +3,7 @@
 On the 8 simulated CPU devices (`calibrate.cpu_cluster`: 8 devices sharing the
 host's cores, per-device rate = cores / devices of the host's, collectives
 are memory copies that do not overlap), the training example
-(`shardfuse.demos.train_lm`, a 4-layer Llama-style LM of width 256) is timed on
+(`shardfuse.train`, a 4-layer Llama-style LM of width 256) is timed on
 one mesh (process CPU seconds per step over the cores, min of several
 rounds: the host's other load does not count), the efficiency calibrated on
 it, and the measured step time of three other meshes predicted within 25%.
@@ -25,10 +25,10 @@ import time
 import jax
 import pytest
 
-from shardfuse.demos.train_lm import TrainConfig, Trainer, layout_of
 from shardfuse.models import ModelSpec
 from shardfuse.planner import Assumptions, Layout, estimate, plan
 from shardfuse.planner.calibrate import calibrate, cpu_cluster
+from shardfuse.train import TrainConfig, Trainer, layout_of
 
 MODEL = ModelSpec.tiny(vocab_size=512, hidden=256, heads=8, kv_heads=4, ffn_hidden=1024,
                       num_layers=4)  # fmt: skip

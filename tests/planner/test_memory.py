@@ -1,7 +1,7 @@
 """Predicted per-device memory vs the compiled training step's, on 8 CPU devices.
 
 The model and step are those of `examples/plan_and_train.py`: the trainer of
-`examples/train_lm.py` (`shardfuse.demos.train_lm.Trainer`: a Llama-style LM
+`examples/train_lm.py` (`shardfuse.train.Trainer`: a Llama-style LM
 of `sf.layers.ParallelTransformerBlock`s in an `sf.layers.Stack` with the
 plan's remat policy, ZeRO through the layers and `sf.parallel.ZeroOptimizer`,
 AdamW, gradient accumulation or `sf.parallel.Pipeline` over the plan's
@@ -93,7 +93,7 @@ def _plan(case):
 
 def _compiled_bytes(plan):
     """arguments + outputs + temp of the compiled training step, per device."""
-    from shardfuse.demos.train_lm import Trainer, from_plan
+    from shardfuse.train import Trainer, from_plan
 
     trainer = Trainer(from_plan(example.config(), plan), log=lambda line: None)
     m = trainer.memory_analysis()

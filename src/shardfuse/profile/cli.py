@@ -10,7 +10,7 @@ Everything after `--` is the training script and its own flags, exactly as
 it would be run (`python examples/train_lm.py --mesh ...`); without a
 script path it is `examples/train_lm.py`. The script is loaded as a module
 and must define `make_parser()` (or `parse_args(argv)`) and `setup(args)`,
-which returns its `Trainer` (`shardfuse.demos.train_lm.Trainer`) without
+which returns its `Trainer` (`shardfuse.train.Trainer`) without
 training. The profile then runs `--warmup` plus `--steps` training steps
 under `jax.profiler`, and prints the category table, the collectives it saw,
 the top ops, the planner's predicted terms for the same configuration
@@ -77,8 +77,8 @@ def main(args) -> int:
     """Runs `shardfuse profile`; ValueError/FileNotFoundError for bad arguments (exit 2)."""
     import jax
 
-    from shardfuse.demos.train_lm import estimate_for, layout_of
     from shardfuse.profile.api import profile
+    from shardfuse.train import estimate_for, layout_of
 
     bounds = (("steps", args.steps, 1), ("warmup", args.warmup, 0), ("top", args.top, 1))
     for flag, value, low in bounds:
