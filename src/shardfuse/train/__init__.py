@@ -18,7 +18,8 @@ Example usage::
 
   >>> from shardfuse.train import TrainConfig, Trainer
   >>> from shardfuse.models import ModelSpec
-  >>> trainer = Trainer(TrainConfig(mesh={"data": 8}, steps=1, model=ModelSpec.tiny(num_layers=1)), log=print)
+  >>> config = TrainConfig(mesh={"data": 8}, steps=1, model=ModelSpec.tiny(num_layers=1))
+  >>> trainer = Trainer(config, log=print)
   >>> len(trainer.run()) == 1 and trainer.history[0]["loss"] > 0  # doctest: +ELLIPSIS
   step 1/1 ...
   True
