@@ -29,6 +29,7 @@ from shardfuse.train import data
 from shardfuse.train.data import SyntheticTokens, TextTokens
 from shardfuse.train.trainer import (
     AXES,
+    COMPUTE_DTYPE,
     TrainConfig,
     Trainer,
     estimate_for,
@@ -42,6 +43,7 @@ from shardfuse.train.trainer import (
 
 __all__ = [
     "AXES",
+    "COMPUTE_DTYPE",
     "SyntheticTokens",
     "TextTokens",
     "TrainConfig",
