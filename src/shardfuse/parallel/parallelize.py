@@ -134,7 +134,7 @@ def _size(mesh, axis) -> int:
 
 
 def _batch_axes(mesh):
-    return tuple(a for a in (axes.DATA, axes.FSDP) if _size(mesh, a) > 1) or None
+    return tuple(a for a in axes.BATCH_AXES if _size(mesh, a) > 1) or None
 
 
 def _check_mesh(options: RunOptions, mesh):
@@ -236,7 +236,7 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
 
 def _step_fn(mesh, options: RunOptions, pipelined: bool):
     ring = _size(mesh, axes.SEQUENCE)
-    batch = tuple(a for a in (axes.DATA, axes.FSDP) if a in mesh.axis_names) or None
+    batch = tuple(a for a in axes.BATCH_AXES if a in mesh.axis_names) or None
     sequence = axes.SEQUENCE if axes.SEQUENCE in mesh.axis_names else None
     batch_spec = P(batch, sequence)
 
