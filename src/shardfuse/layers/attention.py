@@ -33,16 +33,41 @@ from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
 
 
-def rope(x, positions, theta: float | None):
+def rope_frequencies(head_dim: int, theta: float, scaling=None):
+    """float32 `[head_dim / 2]` inverse frequencies of RoPE, optionally Llama-3 scaled.
+
+    `scaling`: None, or `(factor, low_freq_factor, high_freq_factor,
+    original_max_positions)` (Llama 3.1's `rope_type="llama3"`): wavelengths longer
+    than `original / low_freq_factor` are divided by `factor`, shorter than
+    `original / high_freq_factor` kept, and those between interpolated.
+
+    Example:
+      >>> from shardfuse.layers.attention import rope_frequencies
+      >>> rope_frequencies(4, 10000.0).tolist()
+      [1.0, 0.009999999776482582]
+    """
+    inv_freq = theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, theta: float | None, scaling=None):
     """Rotary embedding (rotate-half form) of `x` `[B, T, N, D]` at int `positions` `[T]`.
 
     `theta` None: no rotary embedding (`x` unchanged), for models with learned or no
-    position embeddings.
+    position embeddings. `scaling`: Llama-3 frequency scaling, as in `rope_frequencies`.
     """
     if theta is None:
         return x
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])  # [D/2]
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)

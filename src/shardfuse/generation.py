@@ -1,0 +1,322 @@
+"""Text generation with a KV cache sharded like the attention.
+
+    prefill:  the prompt through every layer at once (flash attention, causal),
+              its keys and values written to the cache
+    decode:   one token per step; its query against the cache (decode attention:
+              flash-decoding, split over the cache length and merged by lse)
+
+Both run as one `jax.shard_map` over the whole mesh with the parameters in a
+decode layout: heads, kv heads and MLP units over `model` (as in training),
+the batch over `data` and `fsdp` where it divides them, nothing over
+`pipeline` or `sequence` (a pipelined or ZeRO-3 model is gathered along those
+axes once, before the first step). The cache is `[L, B, S, K, D]` for keys and
+values, kv heads over `model` when `K % model == 0` (else each model shard
+keeps the kv head its query heads read), the batch like the tokens. Its size S
+is fixed, so the decode step compiles once for every token.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.kernels.attention import api as attention_api
+from shardfuse.layers.attention import rope
+from shardfuse.layers.block import normalize
+from shardfuse.layers.mlp import activate
+
+MODEL = "model"
+BATCH_AXES = ("data", "fsdp")
+
+# Trace counts of the prefill and decode programs (the compile-once test reads them).
+TRACES = {"prefill": 0, "decode": 0}
+
+
+def _leaf(path):
+    """Our name of a parameter: the last two path entries joined ("attention.q_kernel")."""
+    return ".".join(str(p) for p in path[-2:])
+
+
+_LAYER_NAMES = {
+    "attention.q_kernel": "q",
+    "attention.kv_kernel": "kv",
+    "attention.o_kernel": "o",
+    "attention.q_bias": "q_b",
+    "attention.kv_bias": "kv_b",
+    "attention.o_bias": "o_b",
+    "up.kernel": "up",
+    "up.bias": "up_b",
+    "down.kernel": "down",
+    "down.bias": "down_b",
+    "norm_1.scale": "n1",
+    "norm_1.bias": "n1_b",
+    "norm_2.scale": "n2",
+    "norm_2.bias": "n2_b",
+}
+_TOP_NAMES = {"embed": "embed", "norm.scale": "nf", "norm.bias": "nf_b",
+              "unembed.kernel": "unembed", "positions": "pos"}  # fmt: skip
+
+
+def _decode_spec(spec, mesh):
+    """`spec` with every axis but `model` dropped (the decode layout)."""
+    keep = lambda a: a if a == MODEL or (isinstance(a, tuple) and MODEL in a) else None  # noqa: E731
+    return P(*[MODEL if keep(a) is not None else None for a in spec])
+
+
+def decode_params(model) -> dict:
+    """The model's parameters by short name, resharded to the decode layout."""
+    mesh = model.mesh
+    params = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = _leaf(path)
+        short = _LAYER_NAMES.get(name) or _TOP_NAMES.get(name) or _TOP_NAMES.get(str(path[-1]))
+        if short is None:
+            raise ValueError(f"generate: parameter {'.'.join(map(str, path))} is not understood")
+        value = variable[...]
+        spec = _decode_spec(value.sharding.spec, mesh)
+        params[short] = jax.device_put(value, NamedSharding(mesh, spec))
+    return params
+
+
+def _batch_axes(mesh, batch):
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    return axes if axes and batch % size == 0 else None
+
+
+def _cache_spec(mesh, batch_axes):
+    """`[L, B, S, K, D]`: kv heads over `model` (K = tp one-head slots when `K % tp != 0`)."""
+    tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+    return P(None, batch_axes, None, MODEL if tp > 1 else None)
+
+
+def _local_forward(spec, tp, kv_sharded, prefill, params, tokens, cache_k, cache_v, start):
+    """Per shard: logits `[b, V/tp]` of the last token, and the updated cache."""
+    H, K, D = spec.heads, spec.kv_heads, spec.head_dim
+    heads = H // tp
+    b, t = tokens.shape
+    x = jnp.take(params["embed"], tokens, axis=0)
+    positions = start + jnp.arange(t, dtype=jnp.int32)
+    if spec.positions == "learned":
+        x = x + jnp.take(params["pos"], positions, axis=0)
+    model_index = lax.axis_index(MODEL) if tp > 1 else 0
+    window = None if spec.window is None else (spec.window - 1, 0)
+
+    def layer(x, xs):
+        p, ck, cv = xs
+        h = normalize(spec.norm, x, p["n1"], p.get("n1_b"), spec.norm_eps)
+        q = h @ p["q"]
+        kv_w, kv_b = p["kv"], p.get("kv_b")
+        if not kv_sharded and tp > 1:  # the one kv head this shard's query heads read
+            head = model_index * heads // (H // K)
+            kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
+            kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
+        kv = h @ kv_w
+        if p.get("q_b") is not None:
+            q, kv = q + p["q_b"], kv + kv_b
+        q = q.reshape(b, t, heads, D)
+        kv = kv.reshape(b, t, -1, 2, D)
+        k, v = kv[..., 0, :], kv[..., 1, :]
+        if spec.positions == "rope":
+            q = rope(q, positions, spec.rope_theta, spec.rope_scaling)
+            k = rope(k, positions, spec.rope_theta, spec.rope_scaling)
+        ck = lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), start, axis=1)
+        cv = lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), start, axis=1)
+        masks = dict(window=window, logit_softcap=spec.logit_softcap)
+        if prefill:
+            o = attention_api.flash_attention(q, k, v, causal=True, **masks)
+        else:
+            lengths = jnp.full((b,), start + t, jnp.int32)
+            o = _decode_attention(q, ck, cv, lengths, **masks)
+        o = o.reshape(b, t, heads * D) @ p["o"]
+        o = lax.psum(o, MODEL) if tp > 1 else o
+        if p.get("o_b") is not None:
+            o = o + p["o_b"]
+        x = x + o.astype(x.dtype)
+        h = normalize(spec.norm, x, p["n2"], p.get("n2_b"), spec.norm_eps)
+        u = h @ p["up"]
+        if p.get("up_b") is not None:
+            u = u + p["up_b"]
+        d = activate(spec.activation, u) @ p["down"]
+        d = lax.psum(d, MODEL) if tp > 1 else d
+        if p.get("down_b") is not None:
+            d = d + p["down_b"]
+        return x + d.astype(x.dtype), (ck, cv)
+
+    layer_params = {k: v for k, v in params.items() if k in _LAYER_NAMES.values()}
+    x, (cache_k, cache_v) = lax.scan(layer, x, (layer_params, cache_k, cache_v))
+    x = normalize(spec.norm, x[:, -1], params["nf"], params.get("nf_b"), spec.norm_eps)
+    unembed = params["embed"].T if spec.tied_embeddings else params["unembed"]
+    return x @ unembed, cache_k, cache_v
+
+
+def _decode_attention(q, k, v, lengths, *, window=None, logit_softcap=None):
+    """Queries `[b, t, h, D]` (the last t valid positions) against the cache `[b, S, k, D]`."""
+    return attention_api.decode_attention(
+        q, k, v, lengths, window=window, logit_softcap=logit_softcap
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
+    """One prefill (`prefill=True`) or decode step: logits `[B, V]` of the last token."""
+    TRACES["prefill" if prefill else "decode"] += 1
+    spec, mesh = static
+    batch_axes, kv_sharded, param_specs, logits_spec = layout
+    tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+    cache_spec = _cache_spec(mesh, batch_axes)
+    local = functools.partial(_local_forward, spec, tp, kv_sharded, prefill)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(param_specs, P(batch_axes, None), cache_spec, cache_spec, P()),
+        out_specs=(logits_spec, cache_spec, cache_spec),
+        check_vma=False,
+    )(params, tokens, cache_k, cache_v, start)
+
+
+class _Static:
+    """Hashable holder of the spec and mesh (the static argument of the jitted step)."""
+
+    def __init__(self, spec, mesh):
+        self.spec, self.mesh = spec, mesh
+
+    def __iter__(self):
+        return iter((self.spec, self.mesh))
+
+    def __hash__(self):
+        return hash((self.spec, self.mesh))
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and (self.spec, self.mesh) == (other.spec, other.mesh)
+
+
+def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
+    """Next tokens `[B]` from logits `[B, V]`: greedy at temperature 0, else sampled.
+
+    `top_k` keeps the k most likely tokens, `top_p` the smallest set whose
+    probability reaches p (nucleus sampling), both before the temperature draw.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.generation import sample
+      >>> sample(jnp.array([[0.0, 2.0, 1.0]]), None).tolist()
+      [1]
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1)
+        logits = jnp.where(logits < cutoff[..., None], -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k=None,
+             top_p=None, eos_id=None, rngs=None, cache_size=None, cache_dtype=None):  # fmt: skip
+    """`max_new_tokens` tokens after each prompt row of `tokens` `[B, T]` (int).
+
+    Prefill runs the prompts through the model at once; each later token is one decode
+    step against the KV cache (see the module docstring). Decoding is greedy at
+    `temperature=0` (the default), else sampled with `top_k` / `top_p`. Rows that emit
+    `eos_id` keep emitting it; generation stops early when every row has.
+
+    Args:
+      model: a `models.Transformer` (any mesh; decoding uses the `model`, `data` and
+        `fsdp` axes).
+      tokens: int `[B, T]` prompts of equal length.
+      max_new_tokens: how many tokens to generate (>= 1).
+      temperature, top_k, top_p: sampling (`sample`).
+      eos_id: token id that ends a row, or None.
+      rngs: `nnx.Rngs` (or a key) for sampling; needed when `temperature > 0`.
+      cache_size: cache length S (default `T + max_new_tokens`); fixed, so each decode
+        step compiles once.
+      cache_dtype: dtype of the cache (default: the parameters' dtype).
+
+    Returns:
+      int32 `[B, max_new_tokens]`.
+
+    Raises:
+      ValueError: bad sizes, `temperature > 0` without `rngs`, a cache too short.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> spec = sf.models.ModelSpec("tiny", hidden=32, heads=4, kv_heads=2, head_dim=8,
+      ...                            ffn_hidden=64, num_layers=2, vocab_size=64)
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> model = sf.models.Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> sf.generate(model, jnp.zeros((2, 5), jnp.int32), 4).shape
+      (2, 4)
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be int [B, T]; got {tokens.dtype} {tokens.shape}")
+    B, T = tokens.shape
+    if T < 1 or B < 1:
+        raise ValueError(f"tokens has shape {tokens.shape}: B and T must be >= 1")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    if temperature > 0 and rngs is None:
+        raise ValueError("temperature > 0 samples: pass rngs=nnx.Rngs(seed) (or a key)")
+    spec, mesh = model.spec, model.mesh
+    S = cache_size or T + max_new_tokens
+    if S < T + max_new_tokens:
+        raise ValueError(f"cache_size={S} < prompt length {T} + max_new_tokens {max_new_tokens}")
+    params = decode_params(model)
+    tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+    kv_sharded = spec.kv_heads % tp == 0
+    batch_axes = _batch_axes(mesh, B)
+    param_specs = {k: v.sharding.spec for k, v in params.items()}
+    vocab_sharded = not spec.tied_embeddings and MODEL in tuple(param_specs["unembed"])
+    layout = (batch_axes, kv_sharded, _Frozen(param_specs),
+              P(batch_axes, MODEL if vocab_sharded else None))  # fmt: skip
+    cache_spec = _cache_spec(mesh, batch_axes)
+    K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
+    dtype = cache_dtype or params["q"].dtype
+    cache = jax.device_put(
+        jnp.zeros((spec.num_layers, B, S, K, spec.head_dim), dtype), NamedSharding(mesh, cache_spec)
+    )
+    static = _Static(spec, mesh)
+    tokens = jax.device_put(tokens.astype(jnp.int32), NamedSharding(mesh, P(batch_axes, None)))
+    logits, ck, cv = _step(static, True, layout, params, tokens, cache, cache, jnp.int32(0))
+    key = rngs() if isinstance(rngs, nnx.Rngs) else rngs
+    out, done = [], jnp.zeros((B,), bool)
+    for i in range(max_new_tokens):
+        step_key = None if key is None else jax.random.fold_in(key, i)
+        nxt = sample(logits, step_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        if eos_id is not None:
+            nxt = jnp.where(done, eos_id, nxt)
+            done = done | (nxt == eos_id)
+        out.append(nxt)
+        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+            break
+        nxt = jax.device_put(nxt[:, None], NamedSharding(mesh, P(batch_axes, None)))
+        logits, ck, cv = _step(static, False, layout, params, nxt, ck, cv, jnp.int32(T + i))
+    out = jnp.stack(out, axis=1)
+    if out.shape[1] < max_new_tokens:
+        pad = jnp.full((B, max_new_tokens - out.shape[1]), eos_id, jnp.int32)
+        out = jnp.concatenate([out, pad], axis=1)
+    return out
+
+
+class _Frozen(dict):
+    """A hashable dict (of PartitionSpecs), so that the layout can be a static argument."""
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, tuple(v)) for k, v in self.items())))

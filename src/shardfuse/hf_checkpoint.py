@@ -1,0 +1,616 @@
+"""Hugging Face checkpoints in and out: Llama, Mistral and Qwen2 on any mesh.
+
+    config.json            <->  `ModelSpec`        (`spec_from_hf_config`, `hf_config`)
+    *.safetensors (+index) <->  `Transformer` state (`load_hf`, `save_hf`)
+
+Loading reads lazily: the model is built abstractly (`nnx.eval_shape`), and
+each parameter is made with `jax.make_array_from_callback`, whose callback
+reads from the safetensors files only the rows and columns of the slice one
+device holds (the files are memory-mapped; nothing else is read). No host
+materialises a whole parameter unless a device of it holds the whole
+parameter, and no host ever holds the whole model.
+
+Layout (Hugging Face `nn.Linear` weights are `[out, in]`; ours are `[in, out]`
+kernels, the layers stacked along a leading axis):
+
+    q_proj [H*D, F]             -> attention.q_kernel  [L, F, H*D]       transposed
+    k_proj, v_proj [K*D, F]     -> attention.kv_kernel [L, F, K*2*D]     per kv head: k then v
+    o_proj [F, H*D]             -> attention.o_kernel  [L, H*D, F]
+    gate_proj, up_proj [I, F]   -> mlp.up.kernel       [L, F, 2*I]       per unit: gate then up
+    down_proj [F, I]            -> mlp.down.kernel     [L, I, F]
+    input/post_attention_layernorm -> norm_1 / norm_2 scale
+    embed_tokens [V, F]         -> embed [V, F];  lm_head [V, F] -> unembed [F, V] (untied)
+
+Both use the rotate-half RoPE convention, so q and k need no permutation.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from shardfuse import models
+
+# --- config.json <-> ModelSpec ---------------------------------------------------------
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
+# Fields we read, fields that must hold a value we support, and fields that change nothing
+# of the computation (bookkeeping of the training run or of `transformers` itself).
+_IGNORED = {
+    "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
+    "dtype", "torch_dtype", "initializer_range", "transformers_version", "use_cache",
+    "pretraining_tp", "model_type", "max_window_layers", "layer_types", "use_sliding_window",
+    "sliding_window", "rope_theta", "rope_scaling", "rope_parameters", "head_dim",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "rms_norm_eps",
+    "max_position_embeddings", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "num_hidden_layers", "vocab_size", "_name_or_path", "return_dict",
+    "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "tokenizer_class",
+    "bos_token", "eos_token", "generation_config", "_attn_implementation_autoset",
+    "qkv_bias",
+}  # fmt: skip
+
+
+def _rope_parameters(config: dict) -> dict:
+    """The RoPE fields of a config, old (`rope_theta`, `rope_scaling`) or new (`rope_parameters`)."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = kind
+    return params
+
+
+def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
+    """The `ModelSpec` of a Hugging Face Llama, Mistral or Qwen2 `config.json` (a dict).
+
+    Raises:
+      ValueError: an unknown `model_type`, or a field with a value shardfuse does not
+        compute (named), e.g. `hidden_act="gelu"` on a Llama, `mlp_bias=True`, a
+        RoPE type other than "default" or "llama3".
+
+    Example:
+      >>> from shardfuse import hf_checkpoint as hf
+      >>> spec = hf.spec_from_hf_config(dict(model_type="llama", hidden_size=64,
+      ...     intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+      ...     num_hidden_layers=2, vocab_size=100))
+      >>> spec.kv_heads, spec.head_dim
+      (2, 16)
+    """
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json: model_type={kind!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_hidden_layers", "vocab_size"):  # fmt: skip
+        if field not in config:
+            raise ValueError(f"config.json: the required field {field!r} is missing")
+    act = config.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported; supported: silu")
+    if config.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=True is not supported (biases in the MLP)")
+    rope = _rope_parameters(config)
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise ValueError(
+            f"config.json: rope type {rope['rope_type']!r} is not supported; "
+            "supported: 'default', 'llama3'"
+        )
+    heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    window = None
+    if kind == "mistral" and config.get("sliding_window"):
+        window = int(config["sliding_window"])
+    if kind == "qwen2" and config.get("use_sliding_window") and config.get("sliding_window"):
+        raise ValueError("config.json: use_sliding_window=True (Qwen2) is not supported")
+    qkv_bias = bool(config.get("attention_bias", kind == "qwen2"))
+    scaling = None
+    if rope["rope_type"] == "llama3":
+        scaling = (
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    return models.ModelSpec(
+        name,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        ffn_hidden=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        vocab_size=config["vocab_size"],
+        window=window,
+        activation="swiglu",
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norm="rmsnorm",
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope["rope_theta"]),
+        rope_scaling=scaling,
+        qkv_bias=qkv_bias,
+        max_positions=config.get("max_position_embeddings"),
+    )
+
+
+def hf_config(spec: models.ModelSpec, *, model_type: str = "llama", dtype: str = "float32") -> dict:
+    """The `config.json` (a dict) under which `transformers` builds `spec`'s model.
+
+    Raises:
+      ValueError: `model_type` unknown, or `spec` uses an option the family lacks
+        (GELU, LayerNorm, learned positions, biases outside q/k/v, softcap).
+
+    Example:
+      >>> from shardfuse import hf_checkpoint as hf
+      >>> spec = hf.spec_from_hf_config(dict(model_type="qwen2", hidden_size=64,
+      ...     intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+      ...     num_hidden_layers=2, vocab_size=100))
+      >>> hf.hf_config(spec, model_type="qwen2")["attention_bias"]
+      True
+    """
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}")
+    unsupported = dict(
+        activation=(spec.activation, "swiglu"),
+        norm=(spec.norm, "rmsnorm"),
+        positions=(spec.positions, "rope"),
+        use_bias=(spec.use_bias, False),
+        logit_softcap=(spec.logit_softcap, None),
+    )
+    for field, (value, wanted) in unsupported.items():
+        if value != wanted:
+            raise ValueError(
+                f"spec.{field}={value!r} cannot be written as a {model_type} checkpoint "
+                f"(which needs {wanted!r})"
+            )
+    if spec.window is not None and model_type != "mistral":
+        raise ValueError(f"spec.window={spec.window} needs model_type='mistral'")
+    if spec.qkv_bias and model_type == "mistral":
+        raise ValueError("spec.qkv_bias=True cannot be written as a mistral checkpoint")
+    rope = {"rope_theta": spec.rope_theta, "rope_type": "default"}
+    if spec.rope_scaling is not None:
+        factor, low, high, original = spec.rope_scaling
+        rope.update(rope_type="llama3", factor=factor, low_freq_factor=low,
+                    high_freq_factor=high, original_max_position_embeddings=original)  # fmt: skip
+    config = dict(
+        architectures=[ARCHITECTURES[model_type]],
+        model_type=model_type,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn_hidden,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        num_hidden_layers=spec.num_layers,
+        vocab_size=spec.vocab_size,
+        hidden_act="silu",
+        rms_norm_eps=spec.norm_eps,
+        rope_theta=spec.rope_theta,
+        rope_parameters=rope,
+        rope_scaling=rope,
+        tie_word_embeddings=spec.tied_embeddings,
+        max_position_embeddings=spec.max_positions or 4096,
+        dtype=dtype,
+        torch_dtype=dtype,
+    )
+    if model_type == "llama":
+        config.update(attention_bias=spec.qkv_bias, mlp_bias=False)
+        if spec.qkv_bias:
+            raise ValueError("spec.qkv_bias=True is written as model_type='qwen2', not 'llama'")
+    if model_type == "mistral":
+        config.update(sliding_window=spec.window)
+    if model_type == "qwen2":
+        if not spec.qkv_bias:
+            raise ValueError("a qwen2 checkpoint has q/k/v biases: spec.qkv_bias must be True")
+        config.update(sliding_window=None, use_sliding_window=False)
+    return config
+
+
+# --- safetensors, read lazily -----------------------------------------------------------
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}  # fmt: skip
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class SafetensorsDir:
+    """The tensors of a checkpoint directory (`model.safetensors` or an index of shards).
+
+    Files are opened (memory-mapped) on first use, so a process that reads only some
+    tensors opens only their files; `opened` records which, `reads` every slice read.
+
+    Raises:
+      ValueError: no safetensors file, an index naming a missing file, a corrupt header.
+
+    Example:
+      >>> import numpy as np, tempfile
+      >>> from shardfuse import hf_checkpoint as hf
+      >>> d = tempfile.mkdtemp()
+      >>> hf.write_safetensors(f"{d}/model.safetensors", {"w": np.eye(3, dtype=np.float32)})
+      >>> hf.SafetensorsDir(d).read("w", (slice(1, 3), slice(None))).tolist()
+      [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            self.files = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.path / "model.safetensors").exists():
+            self.files = None  # one file: its header names the tensors
+        else:
+            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        for file in set((self.files or {}).values()):
+            if not (self.path / file).exists():
+                raise ValueError(f"the index names shard file {file!r}, missing from {path}")
+        self._open = {}
+        self.opened, self.reads = [], []
+        if self.files is None:
+            self.files = {name: "model.safetensors" for name in self._header("model.safetensors")}
+
+    def _header(self, file):
+        if file not in self._open:
+            raw = np.memmap(self.path / file, dtype=np.uint8, mode="r")
+            if raw.size < 8:
+                raise ValueError(f"{file}: not a safetensors file (too short)")
+            (size,) = struct.unpack("<Q", bytes(raw[:8]))
+            try:
+                header = json.loads(bytes(raw[8 : 8 + size]))
+            except ValueError as err:
+                raise ValueError(f"{file}: corrupt safetensors header ({err})") from None
+            header.pop("__metadata__", None)
+            self._open[file] = (raw, 8 + size, header)
+            self.opened.append(file)
+        return self._open[file][2]
+
+    def names(self):
+        """The tensor names, sorted."""
+        return sorted(self.files)
+
+    def info(self, name):
+        """`(shape, numpy dtype)` of tensor `name` (ValueError when the checkpoint lacks it)."""
+        if name not in self.files:
+            raise ValueError(f"tensor {name!r} is not in the checkpoint {self.path}")
+        entry = self._header(self.files[name])[name]
+        return tuple(entry["shape"]), np.dtype(_DTYPES[entry["dtype"]])
+
+    def read(self, name, index=()):
+        """`tensor[index]` (a tuple of slices) as a numpy array, reading only those bytes."""
+        shape, dtype = self.info(name)
+        raw, start, header = self._open[self.files[name]]
+        begin, end = header[name]["data_offsets"]
+        array = raw[start + begin : start + end].view(dtype).reshape(shape)
+        self.reads.append((name, index))
+        return np.array(array[tuple(index)])
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None):
+    """Writes numpy `tensors` (name -> array) as one safetensors file.
+
+    Example:
+      >>> import numpy as np, tempfile
+      >>> from shardfuse import hf_checkpoint as hf
+      >>> hf.write_safetensors(tempfile.mktemp(), {"b": np.zeros(2, np.float32)})
+    """
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        header[name] = dict(
+            dtype=_NAMES[array.dtype],
+            shape=list(array.shape),
+            data_offsets=[offset, offset + array.nbytes],
+        )
+        offset += array.nbytes
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name]).tobytes())
+
+
+# --- our parameters <-> their tensors ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Map:
+    """How one of our parameters is made of checkpoint tensors.
+
+    kind "copy": the same array; "t": the transpose of a 2-D weight; "pair": two
+    tensors interleaved in groups of `group` rows (k and v per head: group D; gate
+    and up per unit: group 1), then transposed when 2-D. `stacked`: one tensor per
+    layer (`{l}` in the names), stacked along our leading axis.
+    """
+
+    names: tuple
+    kind: str
+    stacked: bool = False
+    group: int = 1
+
+
+_LAYER = "model.layers.{l}."
+
+
+def _map_of(path: tuple, spec) -> _Map:
+    """The `_Map` of our parameter at `path` (ValueError for a parameter HF has no name for)."""
+    D = spec.head_dim
+    layer = {
+        ("attention", "q_kernel"): ("self_attn.q_proj.weight",),
+        ("attention", "kv_kernel"): ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        ("attention", "o_kernel"): ("self_attn.o_proj.weight",),
+        ("attention", "q_bias"): ("self_attn.q_proj.bias",),
+        ("attention", "kv_bias"): ("self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        ("up", "kernel"): ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        ("down", "kernel"): ("mlp.down_proj.weight",),
+        ("norm_1", "scale"): ("input_layernorm.weight",),
+        ("norm_2", "scale"): ("post_attention_layernorm.weight",),
+    }
+    key = tuple(path[-2:])
+    if key in layer:
+        names = tuple(_LAYER + n for n in layer[key])
+        if len(names) == 2:
+            return _Map(names, "pair", stacked=True, group=D if key[0] == "attention" else 1)
+        return _Map(names, "copy" if key[1] in ("q_bias", "scale") else "t", stacked=True)
+    if path[-1] == "embed":
+        return _Map(("model.embed_tokens.weight",), "copy")
+    if key == ("norm", "scale"):
+        return _Map(("model.norm.weight",), "copy")
+    if key == ("unembed", "kernel"):
+        return _Map(("lm_head.weight",), "t")
+    raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face counterpart")
+
+
+def _bounds(index, shape):
+    """Slices of `index` (padded to `shape`) as `(start, stop)` pairs."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided slice {s} is not supported")
+        out.append((start, stop))
+    return out
+
+
+def _read_one(source, m: _Map, l, bounds):
+    """Our (unstacked) parameter's block at `bounds` from the tensors of layer `l`."""
+    names = [n.format(l=l) for n in m.names]
+    if m.kind == "copy":
+        return source.read(names[0], tuple(slice(a, b) for a, b in bounds))
+    if m.kind == "t":
+        (r0, r1), (c0, c1) = bounds
+        return source.read(names[0], (slice(c0, c1), slice(r0, r1))).T
+    # "pair": our columns (last axis) interleave the two tensors' rows in groups
+    (c0, c1) = bounds[-1]
+    step = 2 * m.group
+    g0, g1 = c0 // step, -(-c1 // step)
+    rows = (slice(g0 * m.group, g1 * m.group),)
+    if len(bounds) == 2:  # a kernel [F, C]: the tensors are [rows, F]
+        rows = rows + (slice(*bounds[0]),)
+    a, b = (source.read(n, rows) for n in names)
+    both = np.stack([a.reshape(g1 - g0, m.group, *a.shape[1:]),
+                     b.reshape(g1 - g0, m.group, *b.shape[1:])], axis=1)  # fmt: skip
+    both = both.reshape((g1 - g0) * step, *a.shape[1:])[c0 - g0 * step : c1 - g0 * step]
+    return both.T if both.ndim == 2 else both
+
+
+def _read(source, m: _Map, shape, index, dtype):
+    bounds = _bounds(index, shape)
+    if not m.stacked:
+        block = _read_one(source, m, None, bounds)
+    else:
+        (l0, l1), rest = bounds[0], bounds[1:]
+        block = np.stack([_read_one(source, m, l, rest) for l in range(l0, l1)])
+    return block.astype(dtype)
+
+
+def _check_shapes(source, m: _Map, shape, path):
+    """ValueError unless the checkpoint's tensors have the sizes our parameter needs."""
+    layers = range(shape[0]) if m.stacked else [None]
+    per_layer = shape[1:] if m.stacked else shape
+    for l in layers:
+        got = [source.info(n.format(l=l))[0] for n in m.names]
+        if m.kind == "copy":
+            want = [tuple(per_layer)]
+        elif m.kind == "t":
+            want = [tuple(per_layer[::-1])]
+        else:
+            rows = per_layer[-1] // 2
+            want = [(rows, *per_layer[:-1])] * 2
+        if got != want:
+            raise ValueError(
+                f"checkpoint tensors {[n.format(l=l) for n in m.names]} have shapes {got}; "
+                f"parameter {'.'.join(map(str, path))} {tuple(shape)} needs {want}"
+            )
+
+
+def _params(state):
+    """`(path, variable)` of every `nnx.Param` of a split state."""
+    return [(p, v) for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param)]
+
+
+def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **model_options):
+    """A `models.Transformer` on `mesh` holding the Hugging Face checkpoint in `path`.
+
+    Reads `config.json` (`spec_from_hf_config`) and the safetensors files, each device's
+    slices only (see the module docstring). Works on every mesh the model does:
+    data, fsdp (ZeRO-3 via `zero=3`), sequence, model, pipeline (`pipelined=True`).
+
+    Args:
+      path: a checkpoint directory (`config.json`, `model.safetensors` or
+        `model.safetensors.index.json` with its shards).
+      mesh: the mesh.
+      pipelined: stack the layers over the `pipeline` axis.
+      param_dtype: storage dtype of the parameters (float32 default).
+      **model_options: layer options of `models.Transformer` (zero=, remat=, ...).
+
+    Returns:
+      the model (its `spec` attribute holds the `ModelSpec`).
+
+    Raises:
+      ValueError: an unknown architecture or unsupported config field (named), a missing
+        shard file or tensor, tensors of the wrong shape, a mesh that does not divide
+        the heads (raised by the layers, before anything is read).
+
+    Example:
+      >>> import jax, tempfile                                   # doctest: +SKIP
+      >>> model = load_hf("path/to/Llama-3.2-1B", mesh=jax.make_mesh((8,), ("data",)))
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ValueError(f"no config.json in {str(path)!r}")
+    spec = spec_from_hf_config(json.loads(config_file.read_text()), name=path.name or "hf")
+    source = SafetensorsDir(path)
+
+    def build():
+        from shardfuse.models import Transformer
+
+        return Transformer(spec, mesh=mesh, pipelined=pipelined, rngs=nnx.Rngs(0),
+                           **model_options)  # fmt: skip
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    maps = {}
+    for p, variable in _params(state):
+        m = _map_of(p, spec)
+        _check_shapes(source, m, variable.get_raw_value().shape, p)
+        maps[p] = m
+    for p, variable in _params(state):
+        abstract = variable.get_raw_value()
+        sharding = NamedSharding(mesh, abstract.sharding.spec)
+        m, shape = maps[p], abstract.shape
+        value = jax.make_array_from_callback(
+            shape, sharding, lambda index, m=m, shape=shape: _read(source, m, shape, index,
+                                                                   param_dtype)  # fmt: skip
+        )
+        variable.set_raw_value(value)
+    return nnx.merge(graphdef, state)
+
+
+def _full(array, layer=None):
+    """One layer (or all) of a global array as numpy on this host (gathered across hosts)."""
+    part = array if layer is None else array[layer]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(part, tiled=True))
+    return np.asarray(jax.device_get(part))
+
+
+def _split(m: _Map, ours):
+    """The checkpoint tensors of one (unstacked) block of ours: inverse of `_read_one`."""
+    if m.kind == "copy":
+        return [ours]
+    if m.kind == "t":
+        return [ours.T]
+    rows = ours.T if ours.ndim == 2 else ours  # [C, F] or [C]
+    step = 2 * m.group
+    both = rows.reshape(rows.shape[0] // step, 2, m.group, *rows.shape[1:])
+    return [both[:, i].reshape(-1, *rows.shape[1:]) for i in (0, 1)]
+
+
+def save_hf(model, path, *, model_type: str | None = None, dtype=None,
+            max_shard_bytes: int = 4 << 30):  # fmt: skip
+    """Writes `model` (a `models.Transformer`) as a Hugging Face checkpoint directory.
+
+    `config.json` (`hf_config`), `model.safetensors` or shards
+    `model-0000i-of-0000n.safetensors` of at most `max_shard_bytes` with their index.
+    Shard files are dealt round-robin to the processes; each process writes its own
+    (the arrays are gathered one layer of one parameter at a time). A round trip
+    `load_hf(save_hf(model))` is bitwise for float32 parameters.
+
+    Args:
+      model: the model; its `spec` says the sizes.
+      path: a directory (created; existing files of the same names are replaced).
+      model_type: "llama", "mistral" or "qwen2"; default: qwen2 with q/k/v biases,
+        mistral with a sliding window, else llama.
+      dtype: numpy dtype of the tensors (default: the parameters' own).
+      max_shard_bytes: the largest shard file.
+
+    Raises:
+      ValueError: the spec cannot be expressed in that family (named), before anything
+        is written.
+
+    Example:
+      >>> save_hf(model, "/tmp/out")                             # doctest: +SKIP
+    """
+    spec = model.spec
+    if model_type is None:
+        model_type = "qwen2" if spec.qkv_bias else "mistral" if spec.window else "llama"
+    state = nnx.state(model, nnx.Param)
+    entries = []  # (name, shape, dtype, producer)
+    params = _params(state)
+    first_dtype = None
+    for p, variable in params:
+        m = _map_of(p, spec)
+        value = variable.get_raw_value()
+        first_dtype = first_dtype or value.dtype
+        out_dtype = np.dtype(dtype or value.dtype)
+        layers = range(value.shape[0]) if m.stacked else [None]
+        for l in layers:
+            per = value.shape[1:] if m.stacked else value.shape
+            shapes = [tuple(s.shape) for s in _split(m, np.empty(per, np.uint8))]
+            for i, (name, shape) in enumerate(zip(m.names, shapes)):
+                entries.append((name.format(l=l), shape, out_dtype, (value, m, l, i)))
+    config = hf_config(spec, model_type=model_type,
+                       dtype=str(np.dtype(dtype or first_dtype)))  # fmt: skip
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    files, size = [[]], 0
+    for entry in entries:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += nbytes
+    count = len(files)
+    names = (["model.safetensors"] if count == 1 else
+             [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])  # fmt: skip
+    me, processes = jax.process_index(), jax.process_count()
+    cache = {}
+    for i, (file, group) in enumerate(zip(names, files)):
+        tensors = {}
+        for name, _, out_dtype, (value, m, l, part) in group:
+            key = (id(value), l)
+            if key not in cache:  # every process gathers (a collective across hosts)
+                cache.clear()
+                cache[key] = _split(m, _full(value, l))
+            if i % processes == me:
+                tensors[name] = np.ascontiguousarray(cache[key][part]).astype(out_dtype)
+        if i % processes == me:
+            write_safetensors(path / file, tensors, metadata={"format": "pt"})
+    if me == 0:
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        index = path / "model.safetensors.index.json"
+        if count > 1:
+            weight_map = {e[0]: f for f, group in zip(names, files) for e in group}
+            total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
+            index.write_text(json.dumps({"metadata": {"total_size": total},
+                                         "weight_map": weight_map}, indent=2))  # fmt: skip
+        elif index.exists():
+            index.unlink()
+    return path
