@@ -1,4 +1,4 @@
-"""Command line: `shardfuse info | demo | bench | pipeline | plan | profile`.
+"""Command line: `shardfuse info | demo | bench | pipeline | plan | profile | generate`.
 
 shardfuse info            versions, devices, usable implementations and why not
 shardfuse demo            every op against its reference on 8 CPU devices
@@ -6,6 +6,7 @@ shardfuse bench           the benchmark suites (shardfuse.bench.suites): table, 
 shardfuse pipeline        a pipeline schedule as a grid: ticks, bubble, in-flight microbatches
 shardfuse plan            the best parallel layouts for a model on a cluster (cost model)
 shardfuse profile         a training step's time by category, from a jax.profiler trace
+shardfuse generate        text from a Hugging Face checkpoint (KV cache on any mesh)
 """
 
 import sys
@@ -46,6 +47,11 @@ def main(argv=None) -> int:
     profile_cli.add_arguments(
         commands.add_parser("profile", help="a training step's time by category (jax.profiler)")
     )
+    from shardfuse import generation_cli
+
+    generation_cli.add_arguments(
+        commands.add_parser("generate", help="text from a Hugging Face checkpoint directory")
+    )
     args = parser.parse_args(argv)
     if args.cpu_devices < 1:
         parser.error(f"--cpu-devices={args.cpu_devices} must be >= 1")
@@ -61,8 +67,9 @@ def main(argv=None) -> int:
         from shardfuse import demos
 
         demos.run(seq_len=args.seq_len)
-    elif args.command in ("bench", "pipeline", "plan", "profile"):
-        clis = {"bench": bench_cli, "pipeline": pipeline_cli, "plan": plan_cli}
+    elif args.command in ("bench", "pipeline", "plan", "profile", "generate"):
+        clis = {"bench": bench_cli, "pipeline": pipeline_cli, "plan": plan_cli,
+                "generate": generation_cli}  # fmt: skip
         cli = clis.get(args.command, profile_cli)
         try:
             return cli.main(args)

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.kernels.attention import api as attention_api
+from shardfuse.kernels.decode_attention.api import decode_attention
 from shardfuse.layers.attention import rope
 from shardfuse.layers.block import normalize
 from shardfuse.layers.mlp import activate
@@ -59,7 +60,7 @@ _LAYER_NAMES = {
     "norm_2.bias": "n2_b",
 }
 _TOP_NAMES = {"embed": "embed", "norm.scale": "nf", "norm.bias": "nf_b",
-              "unembed.kernel": "unembed", "positions": "pos"}  # fmt: skip
+              "unembed.kernel": "unembed", "pos_embed": "pos"}  # fmt: skip
 
 
 def _decode_spec(spec, mesh):
@@ -157,9 +158,7 @@ def _local_forward(spec, tp, kv_sharded, prefill, params, tokens, cache_k, cache
 
 def _decode_attention(q, k, v, lengths, *, window=None, logit_softcap=None):
     """Queries `[b, t, h, D]` (the last t valid positions) against the cache `[b, S, k, D]`."""
-    return attention_api.decode_attention(
-        q, k, v, lengths, window=window, logit_softcap=logit_softcap
-    )
+    return decode_attention(q, k, v, lengths, window=window, logit_softcap=logit_softcap)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
