@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     profile_cli.add_arguments(
         commands.add_parser("profile", help="a training step's time by category (jax.profiler)")
     )
-    from shardfuse import generation_cli
+    from shardfuse.models import cli as generation_cli
 
     generation_cli.add_arguments(
         commands.add_parser("generate", help="text from a Hugging Face checkpoint directory")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shardfuse import generation
-from shardfuse import hf_checkpoint as hf
+from shardfuse.models import generate as generation
+from shardfuse.models import hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -119,6 +119,8 @@ class ParallelSelfAttention(nnx.Module):
         "zigzag" or "striped".
       rope_theta: RoPE base; None: no rotary embedding (positions then feed
         nothing but the masks; for learned or no position embeddings).
+      rope_scaling: Llama 3.1's RoPE frequency scaling `(factor, low_freq_factor,
+        high_freq_factor, original_max_positions)` (`rope_frequencies`), or None.
       window, logit_softcap: as in `sf.flash_attention`.
       use_bias: biases on the projections; default False (Llama-style
         attention, unlike the `nnx.Linear`-compatible linear layers).
@@ -158,6 +160,7 @@ class ParallelSelfAttention(nnx.Module):
         causal: bool = True,
         layout: str = "zigzag",
         rope_theta: float | None = 10000.0,
+        rope_scaling: tuple | None = None,
         window=None,
         logit_softcap: float | None = None,
         use_bias: bool = False,
@@ -200,6 +203,7 @@ class ParallelSelfAttention(nnx.Module):
         )
         self.causal, self.layout = bool(causal), layout
         self.rope_theta = None if rope_theta is None else float(rope_theta)
+        self.rope_scaling = None if rope_scaling is None else tuple(rope_scaling)
         # a tuple: the layer configuration is a (hashable) cache key of `call_compiled`
         self.window = None if window is None else tuple(window)
         self.logit_softcap = logit_softcap
@@ -271,8 +275,8 @@ class ParallelSelfAttention(nnx.Module):
         b, t = y.shape[:2]
         q = checkpoint_name(y[..., : heads * D], "attention_q").reshape(b, t, heads, D)
         kv = checkpoint_name(y[..., heads * D :], "attention_kv").reshape(b, t, -1, 2, D)
-        q = rope(q, positions, self.rope_theta)
-        k = rope(kv[..., 0, :], positions, self.rope_theta)
+        q = rope(q, positions, self.rope_theta, self.rope_scaling)
+        k = rope(kv[..., 0, :], positions, self.rope_theta, self.rope_scaling)
         v = kv[..., 1, :]
         masks = dict(
             causal=self.causal,

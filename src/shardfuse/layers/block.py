@@ -177,7 +177,7 @@ class ParallelTransformerBlock(nnx.Module):
         option keyword below overrides its field (not given: the field
         stands; `shardfuse.layers.options` has the rule).
       mesh: the mesh (Explicit or Auto axes; `jax.set_mesh` is not needed).
-      num_kv_heads, head_dim, causal, layout, rope_theta, window,
+      num_kv_heads, head_dim, causal, layout, rope_theta, rope_scaling, window,
         logit_softcap: attention options, as in `ParallelSelfAttention`.
       norm: "rmsnorm" or "layernorm".
       norm_eps: epsilon of the norms.
@@ -232,6 +232,7 @@ class ParallelTransformerBlock(nnx.Module):
         causal: bool = True,
         layout: str = "zigzag",
         rope_theta: float | None = 10000.0,
+        rope_scaling: tuple | None = None,
         window=None,
         logit_softcap: float | None = None,
         norm: str = "rmsnorm",
@@ -259,6 +260,7 @@ class ParallelTransformerBlock(nnx.Module):
             causal=causal,
             layout=layout,
             rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             window=window,
             logit_softcap=logit_softcap,
             qkv_bias=qkv_bias,

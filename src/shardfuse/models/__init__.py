@@ -6,7 +6,9 @@ re-exported here eagerly, so that the planner, `shardfuse.flops` and the
 benchmarks read specs without importing Flax or the layers.
 `shardfuse.models.transformer` holds `Transformer`, the NNX model a spec
 describes, built from `shardfuse.layers`; it is imported lazily, on first use
-of one of its names (`sf.models.Transformer`).
+of one of its names (`sf.models.Transformer`). `shardfuse.models.hf` reads and
+writes Hugging Face checkpoints (`load_hf`, `save_hf`), `shardfuse.models.generate`
+generates text with a sharded KV cache (`generate`); both lazy too.
 
 Example:
   >>> from shardfuse import models
@@ -33,7 +35,14 @@ from shardfuse.models.spec import (
 
 # name -> submodule defining it, imported on first access (PEP 562): the model pulls in
 # Flax and the layers, which the data readers of this package must not depend on.
-_LAZY = {"Transformer": "transformer", "LMHead": "transformer", "token_loss": "transformer"}
+_LAZY = {
+    "Transformer": "transformer",
+    "LMHead": "transformer",
+    "token_loss": "transformer",
+    "load_hf": "hf",
+    "save_hf": "hf",
+    "generate": "generate",
+}
 
 __all__ = [
     "ACTIVATIONS",
@@ -46,8 +55,11 @@ __all__ = [
     "ModelSpec",
     "PublishedRun",
     "Transformer",
+    "generate",
     "get",
+    "load_hf",
     "names",
+    "save_hf",
     "token_loss",
 ]
 

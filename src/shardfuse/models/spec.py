@@ -84,6 +84,9 @@ class ModelShape:
       positions: "rope" (rotary, base `rope_theta`), "learned" (a `[max_positions,
         hidden]` table added to the token embeddings, GPT-2) or "none".
       rope_theta: RoPE base (with `positions="rope"`).
+      rope_scaling: None, or Llama 3.1's RoPE frequency scaling `(factor,
+        low_freq_factor, high_freq_factor, original_max_positions)`
+        (`sf.layers.attention.rope_frequencies`).
       max_positions: rows of the learned position table (required with
         `positions="learned"`: the longest sequence the model reads), else None.
       use_bias: biases on every linear layer (q, k, v, o and the MLP), GPT-style.
@@ -117,6 +120,7 @@ class ModelShape:
     norm_eps: float = 1e-6
     positions: str = "rope"
     rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
     max_positions: int | None = None
     use_bias: bool = False
     qkv_bias: bool = False
@@ -168,6 +172,19 @@ class ModelShape:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"ModelShape.{field}={value!r} must be None or a positive int")
+        if self.rope_scaling is not None:
+            scaling = self.rope_scaling
+            if (
+                not isinstance(scaling, tuple)
+                or len(scaling) != 4
+                or not all(isinstance(x, int | float) and x > 0 for x in scaling)
+                or not scaling[2] > scaling[1]
+            ):
+                raise ValueError(
+                    f"ModelShape.rope_scaling={scaling!r} must be None or a tuple (factor, "
+                    "low_freq_factor, high_freq_factor, original_max_positions) of positive "
+                    "numbers with high_freq_factor > low_freq_factor"
+                )
         if self.positions == "learned" and self.max_positions is None:
             raise ValueError(
                 "ModelShape.max_positions=None: positions='learned' needs the number of "

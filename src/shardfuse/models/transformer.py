@@ -228,6 +228,7 @@ class Transformer(nnx.Module):
                 num_kv_heads=spec.kv_heads,
                 head_dim=spec.head_dim,
                 rope_theta=rope_theta,
+                rope_scaling=spec.rope_scaling,
                 window=spec.causal_mask[0],
                 logit_softcap=spec.logit_softcap,
                 norm=spec.norm,
@@ -365,7 +366,10 @@ class Transformer(nnx.Module):
 def embed_lookup(table, tokens, mesh):
     """Rows of `table` `[V, F]` for `tokens` `[B, T]` -> `[B, T, F]`, sharded like the tokens."""
     spec = tuple(jax.typeof(tokens).sharding.spec)
-    if any(spec):  # Explicit axes: the gather's output sharding must be stated
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if any(spec) or (explicit and any(jax.typeof(table).sharding.spec)):
+        # Explicit axes: the gather's output sharding must be stated (also for replicated
+        # tokens when the table is sharded, e.g. its vocabulary over fsdp under ZeRO-3)
         out = NamedSharding(mesh, P(*spec, *(None,) * (tokens.ndim - len(spec)), None))
         return table.at[tokens].get(out_sharding=out)
     return jnp.take(table, tokens, axis=0)

@@ -63,8 +63,8 @@ def main(args) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from shardfuse import generation
-    from shardfuse import hf_checkpoint as hf
+    from shardfuse.models import generate as generation
+    from shardfuse.models import hf
 
     directory = Path(args.model)
     tokenizer = _tokenizer(directory) if args.prompt is not None else None

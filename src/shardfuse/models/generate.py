@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.kernels.attention import api as attention_api
-from shardfuse.kernels.decode_attention.api import decode_attention
 from shardfuse.layers.attention import rope
 from shardfuse.layers.block import normalize
 from shardfuse.layers.mlp import activate
@@ -158,6 +157,8 @@ def _local_forward(spec, tp, kv_sharded, prefill, params, tokens, cache_k, cache
 
 def _decode_attention(q, k, v, lengths, *, window=None, logit_softcap=None):
     """Queries `[b, t, h, D]` (the last t valid positions) against the cache `[b, S, k, D]`."""
+    from shardfuse.kernels.decode_attention.api import decode_attention
+
     return decode_attention(q, k, v, lengths, window=window, logit_softcap=logit_softcap)
 
 
@@ -203,7 +204,7 @@ def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from shardfuse.generation import sample
+      >>> from shardfuse.models.generate import sample
       >>> sample(jnp.array([[0.0, 2.0, 1.0]]), None).tolist()
       [1]
     """

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardfuse import models
+from shardfuse.models import spec as models
 
 # --- config.json <-> ModelSpec ---------------------------------------------------------
 
@@ -84,7 +84,7 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
         RoPE type other than "default" or "llama3".
 
     Example:
-      >>> from shardfuse import hf_checkpoint as hf
+      >>> from shardfuse.models import hf
       >>> spec = hf.spec_from_hf_config(dict(model_type="llama", hidden_size=64,
       ...     intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
       ...     num_hidden_layers=2, vocab_size=100))
@@ -157,7 +157,7 @@ def hf_config(spec: models.ModelSpec, *, model_type: str = "llama", dtype: str =
         (GELU, LayerNorm, learned positions, biases outside q/k/v, softcap).
 
     Example:
-      >>> from shardfuse import hf_checkpoint as hf
+      >>> from shardfuse.models import hf
       >>> spec = hf.spec_from_hf_config(dict(model_type="qwen2", hidden_size=64,
       ...     intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
       ...     num_hidden_layers=2, vocab_size=100))
@@ -242,7 +242,7 @@ class SafetensorsDir:
 
     Example:
       >>> import numpy as np, tempfile
-      >>> from shardfuse import hf_checkpoint as hf
+      >>> from shardfuse.models import hf
       >>> d = tempfile.mkdtemp()
       >>> hf.write_safetensors(f"{d}/model.safetensors", {"w": np.eye(3, dtype=np.float32)})
       >>> hf.SafetensorsDir(d).read("w", (slice(1, 3), slice(None))).tolist()
@@ -309,7 +309,7 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None):
 
     Example:
       >>> import numpy as np, tempfile
-      >>> from shardfuse import hf_checkpoint as hf
+      >>> from shardfuse.models import hf
       >>> hf.write_safetensors(tempfile.mktemp(), {"b": np.zeros(2, np.float32)})
     """
     header, offset = {}, 0
@@ -502,10 +502,15 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
         abstract = variable.get_raw_value()
         sharding = NamedSharding(mesh, abstract.sharding.spec)
         m, shape = maps[p], abstract.shape
-        value = jax.make_array_from_callback(
-            shape, sharding, lambda index, m=m, shape=shape: _read(source, m, shape, index,
-                                                                   param_dtype)  # fmt: skip
-        )
+        slices = {}  # one read per distinct slice (replicas on this process share it)
+
+        def callback(index, m=m, shape=shape, slices=slices):
+            key = tuple(_bounds(index, shape))
+            if key not in slices:
+                slices[key] = _read(source, m, shape, index, param_dtype)
+            return slices[key]
+
+        value = jax.make_array_from_callback(shape, sharding, callback)
         variable.set_raw_value(value)
     return nnx.merge(graphdef, state)
 
