@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shardfuse.models import generate as generation
+from shardfuse.models import generation
 from shardfuse.models import hf
 
 torch = pytest.importorskip("torch")

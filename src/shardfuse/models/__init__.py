@@ -7,7 +7,7 @@ benchmarks read specs without importing Flax or the layers.
 `shardfuse.models.transformer` holds `Transformer`, the NNX model a spec
 describes, built from `shardfuse.layers`; it is imported lazily, on first use
 of one of its names (`sf.models.Transformer`). `shardfuse.models.hf` reads and
-writes Hugging Face checkpoints (`load_hf`, `save_hf`), `shardfuse.models.generate`
+writes Hugging Face checkpoints (`load_hf`, `save_hf`), `shardfuse.models.generation`
 generates text with a sharded KV cache (`generate`); both lazy too.
 
 Example:
@@ -41,7 +41,7 @@ _LAZY = {
     "token_loss": "transformer",
     "load_hf": "hf",
     "save_hf": "hf",
-    "generate": "generate",
+    "generate": "generation",
 }
 
 __all__ = [

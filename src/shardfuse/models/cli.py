@@ -63,7 +63,7 @@ def main(args) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from shardfuse.models import generate as generation
+    from shardfuse.models import generation
     from shardfuse.models import hf
 
     directory = Path(args.model)

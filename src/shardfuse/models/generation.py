@@ -174,7 +174,7 @@ def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(param_specs, P(batch_axes, None), cache_spec, cache_spec, P()),
+        in_specs=(dict(param_specs), P(batch_axes, None), cache_spec, cache_spec, P()),
         out_specs=(logits_spec, cache_spec, cache_spec),
         check_vma=False,
     )(params, tokens, cache_k, cache_v, start)
@@ -204,7 +204,7 @@ def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from shardfuse.models.generate import sample
+      >>> from shardfuse.models.generation import sample
       >>> sample(jnp.array([[0.0, 2.0, 1.0]]), None).tolist()
       [1]
     """
