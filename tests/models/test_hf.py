@@ -14,28 +14,48 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from shardfuse.models import generation
-from shardfuse.models import hf
+from shardfuse.models import generation, hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=128, head_dim=8, max_position_embeddings=256)  # fmt: skip
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=128,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3_rope": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
-        dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                  low_freq_factor=1.0, high_freq_factor=4.0,
-                                  original_max_position_embeddings=16)),  # fmt: skip
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            )
+        ),  # fmt: skip
     ),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                dict(sliding_window=6)),  # fmt: skip
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=6),
+    ),  # fmt: skip
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-    "tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-             dict(tie_word_embeddings=True)),  # fmt: skip
+    "tied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(tie_word_embeddings=True),
+    ),  # fmt: skip
 }
 # mesh shape, axis names, load options
 MESHES = {
@@ -123,8 +143,8 @@ def test_export_round_trip_is_bitwise_and_transformers_loads_it(checkpoints, tmp
     out = hf.save_hf(model, tmp_path / "out", max_shard_bytes=40_000)  # several shards
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     again = hf.load_hf(out, mesh=mesh)
-    for (p, a), (_, b) in zip(hf._params(jax.tree.map(lambda x: x, _state(model))),
-                              hf._params(_state(again))):  # fmt: skip
+    pairs = zip(hf._params(_state(model)), hf._params(_state(again)), strict=True)
+    for (p, a), (_, b) in pairs:
         assert np.array_equal(np.asarray(a[...]), np.asarray(b[...])), p
     loaded = type(reference).from_pretrained(out).eval()
     toks = tokens(batch=2)
@@ -160,7 +180,7 @@ def test_loading_reads_only_each_devices_slices(checkpoints, monkeypatch, tmp_pa
     # every read is at most one device's slice of one layer's tensor
     for name, index in source.reads:
         shape, _ = source.info(name)
-        read = [len(range(*s.indices(n))) for s, n in zip(index, shape)]
+        read = [len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)]
         assert np.prod(read) < np.prod(shape) or np.prod(shape) <= SIZES["hidden_size"], name
 
 
@@ -197,3 +217,61 @@ def test_bad_checkpoints_name_the_problem(checkpoints, tmp_path):
     )
     with pytest.raises(ValueError, match="missing"):
         hf.load_hf(missing, mesh=mesh)
+
+
+def test_save_refuses_what_the_family_cannot_hold_and_writes_nothing(tmp_path):
+    from flax import nnx
+
+    from shardfuse import models
+
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+    gpt = models.ModelSpec("gpt", hidden=16, heads=2, kv_heads=2, head_dim=8, ffn_hidden=32,
+                           num_layers=1, vocab_size=32, activation="gelu")  # fmt: skip
+    model = models.Transformer(gpt, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="spec.activation='gelu'"):
+        hf.save_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="model_type='gpt2' is not one of"):
+        hf.save_hf(model, tmp_path / "out", model_type="gpt2")
+
+
+def test_generate_command_line(checkpoints, tmp_path, capsys):
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+
+    from shardfuse.__main__ import main
+
+    path, reference = checkpoints["llama"]
+    assert main(["generate", "--model", str(path), "--tokens", "3,1,4,1,5",
+                 "--max-new-tokens", "6", "--mesh", "model=2"]) == 0  # fmt: skip
+    got = [int(t) for t in capsys.readouterr().out.strip().split(",")]
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=6,
+                                  do_sample=False, min_new_tokens=6, eos_token_id=None,
+                                  pad_token_id=0)[0, 5:].tolist()  # fmt: skip
+    assert got == want
+    # a prompt through the checkpoint's tokenizer (a word-level one, 128 words)
+    words = {f"w{i}": i for i in range(SIZES["vocab_size"])}
+    tokenizer = Tokenizer(tok_models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    with_tokenizer = tmp_path / "with_tokenizer"
+    with_tokenizer.mkdir()
+    for f in path.iterdir():
+        (with_tokenizer / f.name).write_bytes(f.read_bytes())
+    tokenizer.save(str(with_tokenizer / "tokenizer.json"))
+    assert main(["generate", "--model", str(with_tokenizer), "--prompt", "w3 w1 w4 w1 w5",
+                 "--max-new-tokens", "6"]) == 0  # fmt: skip
+    text = capsys.readouterr().out.split()
+    assert text == [f"w{t}" for t in [3, 1, 4, 1, 5] + want]
+    # bad input: one line, status 2
+    for args, message in (
+        (["--model", str(path), "--prompt", "hello"], "tokenizer.json"),
+        (["--model", str(tmp_path / "nowhere"), "--tokens", "1"], "no config.json"),
+        (["--model", str(path), "--tokens", "1,x"], "comma-separated ints"),
+        (["--model", str(path), "--tokens", "1", "--mesh", "model=3"], "heads"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", *args])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

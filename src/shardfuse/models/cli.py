@@ -63,8 +63,7 @@ def main(args) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from shardfuse.models import generation
-    from shardfuse.models import hf
+    from shardfuse.models import generation, hf
 
     directory = Path(args.model)
     tokenizer = _tokenizer(directory) if args.prompt is not None else None

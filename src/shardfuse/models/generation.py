@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.kernels.attention import api as attention_api
+from shardfuse.kernels.decode_attention.api import decode_attention
 from shardfuse.layers.attention import rope
 from shardfuse.layers.block import normalize
 from shardfuse.layers.mlp import activate
@@ -95,7 +96,8 @@ def _cache_spec(mesh, batch_axes):
     return P(None, batch_axes, None, MODEL if tp > 1 else None)
 
 
-def _local_forward(spec, tp, kv_sharded, prefill, params, tokens, cache_k, cache_v, start):
+def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens, cache_k, cache_v,
+                   start):  # fmt: skip
     """Per shard: logits `[b, V/tp]` of the last token, and the updated cache."""
     H, K, D = spec.heads, spec.kv_heads, spec.head_dim
     heads = H // tp
@@ -127,12 +129,12 @@ def _local_forward(spec, tp, kv_sharded, prefill, params, tokens, cache_k, cache
             k = rope(k, positions, spec.rope_theta, spec.rope_scaling)
         ck = lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), start, axis=1)
         cv = lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), start, axis=1)
-        masks = dict(window=window, logit_softcap=spec.logit_softcap)
+        masks = dict(window=window, logit_softcap=spec.logit_softcap, implementation=implementation)
         if prefill:
             o = attention_api.flash_attention(q, k, v, causal=True, **masks)
         else:
             lengths = jnp.full((b,), start + t, jnp.int32)
-            o = _decode_attention(q, ck, cv, lengths, **masks)
+            o = decode_attention(q, ck, cv, lengths, **masks)
         o = o.reshape(b, t, heads * D) @ p["o"]
         o = lax.psum(o, MODEL) if tp > 1 else o
         if p.get("o_b") is not None:
@@ -155,22 +157,15 @@ def _local_forward(spec, tp, kv_sharded, prefill, params, tokens, cache_k, cache
     return x @ unembed, cache_k, cache_v
 
 
-def _decode_attention(q, k, v, lengths, *, window=None, logit_softcap=None):
-    """Queries `[b, t, h, D]` (the last t valid positions) against the cache `[b, S, k, D]`."""
-    from shardfuse.kernels.decode_attention.api import decode_attention
-
-    return decode_attention(q, k, v, lengths, window=window, logit_softcap=logit_softcap)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
     """One prefill (`prefill=True`) or decode step: logits `[B, V]` of the last token."""
     TRACES["prefill" if prefill else "decode"] += 1
-    spec, mesh = static
+    spec, mesh, implementation = static
     batch_axes, kv_sharded, param_specs, logits_spec = layout
     tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
     cache_spec = _cache_spec(mesh, batch_axes)
-    local = functools.partial(_local_forward, spec, tp, kv_sharded, prefill)
+    local = functools.partial(_local_forward, spec, tp, kv_sharded, prefill, implementation)
     return jax.shard_map(
         local,
         mesh=mesh,
@@ -181,19 +176,89 @@ def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
 
 
 class _Static:
-    """Hashable holder of the spec and mesh (the static argument of the jitted step)."""
+    """Hashable holder of the spec, mesh and implementation (the jitted step's static argument)."""
 
-    def __init__(self, spec, mesh):
-        self.spec, self.mesh = spec, mesh
+    def __init__(self, spec, mesh, implementation):
+        self.values = (spec, mesh, implementation)
 
     def __iter__(self):
-        return iter((self.spec, self.mesh))
+        return iter(self.values)
 
     def __hash__(self):
-        return hash((self.spec, self.mesh))
+        return hash(self.values)
 
     def __eq__(self, other):
-        return isinstance(other, _Static) and (self.spec, self.mesh) == (other.spec, other.mesh)
+        return isinstance(other, _Static) and self.values == other.values
+
+
+class DecodeProgram:
+    """The prefill and decode steps of one model, batch size and cache size.
+
+    `prefill(tokens)` runs prompts `[B, T]` and returns `(logits [B, V], cache)`;
+    `step(tokens, cache, start)` runs `[B, t]` new tokens at positions `start ...`
+    and returns the same. Both compile once per shape (`start` is traced).
+    `generate` drives one; the benchmarks time its steps.
+
+    Args:
+      model: a `models.Transformer`.
+      batch: B.
+      cache_size: S, the longest prompt plus generated tokens.
+      cache_dtype: dtype of the cache (default: the parameters').
+      implementation: attention implementation for both prefill (`flash_attention`)
+        and decode (`decode_attention`); None: the platform's preference.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.models.generation import DecodeProgram
+      >>> mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+      >>> model = sf.models.Transformer(sf.models.ModelSpec.tiny(num_layers=1), mesh=mesh,
+      ...                               rngs=nnx.Rngs(0))
+      >>> program = DecodeProgram(model, batch=1, cache_size=8)
+      >>> logits, cache = program.prefill(jnp.zeros((1, 4), jnp.int32))
+      >>> logits, cache = program.step(jnp.zeros((1, 1), jnp.int32), cache, 4)
+      >>> logits.shape
+      (1, 256)
+    """
+
+    def __init__(self, model, *, batch: int, cache_size: int, cache_dtype=None,
+                 implementation=None):  # fmt: skip
+        spec, mesh = model.spec, model.mesh
+        self.params = decode_params(model)
+        tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+        kv_sharded = spec.kv_heads % tp == 0
+        self.batch_axes = _batch_axes(mesh, batch)
+        param_specs = {k: v.sharding.spec for k, v in self.params.items()}
+        vocab_sharded = not spec.tied_embeddings and MODEL in tuple(param_specs["unembed"])
+        self.layout = (self.batch_axes, kv_sharded, _Frozen(param_specs),
+                       P(self.batch_axes, MODEL if vocab_sharded else None))  # fmt: skip
+        K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
+        self.cache_shape = (spec.num_layers, batch, cache_size, K, spec.head_dim)
+        self.cache_sharding = NamedSharding(mesh, _cache_spec(mesh, self.batch_axes))
+        self.cache_dtype = cache_dtype or self.params["q"].dtype
+        self.static = _Static(spec, mesh, implementation)
+        self.mesh, self.cache_size = mesh, cache_size
+
+    def empty_cache(self):
+        """Zero keys and values, `[L, B, S, K, D]` each."""
+        zeros = jnp.zeros(self.cache_shape, self.cache_dtype)
+        return (jax.device_put(zeros, self.cache_sharding),) * 2
+
+    def tokens(self, tokens):
+        """int32 `tokens` placed with the batch over the decode layout's batch axes."""
+        sharding = NamedSharding(self.mesh, P(self.batch_axes, None))
+        return jax.device_put(jnp.asarray(tokens, jnp.int32), sharding)
+
+    def prefill(self, tokens):
+        """`(logits [B, V] of the last prompt token, cache)` for prompts `[B, T]`."""
+        return self.step(tokens, self.empty_cache(), 0, prefill=True)
+
+    def step(self, tokens, cache, start, *, prefill=False):
+        """`(logits [B, V], cache)` after `tokens` `[B, t]` at positions `start ... start+t-1`."""
+        logits, k, v = _step(self.static, prefill, self.layout, self.params, self.tokens(tokens),
+                             *cache, jnp.int32(start))  # fmt: skip
+        return logits, (k, v)
 
 
 def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
@@ -225,7 +290,8 @@ def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
 
 
 def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, top_k=None,
-             top_p=None, eos_id=None, rngs=None, cache_size=None, cache_dtype=None):  # fmt: skip
+             top_p=None, eos_id=None, rngs=None, cache_size=None, cache_dtype=None,
+             implementation=None):  # fmt: skip
     """`max_new_tokens` tokens after each prompt row of `tokens` `[B, T]` (int).
 
     Prefill runs the prompts through the model at once; each later token is one decode
@@ -244,6 +310,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
       cache_size: cache length S (default `T + max_new_tokens`); fixed, so each decode
         step compiles once.
       cache_dtype: dtype of the cache (default: the parameters' dtype).
+      implementation: attention implementation of prefill and decode (None: the
+        platform's preference).
 
     Returns:
       int32 `[B, max_new_tokens]`.
@@ -274,27 +342,12 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
         raise ValueError(f"temperature={temperature} must be >= 0")
     if temperature > 0 and rngs is None:
         raise ValueError("temperature > 0 samples: pass rngs=nnx.Rngs(seed) (or a key)")
-    spec, mesh = model.spec, model.mesh
     S = cache_size or T + max_new_tokens
     if S < T + max_new_tokens:
         raise ValueError(f"cache_size={S} < prompt length {T} + max_new_tokens {max_new_tokens}")
-    params = decode_params(model)
-    tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
-    kv_sharded = spec.kv_heads % tp == 0
-    batch_axes = _batch_axes(mesh, B)
-    param_specs = {k: v.sharding.spec for k, v in params.items()}
-    vocab_sharded = not spec.tied_embeddings and MODEL in tuple(param_specs["unembed"])
-    layout = (batch_axes, kv_sharded, _Frozen(param_specs),
-              P(batch_axes, MODEL if vocab_sharded else None))  # fmt: skip
-    cache_spec = _cache_spec(mesh, batch_axes)
-    K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
-    dtype = cache_dtype or params["q"].dtype
-    cache = jax.device_put(
-        jnp.zeros((spec.num_layers, B, S, K, spec.head_dim), dtype), NamedSharding(mesh, cache_spec)
-    )
-    static = _Static(spec, mesh)
-    tokens = jax.device_put(tokens.astype(jnp.int32), NamedSharding(mesh, P(batch_axes, None)))
-    logits, ck, cv = _step(static, True, layout, params, tokens, cache, cache, jnp.int32(0))
+    program = DecodeProgram(model, batch=B, cache_size=S, cache_dtype=cache_dtype,
+                            implementation=implementation)  # fmt: skip
+    logits, cache = program.prefill(tokens)
     key = rngs() if isinstance(rngs, nnx.Rngs) else rngs
     out, done = [], jnp.zeros((B,), bool)
     for i in range(max_new_tokens):
@@ -306,8 +359,7 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
         out.append(nxt)
         if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
             break
-        nxt = jax.device_put(nxt[:, None], NamedSharding(mesh, P(batch_axes, None)))
-        logits, ck, cv = _step(static, False, layout, params, nxt, ck, cv, jnp.int32(T + i))
+        logits, cache = program.step(nxt[:, None], cache, T + i)
     out = jnp.stack(out, axis=1)
     if out.shape[1] < max_new_tokens:
         pad = jnp.full((B, max_new_tokens - out.shape[1]), eos_id, jnp.int32)

@@ -27,7 +27,6 @@ Both use the rotate-half RoPE convention, so q and k need no permutation.
 import dataclasses
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -65,7 +64,7 @@ _IGNORED = {
 
 
 def _rope_parameters(config: dict) -> dict:
-    """The RoPE fields of a config, old (`rope_theta`, `rope_scaling`) or new (`rope_parameters`)."""
+    """A config's RoPE fields: old (`rope_theta`, `rope_scaling`) or new (`rope_parameters`)."""
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -342,7 +341,7 @@ class _Map:
     kind "copy": the same array; "t": the transpose of a 2-D weight; "pair": two
     tensors interleaved in groups of `group` rows (k and v per head: group D; gate
     and up per unit: group 1), then transposed when 2-D. `stacked`: one tensor per
-    layer (`{l}` in the names), stacked along our leading axis.
+    layer (`{layer}` in the names), stacked along our leading axis.
     """
 
     names: tuple
@@ -351,7 +350,7 @@ class _Map:
     group: int = 1
 
 
-_LAYER = "model.layers.{l}."
+_LAYER = "model.layers.{layer}."
 
 
 def _map_of(path: tuple, spec) -> _Map:
@@ -387,7 +386,7 @@ def _bounds(index, shape):
     """Slices of `index` (padded to `shape`) as `(start, stop)` pairs."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out = []
-    for s, n in zip(index, shape):
+    for s, n in zip(index, shape, strict=True):
         start, stop, step = s.indices(n)
         if step != 1:
             raise ValueError(f"strided slice {s} is not supported")
@@ -395,9 +394,9 @@ def _bounds(index, shape):
     return out
 
 
-def _read_one(source, m: _Map, l, bounds):
-    """Our (unstacked) parameter's block at `bounds` from the tensors of layer `l`."""
-    names = [n.format(l=l) for n in m.names]
+def _read_one(source, m: _Map, layer, bounds):
+    """Our (unstacked) parameter's block at `bounds` from the tensors of layer `layer`."""
+    names = [n.format(layer=layer) for n in m.names]
     if m.kind == "copy":
         return source.read(names[0], tuple(slice(a, b) for a, b in bounds))
     if m.kind == "t":
@@ -423,7 +422,7 @@ def _read(source, m: _Map, shape, index, dtype):
         block = _read_one(source, m, None, bounds)
     else:
         (l0, l1), rest = bounds[0], bounds[1:]
-        block = np.stack([_read_one(source, m, l, rest) for l in range(l0, l1)])
+        block = np.stack([_read_one(source, m, layer, rest) for layer in range(l0, l1)])
     return block.astype(dtype)
 
 
@@ -431,8 +430,8 @@ def _check_shapes(source, m: _Map, shape, path):
     """ValueError unless the checkpoint's tensors have the sizes our parameter needs."""
     layers = range(shape[0]) if m.stacked else [None]
     per_layer = shape[1:] if m.stacked else shape
-    for l in layers:
-        got = [source.info(n.format(l=l))[0] for n in m.names]
+    for layer in layers:
+        got = [source.info(n.format(layer=layer))[0] for n in m.names]
         if m.kind == "copy":
             want = [tuple(per_layer)]
         elif m.kind == "t":
@@ -442,7 +441,7 @@ def _check_shapes(source, m: _Map, shape, path):
             want = [(rows, *per_layer[:-1])] * 2
         if got != want:
             raise ValueError(
-                f"checkpoint tensors {[n.format(l=l) for n in m.names]} have shapes {got}; "
+                f"checkpoint tensors {[n.format(layer=layer) for n in m.names]} have shapes {got}; "
                 f"parameter {'.'.join(map(str, path))} {tuple(shape)} needs {want}"
             )
 
@@ -575,11 +574,11 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
         first_dtype = first_dtype or value.dtype
         out_dtype = np.dtype(dtype or value.dtype)
         layers = range(value.shape[0]) if m.stacked else [None]
-        for l in layers:
+        for layer in layers:
             per = value.shape[1:] if m.stacked else value.shape
             shapes = [tuple(s.shape) for s in _split(m, np.empty(per, np.uint8))]
-            for i, (name, shape) in enumerate(zip(m.names, shapes)):
-                entries.append((name.format(l=l), shape, out_dtype, (value, m, l, i)))
+            for i, (name, shape) in enumerate(zip(m.names, shapes, strict=True)):
+                entries.append((name.format(layer=layer), shape, out_dtype, (value, m, layer, i)))
     config = hf_config(spec, model_type=model_type,
                        dtype=str(np.dtype(dtype or first_dtype)))  # fmt: skip
     path = Path(path)
@@ -597,13 +596,13 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
              [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])  # fmt: skip
     me, processes = jax.process_index(), jax.process_count()
     cache = {}
-    for i, (file, group) in enumerate(zip(names, files)):
+    for i, (file, group) in enumerate(zip(names, files, strict=True)):
         tensors = {}
-        for name, _, out_dtype, (value, m, l, part) in group:
-            key = (id(value), l)
+        for name, _, out_dtype, (value, m, layer, part) in group:
+            key = (id(value), layer)
             if key not in cache:  # every process gathers (a collective across hosts)
                 cache.clear()
-                cache[key] = _split(m, _full(value, l))
+                cache[key] = _split(m, _full(value, layer))
             if i % processes == me:
                 tensors[name] = np.ascontiguousarray(cache[key][part]).astype(out_dtype)
         if i % processes == me:
@@ -612,7 +611,7 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         index = path / "model.safetensors.index.json"
         if count > 1:
-            weight_map = {e[0]: f for f, group in zip(names, files) for e in group}
+            weight_map = {e[0]: f for f, group in zip(names, files, strict=True) for e in group}
             total = sum(math.prod(e[1]) * e[2].itemsize for e in entries)
             index.write_text(json.dumps({"metadata": {"total_size": total},
                                          "weight_map": weight_map}, indent=2))  # fmt: skip
