@@ -28,6 +28,7 @@ from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
 from shardfuse.kernels.decode_attention import decode_attention
 from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
+from shardfuse.models.generation import generate
 from shardfuse.planner import plan
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "flash_attention",
     "flops",
     "from_ring_layout",
+    "generate",
     "hardware",
     "info",
     "kernels",

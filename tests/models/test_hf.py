@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
+import shardfuse as sf
 from shardfuse.models import generation, hf
 
 torch = pytest.importorskip("torch")
@@ -275,3 +276,33 @@ def test_generate_command_line(checkpoints, tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sampling_keeps_to_top_k_and_top_p_and_is_reproducible():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 256))
+    keys = jax.random.split(jax.random.key(0), 4)
+    top2 = generation.sample(logits, keys[0], temperature=1.0, top_k=2)
+    assert set(np.asarray(top2).tolist()) == {0, 1}
+    nucleus = generation.sample(logits, keys[1], temperature=1.0, top_p=0.9)  # 0.5+0.3+0.15
+    assert set(np.asarray(nucleus).tolist()) == {0, 1, 2}
+    again = generation.sample(logits, keys[1], temperature=1.0, top_p=0.9)
+    np.testing.assert_array_equal(nucleus, again)
+    assert generation.sample(logits[:1], None).tolist() == [0]
+
+
+def test_sampled_generation_on_an_explicit_mesh(checkpoints):
+    from flax import nnx
+
+    model, _ = load(checkpoints["qwen2"][0], "fsdp4_model2_zero3")
+    prompt = tokens(batch=4, length=4)
+    a = np.asarray(sf.generate(model, prompt, 6, temperature=0.7, top_k=5, rngs=nnx.Rngs(3)))
+    b = sf.generate(model, prompt, 6, temperature=0.7, top_k=5, rngs=nnx.Rngs(3))
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (4, 6) and int(a.min()) >= 0 and int(a.max()) < SIZES["vocab_size"]
+    eos = int(a[0, 0])
+    stopped = sf.generate(model, prompt, 6, temperature=0.7, top_k=5, rngs=nnx.Rngs(3), eos_id=eos)
+    assert (np.asarray(stopped)[0] == eos).all()  # row 0 ends at its first token
+    with pytest.raises(ValueError, match="rngs"):
+        sf.generate(model, prompt, 2, temperature=0.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sf.generate(model, prompt, 0)

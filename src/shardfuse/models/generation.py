@@ -98,7 +98,7 @@ def _cache_spec(mesh, batch_axes):
 
 def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens, cache_k, cache_v,
                    start):  # fmt: skip
-    """Per shard: logits `[b, V/tp]` of the last token, and the updated cache."""
+    """Per shard: logits `[b, V]` of the last token, and the updated cache."""
     H, K, D = spec.heads, spec.kv_heads, spec.head_dim
     heads = H // tp
     b, t = tokens.shape
@@ -154,7 +154,10 @@ def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens
     x, (cache_k, cache_v) = lax.scan(layer, x, (layer_params, cache_k, cache_v))
     x = normalize(spec.norm, x[:, -1], params["nf"], params.get("nf_b"), spec.norm_eps)
     unembed = params["embed"].T if spec.tied_embeddings else params["unembed"]
-    return x @ unembed, cache_k, cache_v
+    logits = x @ unembed
+    if logits.shape[-1] != spec.vocab_size:  # this shard's vocabulary columns: gather them
+        logits = lax.all_gather(logits, MODEL, axis=1, tiled=True)
+    return logits, cache_k, cache_v
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -230,9 +233,8 @@ class DecodeProgram:
         kv_sharded = spec.kv_heads % tp == 0
         self.batch_axes = _batch_axes(mesh, batch)
         param_specs = {k: v.sharding.spec for k, v in self.params.items()}
-        vocab_sharded = not spec.tied_embeddings and MODEL in tuple(param_specs["unembed"])
         self.layout = (self.batch_axes, kv_sharded, _Frozen(param_specs),
-                       P(self.batch_axes, MODEL if vocab_sharded else None))  # fmt: skip
+                       P(self.batch_axes, None))  # fmt: skip
         K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
         self.cache_shape = (spec.num_layers, batch, cache_size, K, spec.head_dim)
         self.cache_sharding = NamedSharding(mesh, _cache_spec(mesh, self.batch_axes))
