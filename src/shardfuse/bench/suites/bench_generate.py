@@ -59,8 +59,8 @@ def test_generate(measure, bench_scale, model_name, seq_len, step, implementatio
     # forward FLOPs per token: the training figure over its 3x (forward + backward)
     per_token = model_flops.model_flops_per_token(spec, seq_len) / model_flops.TRAINING_OVER_FORWARD
     params_bytes = sum(x.nbytes for x in jax.tree.leaves(program.params))
-    cache_bytes = 2 * jnp.dtype(program.cache_dtype).itemsize * int(
-        jnp.prod(jnp.array(program.cache_shape))
+    cache_bytes = (
+        2 * jnp.dtype(program.cache_dtype).itemsize * int(jnp.prod(jnp.array(program.cache_shape)))
     )
     case = BenchCase(
         op=OP,
