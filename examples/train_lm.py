@@ -62,6 +62,15 @@ def make_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here if present")
     p.add_argument("--checkpoint-every", type=positive_int, default=10)
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from this Hugging Face checkpoint (its architecture replaces the size flags)",
+    )
+    p.add_argument(
+        "--export-hf", default=None, metavar="DIR", help="after training, save the model here (HF)"
+    )
     p.add_argument("--log-json", default=None)
     p.add_argument("--device", default=None, help="sf.hardware chip for the MFU estimate")
     p.add_argument(
@@ -131,6 +140,8 @@ def setup(args):
         microbatches=args.microbatches,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
+        init_from=args.init_from,
+        export_hf=args.export_hf,
     )
     if args.plan:
         import jax

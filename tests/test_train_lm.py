@@ -123,3 +123,42 @@ def test_docstring_examples_of_the_train_package():
     for name in ("shardfuse.train", "shardfuse.train.trainer"):
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, (name, result)
+
+
+def test_trains_from_a_hugging_face_checkpoint_and_exports_one(tmp_path):
+    """--init-from DIR, 2 steps, --export-hf DIR: the export loads back as the trained model."""
+    hf = pytest.importorskip("shardfuse.models.hf")
+    import importlib.util
+    import pathlib
+
+    import jax
+
+    import shardfuse as sf
+
+    source = sf.models.Transformer(TINY, mesh=jax.make_mesh((8,), ("data",)), rngs=nnx.Rngs(3))
+    hf.save_hf(source, tmp_path / "in")
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    argv = ["--mesh", "data=2,model=4", "--steps", "2", "--batch", "8", "--seq-len", "16",
+            "--init-from", str(tmp_path / "in"), "--export-hf", str(tmp_path / "out")]  # fmt: skip
+    trainer = example.setup(example.parse_args(argv))
+    before = _params(trainer.model)
+    want_before = _params(source)
+    assert before.keys() == want_before.keys()
+    for name, value in want_before.items():  # it starts from the checkpoint, not a fresh init
+        np.testing.assert_array_equal(before[name], value, err_msg=name)
+    losses = trainer.run()
+    assert len(losses) == 2 and np.all(np.isfinite(losses))
+    trained = _params(trainer.model)
+    assert any(not np.array_equal(trained[k], before[k]) for k in trained)  # it trained
+    loaded = _params(hf.load_hf(tmp_path / "out", mesh=trainer.mesh))
+    assert loaded.keys() == trained.keys()
+    for name, value in trained.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_init_from_a_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="init_from=.*no config.json"):
+        Trainer(_config({"data": 8}, init_from=str(tmp_path)), log=lambda line: None)

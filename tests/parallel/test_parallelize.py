@@ -174,3 +174,20 @@ def test_bad_inputs_name_the_argument():
 
 def test_docstring_examples_run():
     assert doctest.testmod(importlib.import_module("shardfuse.parallel.parallelize")).failed == 0
+
+
+def test_init_builds_the_model_and_its_spec_is_checked():
+    mesh = _mesh({"data": 2, "model": 4})
+    seen = {}
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        return sf.models.Transformer(SPEC, rngs=nnx.Rngs(7), **kwargs)
+
+    run = parallelize(SPEC, RunOptions(zero=1), mesh, init=init)
+    want = sf.models.Transformer(SPEC, mesh=mesh, rngs=nnx.Rngs(7))
+    np.testing.assert_array_equal(np.asarray(run.model.embed[...]), np.asarray(want.embed[...]))
+    assert seen["zero"] == 1 and seen["mesh"] is mesh and "rngs" not in seen
+    other = SPEC.replace(num_layers=1)
+    with pytest.raises(ValueError, match="init built a model of spec"):
+        parallelize(other, RunOptions(), mesh, init=init)

@@ -163,7 +163,7 @@ def _options_of(plan_or_options) -> RunOptions:
 
 
 def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=None,
-                **model_kwargs) -> Run:  # fmt: skip
+                init=None, **model_kwargs) -> Run:  # fmt: skip
     """Builds the model, the optimizer and the jitted step of `spec` on `mesh` (module docstring).
 
     Args:
@@ -174,6 +174,12 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
         (e.g. `plan.mesh()`).
       optimizer: an optax `GradientTransformation` (default `optax.adamw(3e-3)`).
       rngs: `nnx.Rngs` of the parameters (default `nnx.Rngs(0)`).
+      init: None (new parameters), or a callable building the model from its
+        parameters elsewhere, called with the keywords `parallelize` gives
+        `sf.models.Transformer` (`mesh=`, `zero=`, `remat=`, `pipelined=`,
+        `stage_layers=`, ...; not `rngs`), e.g.
+        `functools.partial(sf.models.hf.load_hf, path)`; it must return a
+        `Transformer` of `spec` (checked).
       **model_kwargs: other keywords of `sf.models.Transformer` (e.g. `dtype`).
 
     Returns:
@@ -181,7 +187,8 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
 
     Raises:
       TypeError: `plan_or_options` is neither options nor a plan.
-      ValueError: the plan's mesh is not `mesh`; uneven pipeline stages with
+      ValueError: the plan's mesh is not `mesh`; `init` built a model of
+        another spec; uneven pipeline stages with
         `virtual_stages > 1`; sizes the mesh does not divide (from the layers).
 
     Example usage::
@@ -214,8 +221,7 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
             )
         stage_layers = balance_stages([1.0] * spec.num_layers, stages)
     # 3-5. tensor / sequence / context / data parallelism, remat, ZeRO-3: the layers' options
-    model = Transformer(
-        spec,
+    layout_kwargs = dict(
         mesh=mesh,
         zero=options.zero,
         remat=options.remat,
@@ -223,9 +229,16 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
         stage_layers=stage_layers,
         layout=options.layout,
         sequence_parallel=options.sequence_parallel,
-        rngs=nnx.Rngs(0) if rngs is None else rngs,
         **model_kwargs,
     )
+    if init is None:
+        model = Transformer(spec, rngs=nnx.Rngs(0) if rngs is None else rngs, **layout_kwargs)
+    else:
+        model = init(**layout_kwargs)
+        if getattr(model, "spec", None) != spec:
+            raise ValueError(
+                f"init built a model of spec {getattr(model, 'spec', None)!r}, not spec={spec!r}"
+            )
     # 6. the optimizer, its state sharded by ZeRO stage
     tx = optax.adamw(3e-3) if optimizer is None else optimizer
     zero_optimizer = ZeroOptimizer(model, tx, mesh=mesh, zero=options.zero)

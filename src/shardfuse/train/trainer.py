@@ -13,9 +13,11 @@ mesh), and the planner's view of the run (`plan_for`, `from_plan`,
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
+import pathlib
 import time
 
 import jax
@@ -64,6 +66,8 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation (no pipeline) or pipeline microbatches
     schedule: str = "1f1b"  # pipeline schedule (when the pipeline axis is > 1)
     virtual_stages: int = 1  # interleaved schedule: model chunks per stage
+    init_from: str | None = None  # a Hugging Face checkpoint directory: its spec and weights
+    export_hf: str | None = None  # after training, the model as a Hugging Face checkpoint here
 
     def run_options(self) -> RunOptions:
         """The `sf.parallel.RunOptions` of this run (what `sf.parallel.parallelize` applies)."""
@@ -228,12 +232,28 @@ class Trainer:
             )
         else:
             self.mesh = jax.make_mesh(shape, AXES)
+        init = None
+        if config.init_from:  # the checkpoint's architecture replaces config.model
+            from shardfuse.models import hf
+
+            source = pathlib.Path(config.init_from)
+            if not (source / "config.json").is_file():
+                raise ValueError(
+                    f"init_from={config.init_from!r} is not a Hugging Face checkpoint directory "
+                    "(no config.json)"
+                )
+            spec = hf.spec_from_hf_config(
+                json.loads((source / "config.json").read_text()), name=source.name or "hf"
+            )
+            self.config = config = dataclasses.replace(config, model=spec)
+            init = functools.partial(hf.load_hf, config.init_from)
         self.parallelized = parallelize(
             config.model,
             config.run_options(),
             self.mesh,
             optimizer=optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
             rngs=nnx.Rngs(config.seed),
+            init=init,
         )
         self.model, self.optimizer = self.parallelized.model, self.parallelized.optimizer
         self.stream = _stream(config)
@@ -318,7 +338,16 @@ class Trainer:
                 self.save(force=True)
                 self.checkpointer.close()
             self.write_log()
+        if c.export_hf:
+            self.export_hf(c.export_hf)
         return losses
+
+    def export_hf(self, path):
+        """Writes the model as a Hugging Face checkpoint directory (`sf.models.hf.save_hf`)."""
+        from shardfuse.models import hf
+
+        hf.save_hf(self.model, path)
+        self.log(f"exported the model to {path} (Hugging Face format)")
 
     def save(self, force: bool = False):
         self.checkpointer.save(
