@@ -47,7 +47,7 @@ from shardfuse.parallel.zero import ZeroOptimizer
 class RunOptions:
     """How a training run is laid out: what `parallelize` applies, besides the mesh.
 
-    Attributes:
+    Fields:
       zero: ZeRO stage 0..3 over the `fsdp` axis.
       remat: activation checkpointing policy of each layer (`shardfuse.layers.remat.POLICIES`).
       microbatches: pipeline microbatches (pipeline axis > 1), else gradient
@@ -104,7 +104,7 @@ class RunOptions:
 class Run:
     """What `parallelize` builds: call `run.step(run.model, run.optimizer, rows)` under the mesh.
 
-    Attributes:
+    Fields:
       model: the `sf.models.Transformer`, born sharded.
       optimizer: the `sf.parallel.ZeroOptimizer` over it.
       step: the jitted step `(model, optimizer, rows) -> loss`: `rows` int
