@@ -71,6 +71,30 @@ def native_cpu_status(platform: str) -> Status:
     return status(platform)
 
 
+def kernel_preference(**platforms: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The usual `preference` of an op with Pallas TPU and Triton kernels, best first.
+
+    Pallas on TPU, Triton on NVIDIA GPUs, XLA everywhere else; a keyword
+    replaces one platform's list.
+
+    Example:
+      >>> from shardfuse.kernels import registry
+      >>> registry.kernel_preference(gpu=("xla",))["gpu"]
+      ('xla',)
+      >>> registry.kernel_preference()["tpu"]
+      ('pallas_tpu', 'xla')
+    """
+    preference = {
+        "tpu": ("pallas_tpu", "xla"),
+        "gpu": ("triton", "xla"),
+        "cuda": ("triton", "xla"),
+        "rocm": ("xla",),
+        "cpu": ("xla",),
+    }
+    preference.update(platforms)
+    return preference
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One implementation of an op: where its function lives and whether it can run here.

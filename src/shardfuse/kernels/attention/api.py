@@ -54,15 +54,9 @@ ATTENTION = registry.register(
         ),
     ],
     # What `implementation=None` tries, best first, per platform.
-    preference={
-        "tpu": ("pallas_tpu", "xla"),
-        "gpu": ("triton", "xla"),
-        "cuda": ("triton", "xla"),
-        "rocm": ("xla",),
-        # native_cpu is opt-in (implementation="native_cpu") until it beats its peers on
-        # every benchmarked case (issue 29: full-attention GQA D128 does not yet).
-        "cpu": ("xla",),
-    },
+    # native_cpu is opt-in (implementation="native_cpu") until it beats its peers on
+    # every benchmarked case (issue 29: full-attention GQA D128 does not yet).
+    preference=registry.kernel_preference(),
 )
 IMPLEMENTATIONS = ATTENTION.names
 PREFERENCE = ATTENTION.preference  # the registry's own dict: tests patch it in place

@@ -50,13 +50,7 @@ DECODE_ATTENTION = registry.register(
             registry.triton_status,
         ),
     ],
-    preference={
-        "tpu": ("pallas_tpu", "xla"),
-        "gpu": ("triton", "xla"),
-        "cuda": ("triton", "xla"),
-        "rocm": ("xla",),
-        "cpu": ("xla",),
-    },
+    preference=registry.kernel_preference(),
 )
 IMPLEMENTATIONS = DECODE_ATTENTION.names
 PREFERENCE = DECODE_ATTENTION.preference  # the registry's own dict: tests patch it in place

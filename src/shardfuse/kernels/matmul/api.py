@@ -55,13 +55,7 @@ MATMUL = registry.register(
     # GEMM (cuBLAS with the add in its epilogue) stays the default: the Triton
     # kernel is checked (interpreter, sm_80/sm_90 compiles) but has not been
     # timed on a GPU.
-    preference={
-        "tpu": ("pallas_tpu", "xla"),
-        "gpu": ("xla",),
-        "cuda": ("xla",),
-        "rocm": ("xla",),
-        "cpu": ("xla",),
-    },
+    preference=registry.kernel_preference(gpu=("xla",), cuda=("xla",)),
 )
 IMPLEMENTATIONS = MATMUL.names
 PREFERENCE = MATMUL.preference  # the registry's own dict: tests patch it in place
