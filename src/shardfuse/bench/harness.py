@@ -176,6 +176,17 @@ def throughput_info(case: BenchCase, median_s: float | None, device_kind: str) -
     }
 
 
+# What the attention suites (prefill and decode) compare: the oracle, shardfuse's
+# backends, and jax.nn.dot_product_attention's own implementations.
+ATTENTION_IMPLEMENTATIONS = (
+    "reference",
+    "shardfuse.xla",
+    "shardfuse.pallas_tpu",
+    "shardfuse.triton",
+    "jax.nn.xla",
+    "jax.nn.cudnn",
+)
+
 # Implementations that only some backends time. The library's own backends that cannot
 # run (shardfuse.triton without an NVIDIA GPU) say why themselves: NotImplementedError.
 GPU_BACKENDS = ("gpu", "cuda")

@@ -29,7 +29,12 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase, not_timed_reason, with_backward
+from shardfuse.bench.harness import (
+    ATTENTION_IMPLEMENTATIONS,
+    BenchCase,
+    not_timed_reason,
+    with_backward,
+)
 from shardfuse.models import MODELS
 
 OP = "flash_attention"
@@ -38,15 +43,7 @@ BASELINE = "jax.nn.xla"
 
 # Every implementation is listed in every run: those that cannot run here are
 # skipped with the reason, which the report prints under the table.
-IMPLEMENTATIONS = (
-    "reference",
-    "shardfuse.xla",
-    "shardfuse.pallas_tpu",
-    "shardfuse.triton",
-    "jax.nn.xla",
-    "jax.nn.cudnn",
-    "jax.pallas",
-)
+IMPLEMENTATIONS = (*ATTENTION_IMPLEMENTATIONS, "jax.pallas")
 
 
 def pytest_generate_tests(metafunc):

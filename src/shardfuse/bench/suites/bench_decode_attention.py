@@ -27,20 +27,13 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.bench import flops
-from shardfuse.bench.harness import BenchCase, not_timed_reason
+from shardfuse.bench.harness import ATTENTION_IMPLEMENTATIONS, BenchCase, not_timed_reason
 from shardfuse.models import MODELS
 
 OP = "decode_attention"
 BASELINE = "jax.nn.xla"
 QUERIES = (1, 4)
-IMPLEMENTATIONS = (
-    "reference",
-    "shardfuse.xla",
-    "shardfuse.pallas_tpu",
-    "shardfuse.triton",
-    "jax.nn.xla",
-    "jax.nn.cudnn",
-)
+IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS
 
 
 def pytest_generate_tests(metafunc):
