@@ -58,6 +58,22 @@ MODEL = "llama3-8b"
 STAGES, LAYERS, SEQ, MICROBATCH, VOCAB = 4, 8, 64, 2, 256
 
 
+def _measure_unpipelined(measure, stack, head, x, targets, case):
+    """Times forward + backward of `head(stack(x))`'s mean token loss, no pipeline.
+
+    `measure` is the suite's fixture; `targets` the token ids the loss compares with.
+    """
+
+    def step(stack, head, x):
+        def loss(stack, head, x):
+            s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
+            return s / w
+
+        return nnx.value_and_grad(loss, argnums=(0, 1, 2))(stack, head, x)
+
+    measure(nnx.jit(step), (stack, head, x), case)
+
+
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ not in ("test_pipeline_step", "test_pipeline_by_model_step"):
         return
@@ -93,15 +109,7 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
         variant="transformer stack",
     )
     if implementation == BASELINE:
-
-        def step(stack, head, x):
-            def loss(stack, head, x):
-                s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
-                return s / w
-
-            return nnx.value_and_grad(loss, argnums=(0, 1, 2))(stack, head, x)
-
-        measure(nnx.jit(step), (stack, head, x), case)
+        _measure_unpipelined(measure, stack, head, x, targets, case)
         return
     schedule, *stored = implementation.removeprefix("shardfuse.pipeline.").split(".")
     v = 2 if schedule == "interleaved" else 1
@@ -189,15 +197,7 @@ def test_pipeline_by_model_step(measure, bench_scale, benchmark, m, implementati
         variant="tensor parallel residual MLP stack",
     )
     if not pipelined:
-
-        def step(stack, head, x):
-            def loss(stack, head, x):
-                s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
-                return s / w
-
-            return nnx.value_and_grad(loss, argnums=(0, 1, 2))(stack, head, x)
-
-        measure(nnx.jit(step), (stack, head, x), case)
+        _measure_unpipelined(measure, stack, head, x, targets, case)
         return
     pipe = Pipeline(stack, mesh=mesh, schedule="1f1b", num_microbatches=m)
 
