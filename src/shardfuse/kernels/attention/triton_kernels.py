@@ -27,14 +27,16 @@ lse and delta float32 `[B, H, T]`. Shapes and options are `tl.constexpr`.
 import triton
 import triton.language as tl
 
-from shardfuse.kernels.attention.triton_tiles import LN2, LOG2E
+from shardfuse.kernels.attention.triton_tiles import LOG2E
 from shardfuse.kernels.attention.triton_tiles import any_row as _any_row
 from shardfuse.kernels.attention.triton_tiles import block_range as _block_range
 from shardfuse.kernels.attention.triton_tiles import dot as _dot
 from shardfuse.kernels.attention.triton_tiles import key_block as _key_block
 from shardfuse.kernels.attention.triton_tiles import logits as _logits
+from shardfuse.kernels.attention.triton_tiles import online_softmax as _online_softmax
 from shardfuse.kernels.attention.triton_tiles import positions as _positions
 from shardfuse.kernels.attention.triton_tiles import query_block as _query_block
+from shardfuse.kernels.attention.triton_tiles import softmax_output as _softmax_output
 from shardfuse.kernels.attention.triton_tiles import stage_bounds as _stage_bounds
 from shardfuse.kernels.attention.triton_tiles import tile_mask as _tile_mask
 
@@ -101,18 +103,9 @@ def attention_forward_kernel(
                 # Values nobody in this tile sees load as 0: 0 * NaN would leak.
                 v_tile = v_tile & _any_row(mask)[:, None]
             v = tl.load(v_head_ref + kv_offsets, mask=v_tile, other=0.0)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m = m_new
+            m, denom, acc = _online_softmax(s, v, m, denom, acc, IEEE)
 
-    has_key = denom > 0.0
-    denom_safe = tl.where(has_key, denom, 1.0)
-    out = acc / denom_safe[:, None]
-    lse = tl.where(has_key, (m + tl.math.log2(denom_safe)) * LN2, float("-inf"))
+    out, lse = _softmax_output(acc, m, denom)
     out_offsets = q_head + offs_m[:, None] * (H * D) + offs_d[None, :]
     tl.store(out_ref + out_offsets, out.to(out_ref.dtype.element_ty), mask=q_tile)
     tl.store(lse_ref + (b * H + h) * T + offs_m, lse, mask=q_in)

@@ -3,7 +3,8 @@
 `tile_mask` is `masks.visible` (masks.py, the definition) for one tile (positions, causal,
 window, segment ids, sequence padding); `block_range` and `stage_bounds`
 read the per-block visit table `(lo, full_lo, full_hi, hi)` that the JAX
-wrapper computes; `logits` applies scale and softcap in the base-2 domain.
+wrapper computes; `logits` applies scale and softcap in the base-2 domain;
+`online_softmax` and `softmax_output` are the forward's softmax (also flash-decoding's).
 """
 
 import triton
@@ -28,6 +29,33 @@ def logits(s, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
         tanh = 2.0 * tl.sigmoid((2.0 * SCALE / SOFTCAP) * s) - 1.0
         return tanh * (SOFTCAP * LOG2E), tanh
     return s * (SCALE * LOG2E), s
+
+
+@triton.jit
+def online_softmax(s, v, m, denom, acc, IEEE: tl.constexpr):
+    """One key tile of the base-2 online softmax: the new running max, normaliser, accumulator.
+
+    `s` `[rows, BLOCK_N]` base-2 logits (-inf where masked), `v` `[BLOCK_N, BLOCK_D]`;
+    `m`, `denom` `[rows]` and `acc` `[rows, BLOCK_D]` float32. Rows that have seen no
+    key keep `m = -inf` and `denom = 0` (`softmax_output` turns them into 0 and -inf).
+    """
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    return m_new, denom, acc
+
+
+@triton.jit
+def softmax_output(acc, m, denom):
+    """The online softmax's result: `out = acc / denom` and natural-log `lse` (0, -inf: no key)."""
+    has_key = denom > 0.0
+    denom_safe = tl.where(has_key, denom, 1.0)
+    out = acc / denom_safe[:, None]
+    lse = tl.where(has_key, (m + tl.math.log2(denom_safe)) * LN2, float("-inf"))
+    return out, lse
 
 
 @triton.jit

@@ -19,9 +19,10 @@ outputs float32 `[B, N, T, H, D]` and lse float32 `[B, N, T, H]`.
 import triton
 import triton.language as tl
 
-from shardfuse.kernels.attention.triton_tiles import LN2
 from shardfuse.kernels.attention.triton_tiles import dot as _dot
 from shardfuse.kernels.attention.triton_tiles import logits as _logits
+from shardfuse.kernels.attention.triton_tiles import online_softmax as _online_softmax
+from shardfuse.kernels.attention.triton_tiles import softmax_output as _softmax_output
 
 
 @triton.jit
@@ -89,18 +90,9 @@ def decode_attention_kernel(
         if WINDOW_LEFT >= 0:
             mask = mask & (diff <= WINDOW_LEFT)
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m = m_new
+        m, denom, acc = _online_softmax(s, v, m, denom, acc, IEEE)
 
-    has_key = denom > 0.0
-    denom_safe = tl.where(has_key, denom, 1.0)
-    out = acc / denom_safe[:, None]
-    lse = tl.where(has_key, (m + tl.math.log2(denom_safe)) * LN2, float("-inf"))
+    out, lse = _softmax_output(acc, m, denom)
     part = b64 * NUM_SPLITS + split
     tl.store(out_ref + part * (T * H * D) + q_rows[:, None] + offs_d[None, :], out, mask=q_tile)
     tl.store(lse_ref + part * (T * H) + t * H + h, lse, mask=row_in)
