@@ -23,8 +23,7 @@ interpreter (jax 0.10) runs JAX operations inside its host callbacks: wait
 for an interpreted call's results (`jax.block_until_ready`) before
 dispatching other work to the CPU device, or the two can deadlock.
 
-Axis glossary: B batch, T query length, S key length, H query heads, K kv
-heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
+Axis names: as in the glossary of pallas_tpu_layout.
 """
 
 import functools
@@ -43,7 +42,6 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
     Layout,
     check_supported,
     checked_call,
-    cost_estimate,
 )
 from shardfuse.kernels.pallas_interpret import current_interpret_params
 
@@ -99,7 +97,10 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
     ]
     args = (lay.states, blocks.fetch_indices(lay.states), q_t, k_t, v_t, *lay.mask_arrays)
     out, lse = checked_call(
-        functools.partial(kernels.forward_kernel, st=lay.static(config, q.dtype)),
+        kernels.forward_kernel,
+        lay,
+        config,
+        matmuls=2,
         name="shardfuse_flash_attention_fwd",
         grid=(B, H, lay.nq, lay.nk),
         in_specs=in_specs,
@@ -107,7 +108,6 @@ def _forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, interpret):
         out_shape=out_shape,
         scratch=scratch,
         args=args,
-        cost=cost_estimate(lay, config, matmuls=2, arrays=args, outputs=out_shape),
         interp=interpret,
     )
     out = out[:, :, : lay.T].transpose(0, 2, 1, 3)

@@ -10,8 +10,7 @@ repeated. Both skip blocks by the tables of pallas_tpu_blocks; the dK/dV
 kernel uses the transposed table (and clamps the q, dO, lse and delta
 block indices of skipped steps).
 
-Axis glossary: B batch, T query length, S key length, H query heads, K kv
-heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
+Axis names: as in the glossary of pallas_tpu_layout.
 """
 
 import functools
@@ -30,7 +29,6 @@ from shardfuse.kernels.attention.pallas_tpu_layout import (
     Layout,
     check_supported,
     checked_call,
-    cost_estimate,
     pad,
 )
 from shardfuse.kernels.pallas_interpret import current_interpret_params
@@ -46,7 +44,10 @@ def _dq(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_dt
     args = (lay.states, blocks.fetch_indices(lay.states), q_t, k_t, v_t, do_t, lse, delta)
     args += tuple(lay.mask_arrays)
     (dq,) = checked_call(
-        functools.partial(kernels.dq_kernel, st=lay.static(config, q_t.dtype)),
+        kernels.dq_kernel,
+        lay,
+        config,
+        matmuls=3,
         name="shardfuse_flash_attention_bwd_dq",
         grid=(B, H, lay.nq, lay.nk),
         in_specs=in_specs,
@@ -54,7 +55,6 @@ def _dq(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_dt
         out_shape=out_shape,
         scratch=[pltpu.VMEM((bq, D), jnp.float32)],
         args=args,
-        cost=cost_estimate(lay, config, matmuls=3, arrays=args, outputs=out_shape),
         interp=interpret,
     )
     return dq
@@ -88,7 +88,10 @@ def _dkv(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_d
     args = (states, blocks.fetch_indices(states), q_t, k_t, v_t, do_t, lse, delta)
     args += tuple(lay.mask_arrays)
     dk, dv = checked_call(
-        functools.partial(kernels.dkv_kernel, st=lay.static(config, q_t.dtype)),
+        kernels.dkv_kernel,
+        lay,
+        config,
+        matmuls=4,
         name="shardfuse_flash_attention_bwd_dkv",
         grid=(B, K, lay.nk, G * nq),
         in_specs=in_specs,
@@ -96,7 +99,6 @@ def _dkv(config, lay: Layout, q_t, k_t, v_t, do_t, lse, delta, interpret, grad_d
         out_shape=out_shape,
         scratch=[pltpu.VMEM((bk, D), jnp.float32), pltpu.VMEM((bk, D), jnp.float32)],
         args=args,
-        cost=cost_estimate(lay, config, matmuls=4, arrays=args, outputs=out_shape),
         interp=interpret,
     )
     return dk, dv

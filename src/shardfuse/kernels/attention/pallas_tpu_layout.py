@@ -13,6 +13,8 @@ Axis glossary: B batch, T query length, S key length, H query heads, K kv
 heads, G = H // K, D head dim; Tp, Sp padded lengths; nq, nk block counts.
 """
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -161,9 +163,28 @@ def broadcast_sublanes(x):
 
 
 def checked_call(
-    kernel, *, name, grid, in_specs, out_specs, out_shape, scratch, args, cost, interp
+    kernel,
+    lay,
+    config,
+    *,
+    matmuls,
+    name,
+    grid,
+    in_specs,
+    out_specs,
+    out_shape,
+    scratch,
+    args,
+    interp,
 ):
-    """pallas_call after checking every block against the TPU tiling rule."""
+    """pallas_call of a pallas_tpu_kernels `kernel` after checking every block against the TPU
+    tiling rule.
+
+    The kernel gets its static options `lay.static(config, q dtype)` (`args[2]` is the
+    transposed q) and the call a `cost_estimate` of `matmuls` products per head.
+    """
+    kernel = functools.partial(kernel, st=lay.static(config, args[2].dtype))
+    cost = cost_estimate(lay, config, matmuls=matmuls, arrays=args, outputs=out_shape)
     flat_specs = [*in_specs, *out_specs]
     flat_arrays = [*args[2:], *out_shape]
     for index, (spec, array) in enumerate(zip(flat_specs, flat_arrays, strict=True)):
