@@ -36,4 +36,36 @@ MESH_AXES = (PIPELINE, DATA, FSDP, SEQUENCE, MODEL)  # outermost -> innermost
 LAYER_AXES = (DATA, FSDP, SEQUENCE, MODEL)  # the axes a layer's activations and weights use
 BATCH_AXES = (DATA, FSDP)  # the data-parallel axes, in the order a batch entry lists them
 
-__all__ = ["BATCH_AXES", "DATA", "FSDP", "LAYER_AXES", "MESH_AXES", "MODEL", "PIPELINE", "SEQUENCE"]
+
+def parse_mesh(text: str) -> dict:
+    """`"data=2,model=4"` -> `{"data": 2, "model": 4}`: mesh sizes as a command line gives them.
+
+    Raises:
+      ValueError: an entry that is not `AXIS=SIZE` with AXIS in `MESH_AXES` and SIZE >= 1.
+
+    Example usage::
+
+      >>> from shardfuse import axes
+      >>> axes.parse_mesh("pipeline=2, model=4")
+      {'pipeline': 2, 'model': 4}
+    """
+    sizes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = (s.strip() for s in part.partition("="))
+        if name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {MESH_AXES}")
+        sizes[name] = int(value)
+    return sizes
+
+
+__all__ = [
+    "BATCH_AXES",
+    "DATA",
+    "FSDP",
+    "LAYER_AXES",
+    "MESH_AXES",
+    "MODEL",
+    "PIPELINE",
+    "SEQUENCE",
+    "parse_mesh",
+]

@@ -7,8 +7,10 @@
 package; `--tokens` takes token ids and prints ids.
 """
 
+import math
 from pathlib import Path
 
+from shardfuse import axes
 from shardfuse.cli import non_negative_int, positive_int
 
 
@@ -29,22 +31,14 @@ def add_arguments(parser):
 
 
 def _mesh(text):
+    """The mesh of `--mesh` (`axes.parse_mesh`), or one device."""
     import jax
 
-    if not text:
-        return jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    axes = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not size.isdigit() or int(size) < 1 or not name:
-            raise ValueError(f"--mesh={text!r}: expected name=size pairs, e.g. data=2,model=4")
-        axes[name.strip()] = int(size)
-    count = 1
-    for size in axes.values():
-        count *= size
+    sizes = axes.parse_mesh(text) if text else {axes.DATA: 1}
+    count = math.prod(sizes.values())
     if count > len(jax.devices()):
         raise ValueError(f"--mesh={text!r} needs {count} devices; {len(jax.devices())} exist")
-    return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=jax.devices()[:count])
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=jax.devices()[:count])
 
 
 def _tokenizer(directory: Path):

@@ -46,21 +46,6 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
-# Fields we read, fields that must hold a value we support, and fields that change nothing
-# of the computation (bookkeeping of the training run or of `transformers` itself).
-_IGNORED = {
-    "architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
-    "dtype", "torch_dtype", "initializer_range", "transformers_version", "use_cache",
-    "pretraining_tp", "model_type", "max_window_layers", "layer_types", "use_sliding_window",
-    "sliding_window", "rope_theta", "rope_scaling", "rope_parameters", "head_dim",
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "rms_norm_eps",
-    "max_position_embeddings", "hidden_size", "intermediate_size", "num_attention_heads",
-    "num_key_value_heads", "num_hidden_layers", "vocab_size", "_name_or_path", "return_dict",
-    "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_encoder_decoder",
-    "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "tokenizer_class",
-    "bos_token", "eos_token", "generation_config", "_attn_implementation_autoset",
-    "qkv_bias",
-}  # fmt: skip
 
 
 def _rope_parameters(config: dict) -> dict:

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from shardfuse import hardware, models
+from shardfuse import axes, hardware, models
 from shardfuse.cli import fail
 from shardfuse.planner.options import (
     CP_STRATEGIES,
@@ -89,22 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_mesh(text: str) -> dict:
-    """`"data=2,model=8"` -> `{"data": 2, "model": 8}`.
+    """argparse `type` of `--mesh`: `axes.parse_mesh`, its error as argparse's.
 
     Example:
       >>> from shardfuse.planner.cli import parse_mesh
       >>> parse_mesh("pipeline=2, model=4")
       {'pipeline': 2, 'model': 4}
     """
-    sizes = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        if name.strip() not in MESH_AXES or not value.strip().isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(
-                f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {MESH_AXES}"
-            )
-        sizes[name.strip()] = int(value)
-    return sizes
+    try:
+        return axes.parse_mesh(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def load_model(text: str) -> models.ModelShape:

@@ -95,15 +95,7 @@ class TrainConfig:
         return sizes
 
 
-def parse_mesh(text: str) -> dict:
-    """`"data=2,model=4"` -> `{"data": 2, "model": 4}` (ValueError on bad syntax)."""
-    sizes = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        if name not in AXES or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {AXES}")
-        sizes[name] = int(value)
-    return sizes
+parse_mesh = axes.parse_mesh  # the command line's `--mesh data=2,model=4`
 
 
 def plan_for(config: TrainConfig, device_count: int, *, chip: str = "h100", **restrict) -> list:
