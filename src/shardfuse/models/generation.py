@@ -178,22 +178,6 @@ def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
     )(params, tokens, cache_k, cache_v, start)
 
 
-class _Static:
-    """Hashable holder of the spec, mesh and implementation (the jitted step's static argument)."""
-
-    def __init__(self, spec, mesh, implementation):
-        self.values = (spec, mesh, implementation)
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def __hash__(self):
-        return hash(self.values)
-
-    def __eq__(self, other):
-        return isinstance(other, _Static) and self.values == other.values
-
-
 class DecodeProgram:
     """The prefill and decode steps of one model, batch size and cache size.
 
@@ -233,13 +217,13 @@ class DecodeProgram:
         kv_sharded = spec.kv_heads % tp == 0
         self.batch_axes = _batch_axes(mesh, batch)
         param_specs = {k: v.sharding.spec for k, v in self.params.items()}
-        self.layout = (self.batch_axes, kv_sharded, _Frozen(param_specs),
+        self.layout = (self.batch_axes, kv_sharded, tuple(sorted(param_specs.items())),
                        P(self.batch_axes, None))  # fmt: skip
         K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
         self.cache_shape = (spec.num_layers, batch, cache_size, K, spec.head_dim)
         self.cache_sharding = NamedSharding(mesh, _cache_spec(mesh, self.batch_axes))
         self.cache_dtype = cache_dtype or self.params["q"].dtype
-        self.static = _Static(spec, mesh, implementation)
+        self.static = (spec, mesh, implementation)  # hashable: the step's static argument
         self.mesh, self.cache_size = mesh, cache_size
 
     def empty_cache(self):
@@ -367,10 +351,3 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
         pad = jnp.full((B, max_new_tokens - out.shape[1]), eos_id, jnp.int32)
         out = jnp.concatenate([out, pad], axis=1)
     return out
-
-
-class _Frozen(dict):
-    """A hashable dict (of PartitionSpecs), so that the layout can be a static argument."""
-
-    def __hash__(self):
-        return hash(tuple(sorted((k, tuple(v)) for k, v in self.items())))
