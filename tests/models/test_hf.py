@@ -306,3 +306,14 @@ def test_sampled_generation_on_an_explicit_mesh(checkpoints):
         sf.generate(model, prompt, 2, temperature=0.5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         sf.generate(model, prompt, 0)
+
+
+@pytest.mark.parametrize("module", ["hf", "safetensors", "generation"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"shardfuse.models.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{mod.__name__} has no examples"
+    assert result.failed == 0, f"{result.failed} failing examples in {mod.__name__}"

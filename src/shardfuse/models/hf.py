@@ -27,16 +27,15 @@ Both use the rotate-half RoPE convention, so q and k need no permutation.
 import dataclasses
 import json
 import math
-import struct
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardfuse.models import spec as models
+from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
 
 # --- config.json <-> ModelSpec ---------------------------------------------------------
 
@@ -145,8 +144,8 @@ def hf_config(spec: models.ModelSpec, *, model_type: str = "llama", dtype: str =
       >>> spec = hf.spec_from_hf_config(dict(model_type="qwen2", hidden_size=64,
       ...     intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
       ...     num_hidden_layers=2, vocab_size=100))
-      >>> hf.hf_config(spec, model_type="qwen2")["attention_bias"]
-      True
+      >>> hf.hf_config(spec, model_type="qwen2")["architectures"]
+      ['Qwen2ForCausalLM']
     """
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}")
@@ -203,117 +202,6 @@ def hf_config(spec: models.ModelSpec, *, model_type: str = "llama", dtype: str =
             raise ValueError("a qwen2 checkpoint has q/k/v biases: spec.qkv_bias must be True")
         config.update(sliding_window=None, use_sliding_window=False)
     return config
-
-
-# --- safetensors, read lazily -----------------------------------------------------------
-
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}  # fmt: skip
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-
-class SafetensorsDir:
-    """The tensors of a checkpoint directory (`model.safetensors` or an index of shards).
-
-    Files are opened (memory-mapped) on first use, so a process that reads only some
-    tensors opens only their files; `opened` records which, `reads` every slice read.
-
-    Raises:
-      ValueError: no safetensors file, an index naming a missing file, a corrupt header.
-
-    Example:
-      >>> import numpy as np, tempfile
-      >>> from shardfuse.models import hf
-      >>> d = tempfile.mkdtemp()
-      >>> hf.write_safetensors(f"{d}/model.safetensors", {"w": np.eye(3, dtype=np.float32)})
-      >>> hf.SafetensorsDir(d).read("w", (slice(1, 3), slice(None))).tolist()
-      [[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
-    """
-
-    def __init__(self, path):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise ValueError(f"checkpoint path {str(path)!r} is not a directory")
-        index = self.path / "model.safetensors.index.json"
-        if index.exists():
-            self.files = dict(json.loads(index.read_text())["weight_map"])
-        elif (self.path / "model.safetensors").exists():
-            self.files = None  # one file: its header names the tensors
-        else:
-            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
-        for file in set((self.files or {}).values()):
-            if not (self.path / file).exists():
-                raise ValueError(f"the index names shard file {file!r}, missing from {path}")
-        self._open = {}
-        self.opened, self.reads = [], []
-        if self.files is None:
-            self.files = {name: "model.safetensors" for name in self._header("model.safetensors")}
-
-    def _header(self, file):
-        if file not in self._open:
-            raw = np.memmap(self.path / file, dtype=np.uint8, mode="r")
-            if raw.size < 8:
-                raise ValueError(f"{file}: not a safetensors file (too short)")
-            (size,) = struct.unpack("<Q", bytes(raw[:8]))
-            try:
-                header = json.loads(bytes(raw[8 : 8 + size]))
-            except ValueError as err:
-                raise ValueError(f"{file}: corrupt safetensors header ({err})") from None
-            header.pop("__metadata__", None)
-            self._open[file] = (raw, 8 + size, header)
-            self.opened.append(file)
-        return self._open[file][2]
-
-    def names(self):
-        """The tensor names, sorted."""
-        return sorted(self.files)
-
-    def info(self, name):
-        """`(shape, numpy dtype)` of tensor `name` (ValueError when the checkpoint lacks it)."""
-        if name not in self.files:
-            raise ValueError(f"tensor {name!r} is not in the checkpoint {self.path}")
-        entry = self._header(self.files[name])[name]
-        return tuple(entry["shape"]), np.dtype(_DTYPES[entry["dtype"]])
-
-    def read(self, name, index=()):
-        """`tensor[index]` (a tuple of slices) as a numpy array, reading only those bytes."""
-        shape, dtype = self.info(name)
-        raw, start, header = self._open[self.files[name]]
-        begin, end = header[name]["data_offsets"]
-        array = raw[start + begin : start + end].view(dtype).reshape(shape)
-        self.reads.append((name, index))
-        return np.array(array[tuple(index)])
-
-
-def write_safetensors(path, tensors: dict, metadata: dict | None = None):
-    """Writes numpy `tensors` (name -> array) as one safetensors file.
-
-    Example:
-      >>> import numpy as np, tempfile
-      >>> from shardfuse.models import hf
-      >>> hf.write_safetensors(tempfile.mktemp(), {"b": np.zeros(2, np.float32)})
-    """
-    header, offset = {}, 0
-    for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        header[name] = dict(
-            dtype=_NAMES[array.dtype],
-            shape=list(array.shape),
-            data_offsets=[offset, offset + array.nbytes],
-        )
-        offset += array.nbytes
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in sorted(tensors):
-            f.write(np.ascontiguousarray(tensors[name]).tobytes())
 
 
 # --- our parameters <-> their tensors ---------------------------------------------------
@@ -460,8 +348,14 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
         the heads (raised by the layers, before anything is read).
 
     Example:
-      >>> import jax, tempfile                                   # doctest: +SKIP
-      >>> model = load_hf("path/to/Llama-3.2-1B", mesh=jax.make_mesh((8,), ("data",)))
+      >>> import jax, tempfile
+      >>> from flax import nnx
+      >>> from shardfuse.models import ModelSpec, Transformer, hf
+      >>> mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+      >>> model = Transformer(ModelSpec.tiny(num_layers=1), mesh=mesh, rngs=nnx.Rngs(0))
+      >>> path = hf.save_hf(model, tempfile.mkdtemp())
+      >>> hf.load_hf(path, mesh=mesh).spec.num_layers
+      1
     """
     path = Path(path)
     config_file = path / "config.json"
