@@ -29,6 +29,10 @@ the Llama-style defaults `use_bias=False`, and the block, whose activations
 stay sharded from block to block, defaults to `sequence_parallel=True`.
 """
 
+import functools
+import inspect
+from collections.abc import Callable
+
 import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -44,19 +48,27 @@ default_bias_init = nnx.initializers.zeros_init()
 
 
 class _ParallelLinear(nnx.Module):
-    """Shared constructor and call of the linear layers (the subclasses' docstrings say more)."""
+    """Shared constructor and call of the linear layers (the subclasses' docstrings say more).
+
+    A subclass adds its specs, its per-shard product (`matmul`) and its one
+    layout keyword (`_layer_init`); the parameters both layers take are
+    listed here only.
+    """
 
     sharded_features: str  # "out" for column, "in" for row
+    # the per-shard product `matmul(x, kernel)`: parallel_matmul's column_matmul or row_matmul
+    matmul: Callable
 
+    @options_lib.option_keywords
     def __init__(
         self,
         in_features: int,
         out_features: int,
         *,
-        options: options_lib.LayerOptions,
-        use_bias: bool,
-        kernel_init,
-        bias_init,
+        options: options_lib.LayerOptions | None = None,
+        use_bias: bool = True,
+        kernel_init=default_kernel_init,
+        bias_init=default_bias_init,
         rngs: nnx.Rngs,
     ):
         options_lib.configure(self, options)
@@ -106,6 +118,11 @@ class _ParallelLinear(nnx.Module):
         bias = None if self.bias is None else self.bias[...].astype(dtype)
         return [self.kernel[...], bias], [self.kernel_spec(), self.bias_spec_for(self.model_axis)]
 
+    def local(self, x, kernel, bias=None):
+        """Per-shard computation (inside `jax.shard_map` over the layer's mesh)."""
+        y = self.matmul(x, self.weight(kernel, x.dtype, x))
+        return checkpoint_name(y if bias is None else y + bias, "linear")
+
     def _check(self, x):
         """Validates `x` `[B, T, in]` (before any tracing)."""
         _sharding.check_activations(x)
@@ -142,7 +159,29 @@ class _ParallelLinear(nnx.Module):
         return _sharding.call_compiled(self, "forward", x)
 
 
-_RENAMED = dict(axis="model_axis")
+def _layer_init(own_init):
+    """Decorator: a linear layer's `__init__` from the keywords it adds to the shared ones.
+
+    `own_init(self, *, flag=default)` stores what is the layer's own (its
+    layout flag); the decorated `__init__` takes `_ParallelLinear.__init__`'s
+    parameters (sizes, `options` and the option keywords, `use_bias`, the
+    initializers, `rngs`) together with `own_init`'s, builds the shared part,
+    then calls `own_init`. `help()` and `inspect.signature` list every keyword;
+    `axis` stays the deprecated spelling of `model_axis`.
+    """
+    shared = inspect.signature(_ParallelLinear.__init__)
+    own = [p for p in inspect.signature(own_init).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(own_init)
+    def __init__(self, *args, **kwargs):
+        own_kwargs = {p.name: kwargs.pop(p.name) for p in own if p.name in kwargs}
+        _ParallelLinear.__init__(self, *args, **kwargs)
+        own_init(self, **own_kwargs)
+
+    params = list(shared.parameters.values())
+    at = next(i for i, p in enumerate(params) if p.name == "use_bias")
+    __init__.__signature__ = shared.replace(parameters=[*params[:at], *own, *params[at:]])
+    return renamed_keywords(axis="model_axis")(__init__)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -211,35 +250,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def bias_spec_for(axis):
         return P(axis)
 
-    @renamed_keywords(**_RENAMED)
-    @options_lib.option_keywords
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        options: options_lib.LayerOptions | None = None,
-        gather_output: bool = False,
-        use_bias: bool = True,
-        kernel_init=default_kernel_init,
-        bias_init=default_bias_init,
-        rngs: nnx.Rngs,
-    ):
-        super().__init__(
-            in_features,
-            out_features,
-            options=options,
-            use_bias=use_bias,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            rngs=rngs,
-        )
-        self.gather_output = bool(gather_output)
+    matmul = column_matmul
 
-    def local(self, x, kernel, bias=None):
-        """Per-shard computation (inside `jax.shard_map` over the layer's mesh)."""
-        y = column_matmul(self, x, self.weight(kernel, x.dtype, x))
-        return checkpoint_name(y if bias is None else y + bias, "linear")
+    @_layer_init
+    def __init__(self, *, gather_output: bool = False):
+        self.gather_output = bool(gather_output)
 
     def output_spec(self):
         """PartitionSpec of the `[B, T, out]` output."""

@@ -9,18 +9,9 @@ program per configuration, ZeRO options) are those of
 """
 
 import jax
-from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import renamed_keywords
-from shardfuse.layers import options as options_lib
-from shardfuse.layers.linear import (
-    _RENAMED,
-    _ParallelLinear,
-    default_bias_init,
-    default_kernel_init,
-)
+from shardfuse.layers.linear import _layer_init, _ParallelLinear
 from shardfuse.layers.parallel_matmul import row_matmul
 
 
@@ -46,13 +37,12 @@ class RowParallelLinear(_ParallelLinear):
         `model_axis` and each shard slices its part. Both compute the same
         `x @ W + b`; the flag picks the input layout (and so which
         resharding, if any, an input on another layout costs).
-      options, use_bias, kernel_init, bias_init and the option keywords (mesh,
-        model_axis, sequence_parallel, dtype, param_dtype, precision,
+      options, use_bias, kernel_init, bias_init, rngs and the option keywords
+        (mesh, model_axis, sequence_parallel, dtype, param_dtype, precision,
         data_axis, sequence_axis, implementation, zero, fsdp_axis,
         reshard_after_forward, reduce_dtype): as in `ColumnParallelLinear`
         (`axis` is the deprecated spelling of `model_axis`); zero=3 shards
         the kernel's output dimension over `fsdp_axis`.
-      rngs: `nnx.Rngs` for the initializers.
 
     Example usage::
 
@@ -60,10 +50,12 @@ class RowParallelLinear(_ParallelLinear):
       >>> from flax import nnx
       >>> import shardfuse as sf
       >>> mesh = jax.make_mesh((2,), ("model",))
-      >>> layer = sf.layers.RowParallelLinear(32, 16, mesh=mesh, rngs=nnx.Rngs(0))
-      >>> y = layer(jnp.ones((2, 8, 32)))
-      >>> y.shape, y.sharding.spec
-      ((2, 8, 16), P(None, None, None))
+      >>> up = sf.layers.ColumnParallelLinear(16, 32, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> down = sf.layers.RowParallelLinear(32, 16, mesh=mesh, rngs=nnx.Rngs(1))
+      >>> h = up(jnp.ones((2, 8, 16)))  # features split over "model", as `down` takes them
+      >>> y = down(h)  # the partial products all-reduced
+      >>> h.sharding.spec, y.shape, y.sharding.spec
+      (P(None, None, 'model'), (2, 8, 16), P(None, None, None))
     """
 
     sharded_features = "in"
@@ -76,35 +68,11 @@ class RowParallelLinear(_ParallelLinear):
     def bias_spec_for(axis):
         return P()
 
-    @renamed_keywords(**_RENAMED)
-    @options_lib.option_keywords
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        options: options_lib.LayerOptions | None = None,
-        input_is_parallel: bool = True,
-        use_bias: bool = True,
-        kernel_init=default_kernel_init,
-        bias_init=default_bias_init,
-        rngs: nnx.Rngs,
-    ):
-        super().__init__(
-            in_features,
-            out_features,
-            options=options,
-            use_bias=use_bias,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            rngs=rngs,
-        )
-        self.input_is_parallel = bool(input_is_parallel)
+    matmul = row_matmul
 
-    def local(self, x, kernel, bias=None):
-        """Per-shard computation: x `[b, t, in / tp]` (feature shard) -> reduced output."""
-        y = row_matmul(self, x, self.weight(kernel, x.dtype, x))
-        return checkpoint_name(y if bias is None else y + bias, "linear")
+    @_layer_init
+    def __init__(self, *, input_is_parallel: bool = True):
+        self.input_is_parallel = bool(input_is_parallel)
 
     def _local_replicated_input(self, x, kernel, bias=None):
         """`local` on a replicated `x` `[b, t, in]`: this shard keeps its slice of the features."""
