@@ -151,3 +151,37 @@ def test_info_lists_implementations():
     usable, why = attention["triton"]
     assert not usable and why
     assert report["backend"] == "cpu" and len(report["devices"]) == 8
+
+
+def test_one_list_of_attention_options_for_every_entry_point():
+    """flash_attention and both ring attentions take `validate`'s options, listed in help()."""
+    import doctest
+    import inspect
+
+    from shardfuse.kernels.attention import base
+
+    options = inspect.signature(base.validate).parameters
+    calls = {  # each entry point with a keyword that is none of its parameters
+        sf.flash_attention: lambda **kw: sf.flash_attention(Q, KV, KV, **kw),
+        sf.collectives.ring_attention: lambda **kw: sf.collectives.ring_attention(
+            Q, KV, KV, "sequence", **kw
+        ),
+        sf.ring_attention: lambda **kw: sf.ring_attention(Q, KV, KV, mesh=None, **kw),
+    }
+    for fn, call in calls.items():
+        parameters = inspect.signature(fn).parameters
+        for name in base.CONFIG_OPTIONS:
+            assert parameters[name] == options[name], (fn, name)
+            assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert not any(p.kind is p.VAR_KEYWORD for p in parameters.values()), fn
+        # a keyword outside the list fails clearly, naming the function, before any work
+        message = rf"{fn.__name__}\(\) got an unexpected keyword argument 'mask'; its attention"
+        with pytest.raises(TypeError, match=message):
+            call(mask=None)
+    with pytest.raises(TypeError, match=r"ring_attention\(\) got an unexpected .* 'q_positions'"):
+        calls[sf.ring_attention](q_positions=None)  # positions come from the ring layout
+    # the options still reach the computation: causal changes the result
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 8))
+    full, causal = _call(q, q, q), _call(q, q, q, causal=True)
+    assert np.isfinite(np.asarray(full)).all() and not np.allclose(full, causal)
+    assert doctest.testmod(base, optionflags=doctest.ELLIPSIS).failed == 0

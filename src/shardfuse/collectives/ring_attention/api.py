@@ -89,6 +89,7 @@ def run(make_spec, implementation, q, k, v, q_seg, kv_seg):
     return RING_ATTENTION.run(implementation, call)
 
 
+@base.config_options
 def ring_attention(
     q,
     k,
@@ -96,15 +97,11 @@ def ring_attention(
     axis_name,
     *,
     layout: str = "zigzag",
-    causal: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
-    window=None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
     return_lse: bool = False,
     implementation=None,
-    block_sizes: base.BlockSizes | None = None,
+    **options,
 ):
     """Context-parallel flash attention over the ring `axis_name`, per shard (inside `shard_map`).
 
@@ -172,9 +169,8 @@ def ring_attention(
       (1, 64, 4, 32)
     """
     config, q, k, v = base.validate_arrays(
-        q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        window=window, logit_softcap=logit_softcap, scale=scale, block_sizes=block_sizes,
-    )  # fmt: skip
+        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **options
+    )
     layouts.check_layout(layout)
     RING_ATTENTION.candidates(implementation)  # an unknown name fails before tracing
     n = ring_size(axis_name)

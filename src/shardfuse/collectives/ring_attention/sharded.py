@@ -193,6 +193,7 @@ def _onto_mesh(x, mesh, spec):
 
 
 @sharding.renamed_keywords(seq_axis="sequence_axis", batch_axis="data_axis", head_axis="model_axis")
+@base.config_options
 def ring_attention(
     q,
     k,
@@ -204,15 +205,11 @@ def ring_attention(
     strategy: str | None = "ring",
     data_axis=None,
     model_axis=None,
-    causal: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
-    window=None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
-    block_sizes: base.BlockSizes | None = None,
+    **options,
 ):
     """Context-parallel attention on global arrays, the sequence split over `mesh[sequence_axis]`.
 
@@ -294,9 +291,8 @@ def ring_attention(
       ((1, 100, 4, 32), P(None, 'sequence'))
     """
     config, q, k, v = base.validate_arrays(
-        q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        window=window, logit_softcap=logit_softcap, scale=scale, block_sizes=block_sizes,
-    )  # fmt: skip
+        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **options
+    )
     plan = make_plan(
         q,
         k,

@@ -67,22 +67,19 @@ def load_implementation(name: str):
     return ATTENTION.load(name)
 
 
+@base.config_options
 def flash_attention(
     q,
     k,
     v,
     *,
-    causal: bool = False,
     q_positions=None,
     kv_positions=None,
     q_segment_ids=None,
     kv_segment_ids=None,
-    window=None,
-    logit_softcap: float | None = None,
-    scale: float | None = None,
     return_lse: bool = False,
     implementation=None,
-    block_sizes: base.BlockSizes | None = None,
+    **options,
 ):
     """Memory-efficient multi-head attention with GQA, masks on positions and a float32 lse.
 
@@ -136,9 +133,8 @@ def flash_attention(
       ((2, 128, 8, 64), (2, 8, 128))
     """
     config, q, k, v = base.validate_arrays(
-        q, k, v, causal=causal, q_positions=q_positions, kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window,
-        logit_softcap=logit_softcap, scale=scale, block_sizes=block_sizes,
+        q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **options,
     )  # fmt: skip
     ATTENTION.candidates(implementation)  # an unknown name fails before anything runs
     B, T, _, _ = q.shape
