@@ -153,6 +153,30 @@ def test_signature_lists_the_option_keywords():
         assert parameters["options"].default is None
 
 
+def test_block_takes_the_attention_keywords_of_its_attention():
+    """The block lists ParallelSelfAttention's keywords (one home for their defaults) and
+    hands them on unread; a keyword neither takes fails naming the block."""
+    import inspect
+
+    from shardfuse.layers import block as block_lib
+
+    attention = inspect.signature(sf.layers.ParallelSelfAttention.__init__).parameters
+    block = inspect.signature(sf.layers.ParallelTransformerBlock.__init__).parameters
+    for name in block_lib.ATTENTION_KEYWORDS:
+        assert block[name] == attention[name], name
+    assert not any(p.kind is p.VAR_KEYWORD for p in block.values())
+    mesh = make_mesh("explicit", (2,), ("model",))
+    made = sf.layers.ParallelTransformerBlock(
+        8, 2, 16, mesh=mesh, num_kv_heads=1, causal=False, window=(3, None), qkv_bias=True,
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    got = made.attention
+    assert (got.num_kv_heads, got.causal, got.window, got.qkv_bias) == (1, False, (3, None), True)
+    with pytest.raises(TypeError, match=r"ParallelTransformerBlock\(\) got an unexpected "
+                       r"keyword argument 'num_kv_head'"):  # fmt: skip
+        sf.layers.ParallelTransformerBlock(8, 2, 16, mesh=mesh, num_kv_head=1, rngs=nnx.Rngs(0))
+
+
 def test_deprecated_keyword_spellings_still_work():
     mesh = make_mesh("explicit", (2,), ("tp",))
     with pytest.warns(DeprecationWarning, match="use model_axis="):

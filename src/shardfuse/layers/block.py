@@ -11,6 +11,7 @@ sequence parallelism, Korthikanti et al. 2022). The whole block is one
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,48 @@ class Norm(nnx.Module):
         return normalize(self.kind, x, scale, bias, self.eps)
 
 
+# What a block hands, unread, to its `ParallelSelfAttention`, with that layer's defaults.
+ATTENTION_KEYWORDS = (
+    "num_kv_heads",
+    "head_dim",
+    "causal",
+    "layout",
+    "rope_theta",
+    "rope_scaling",
+    "window",
+    "logit_softcap",
+    "qkv_bias",
+)
+
+
+def _attention_keywords(init):
+    """Decorator of the block's `__init__(..., **attention)`: it takes `ATTENTION_KEYWORDS`.
+
+    `help()` and `inspect.signature` list them after `options`, with the
+    defaults of `ParallelSelfAttention.__init__` (their one home); they reach
+    `init` as `attention`, and any other keyword raises a TypeError naming the
+    block.
+    """
+    signature = inspect.signature(init)
+    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    accepted = {p.name for p in own} | set(ATTENTION_KEYWORDS)
+    source = inspect.signature(ParallelSelfAttention.__init__).parameters
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in accepted:
+                raise TypeError(
+                    f"{type(self).__name__}() got an unexpected keyword argument {name!r}"
+                )
+        return init(self, *args, **kwargs)
+
+    at = [p.name for p in own].index("options") + 1
+    keywords = [source[name] for name in ATTENTION_KEYWORDS]
+    wrapper.__signature__ = signature.replace(parameters=[*own[:at], *keywords, *own[at:]])
+    return wrapper
+
+
 class ParallelTransformerBlock(nnx.Module):
     """Pre-norm transformer block: `ParallelSelfAttention` and `ParallelMLP` with residuals.
 
@@ -220,6 +263,7 @@ class ParallelTransformerBlock(nnx.Module):
 
     @renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
     @options_lib.option_keywords
+    @_attention_keywords
     def __init__(
         self,
         features: int,
@@ -227,22 +271,14 @@ class ParallelTransformerBlock(nnx.Module):
         hidden_features: int,
         *,
         options: options_lib.LayerOptions | None = None,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        causal: bool = True,
-        layout: str = "zigzag",
-        rope_theta: float | None = 10000.0,
-        rope_scaling: tuple | None = None,
-        window=None,
-        logit_softcap: float | None = None,
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
         use_bias: bool = False,
-        qkv_bias: bool = False,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         rngs: nnx.Rngs,
+        **attention,
     ):
         if norm not in NORMS:
             raise ValueError(f"norm={norm!r} must be one of {NORMS}")
@@ -253,19 +289,7 @@ class ParallelTransformerBlock(nnx.Module):
         self.remat = options.remat
         inits = dict(use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
         self.attention = ParallelSelfAttention(
-            features,
-            num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            causal=causal,
-            layout=layout,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            window=window,
-            logit_softcap=logit_softcap,
-            qkv_bias=qkv_bias,
-            options=options,
-            **inits,
+            features, num_heads, options=options, **attention, **inits
         )
         self.mlp = ParallelMLP(
             features, hidden_features, activation=activation, options=options, **inits
