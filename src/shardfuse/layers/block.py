@@ -11,13 +11,13 @@ sequence parallelism, Korthikanti et al. 2022). The whole block is one
 """
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardfuse._keywords import passes_keywords
 from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
@@ -172,34 +172,6 @@ ATTENTION_KEYWORDS = (
 )
 
 
-def _attention_keywords(init):
-    """Decorator of the block's `__init__(..., **attention)`: it takes `ATTENTION_KEYWORDS`.
-
-    `help()` and `inspect.signature` list them after `options`, with the
-    defaults of `ParallelSelfAttention.__init__` (their one home); they reach
-    `init` as `attention`, and any other keyword raises a TypeError naming the
-    block.
-    """
-    signature = inspect.signature(init)
-    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    accepted = {p.name for p in own} | set(ATTENTION_KEYWORDS)
-    source = inspect.signature(ParallelSelfAttention.__init__).parameters
-
-    @functools.wraps(init)
-    def wrapper(self, *args, **kwargs):
-        for name in kwargs:
-            if name not in accepted:
-                raise TypeError(
-                    f"{type(self).__name__}() got an unexpected keyword argument {name!r}"
-                )
-        return init(self, *args, **kwargs)
-
-    at = [p.name for p in own].index("options") + 1
-    keywords = [source[name] for name in ATTENTION_KEYWORDS]
-    wrapper.__signature__ = signature.replace(parameters=[*own[:at], *keywords, *own[at:]])
-    return wrapper
-
-
 class ParallelTransformerBlock(nnx.Module):
     """Pre-norm transformer block: `ParallelSelfAttention` and `ParallelMLP` with residuals.
 
@@ -263,7 +235,7 @@ class ParallelTransformerBlock(nnx.Module):
 
     @renamed_keywords(tp_axis="model_axis", cp_axis="sequence_axis")
     @options_lib.option_keywords
-    @_attention_keywords
+    @passes_keywords(ParallelSelfAttention.__init__, ATTENTION_KEYWORDS, after="options")
     def __init__(
         self,
         features: int,

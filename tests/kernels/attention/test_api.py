@@ -175,7 +175,7 @@ def test_one_list_of_attention_options_for_every_entry_point():
             assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
         assert not any(p.kind is p.VAR_KEYWORD for p in parameters.values()), fn
         # a keyword outside the list fails clearly, naming the function, before any work
-        message = rf"{fn.__name__}\(\) got an unexpected keyword argument 'mask'; its attention"
+        message = rf"{fn.__name__}\(\) got an unexpected keyword argument 'mask'; its keywords"
         with pytest.raises(TypeError, match=message):
             call(mask=None)
     with pytest.raises(TypeError, match=r"ring_attention\(\) got an unexpected .* 'q_positions'"):

@@ -9,8 +9,6 @@ K kv heads, G = H // K query heads per kv head, D head dim.
 """
 
 import dataclasses
-import functools
-import inspect
 import math
 import numbers
 
@@ -18,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from shardfuse._keywords import passes_keywords
 from shardfuse.kernels.precision import SUPPORTED_DTYPES
 
 Window = tuple[int | None, int | None]
@@ -187,49 +186,9 @@ def validate(
 # keywords and defaults: the one list); `AttentionConfig` holds their validated form.
 CONFIG_OPTIONS = ("causal", "window", "logit_softcap", "scale", "block_sizes")
 
-
-def config_options(fn):
-    """Decorator of a public attention function that takes the static options as `**options`.
-
-    `sf.flash_attention`, the per-shard and the global ring attention all take
-    `CONFIG_OPTIONS` (causal, window, logit_softcap, scale, block_sizes), with
-    the keywords and defaults of `validate`, and hand them to it unread. The
-    decorated function lists them in its signature (`help()`,
-    `inspect.signature`, the API reference), first among its keyword-only
-    parameters, and refuses any other keyword with a TypeError naming it.
-
-    Example:
-      >>> import inspect
-      >>> @config_options
-      ... def attend(q, *, return_lse=False, **options):
-      ...     return sorted(options)
-      >>> list(inspect.signature(attend).parameters)
-      ['q', 'causal', 'window', 'logit_softcap', 'scale', 'block_sizes', 'return_lse']
-      >>> attend(1, causal=True)
-      ['causal']
-      >>> attend(1, q_positions=None)  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      TypeError: attend() got an unexpected keyword argument 'q_positions'; its attention ...
-    """
-    signature = inspect.signature(fn)
-    own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    accepted = {p.name for p in own} | set(CONFIG_OPTIONS)
-    options = [inspect.signature(validate).parameters[name] for name in CONFIG_OPTIONS]
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        for name in kwargs:
-            if name not in accepted:
-                raise TypeError(
-                    f"{fn.__name__}() got an unexpected keyword argument {name!r}; "
-                    f"its attention options are {CONFIG_OPTIONS}"
-                )
-        return fn(*args, **kwargs)
-
-    at = next((i for i, p in enumerate(own) if p.kind is p.KEYWORD_ONLY), len(own))
-    wrapper.__signature__ = signature.replace(parameters=[*own[:at], *options, *own[at:]])
-    return wrapper
+# Decorator of `sf.flash_attention` and both ring attentions, which take `CONFIG_OPTIONS`
+# as `**options` and hand them to `validate` unread: their signatures list them.
+config_options = passes_keywords(validate, CONFIG_OPTIONS)
 
 
 def validate_arrays(q, k, v, **options):
