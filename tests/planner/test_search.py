@@ -266,3 +266,30 @@ def test_uneven_pipeline_stages_are_planned():
 
     layout, a = Layout(pipeline=16, fsdp=64, model=8), Assumptions()
     assert params_per_device(model, layout, a) == params_per_device(even, layout, a)
+
+
+def test_zero2_with_accumulation_reduce_scatters_every_microbatch():
+    """shardfuse's accumulate(zero=2) reduce-scatters in every microbatch's backward (m a step,
+    each hidden behind its own backward) and gathers the updated shards after the step;
+    Megatron's distributed optimizer ("step") reduce-scatters once."""
+    from shardfuse.planner import Assumptions, Layout, estimate
+    from shardfuse.ring_time import ring_collective_s
+
+    model, cluster = models.get("llama3-8b"), hardware.cluster("h100", nodes=2)
+    layout = Layout(fsdp=16, zero=2, num_microbatches=4, microbatch_size=1)
+    terms = {}
+    for mode in ("microbatch", "step"):
+        a = Assumptions(zero2_scatter=mode)
+        e = estimate(model, cluster, layout, global_batch=64, seq_len=2048, assumptions=a)
+        terms[mode] = {t.name: t for t in e.time}
+    from shardfuse.planner.cost import axis_link
+    from shardfuse.planner.memory import params_per_device
+
+    bw, lat, _ = axis_link(cluster, layout, "fsdp")
+    one = ring_collective_s(16, params_per_device(model, layout, Assumptions()) * 2, bw, lat)
+    assert terms["microbatch"]["data_parallel"].total == pytest.approx(4 * one)
+    assert terms["microbatch"]["fsdp_gather"].value == pytest.approx(one)  # exposed
+    assert terms["step"]["data_parallel"].total == pytest.approx(2 * one)
+    assert "fsdp_gather" not in terms["step"]
+    with pytest.raises(ValueError, match="zero2_scatter='layer'"):
+        Assumptions(zero2_scatter="layer")

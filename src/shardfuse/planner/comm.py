@@ -22,8 +22,11 @@ the backward compute that its parameter gathers left free.
   and backward (and the remat forward), prefetched behind the layers' compute.
 - data_parallel: the gradient reduction: all-reduce over data x fsdp (ZeRO-0/1),
   reduce-scatter over fsdp then all-reduce of the shards over data and
-  all-gather of the new parameters (ZeRO-2), or a reduce-scatter per microbatch
-  (ZeRO-3). The reduction of the last microbatch's gradients can hide only
+  all-gather of the new parameters (ZeRO-2; with accumulation and
+  `Assumptions.zero2_scatter="microbatch"`, shardfuse's `accumulate`, a
+  reduce-scatter per microbatch behind its own backward and the gather of the
+  updated parameters, exposed, as `fsdp_gather`), or a reduce-scatter per
+  microbatch (ZeRO-3). The reduction of the last microbatch's gradients can hide only
   behind that microbatch's backward (`2/3 x compute / m`), ZeRO-3's per-
   microbatch reduce-scatters behind every backward.
 - pipeline_p2p: the stage-boundary sends: shardfuse's lockstep executor
@@ -97,12 +100,28 @@ def data_parallel_terms(*, layout, params_dev, a, links, compute_s, overlap):
                 bw, lat = (bw_f, lat_f) if F > 1 else (bw_d, lat_d)
             total = ring(D * F, g, bw, lat, factor=2.0)
             what = f"all-reduce of {g / 1e9:.3g} GB gradients over data x fsdp={D * F}"
+        elif m > 1 and layout.pipeline == 1 and a.zero2_scatter == "microbatch":
+            # accumulate(zero=2): each microbatch's backward reduce-scatters its own
+            # gradients (hidden behind that backward); the updated shards are
+            # all-gathered after the optimizer step, with no compute beside them.
+            gather = ring(F, g, bw_f, lat_f)
+            terms.append(exposed_term(
+                "fsdp_gather", gather, 0.0, overlap,
+                f"all-gather of the {g / 1e9:.3g} GB updated parameters over fsdp={F} after "
+                "the optimizer step",
+            ))  # fmt: skip
+            total = m * ring(F, g, bw_f, lat_f) + ring(D, g / F, bw_d, lat_d, factor=2.0)
+            what = (f"{m} microbatches x reduce-scatter of {g / 1e9:.3g} GB gradients over "
+                    f"fsdp={F}, each behind its microbatch's backward")  # fmt: skip
         else:
             total = 2 * ring(F, g, bw_f, lat_f) + ring(D, g / F, bw_d, lat_d, factor=2.0)
             what = f"reduce-scatter + all-gather of {g / 1e9:.3g} GB over fsdp={F}"
-        window = backward_s / m * a.dp_overlap
-        if m > 1:
-            what += f", behind the last of {m} microbatches' backward"
+        if z == 2 and "each behind" in what:
+            window = backward_s * a.dp_overlap
+        else:
+            window = backward_s / m * a.dp_overlap
+            if m > 1:
+                what += f", behind the last of {m} microbatches' backward"
     if D > 1 and z >= 2:
         what += f", all-reduce of the shards over data={D}"
     terms.append(exposed_term("data_parallel", total, window, overlap, what))

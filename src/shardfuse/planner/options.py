@@ -21,6 +21,7 @@ from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes th
 from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
 
 PIPELINE_EXECUTORS = ("lockstep", "async")
+ZERO2_SCATTER = ("microbatch", "step")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
@@ -139,6 +140,11 @@ class Assumptions:
       dp_overlap: fraction of the backward compute behind which the data/fsdp
         gradient reductions and ZeRO-3 gathers can hide (0: none, 1: all).
       pp_overlap: pipeline sends overlap the next microbatch's compute.
+      zero2_scatter: when ZeRO-2 reduce-scatters the gradients of an accumulated
+        step: "microbatch" (shardfuse's `accumulate(zero=2)` default: every
+        microbatch's backward reduce-scatters its gradients, m reduce-scatters a
+        step, each behind its own backward) or "step" (Megatron's distributed
+        optimizer: gradients accumulated locally, one reduce-scatter a step).
       sequence_parallel: Megatron sequence parallelism (norms and residuals
         sharded over `model` too); False: they are replicated over `model`.
       residual_sharded: the layer inputs saved for the backward pass are sharded over
@@ -180,6 +186,7 @@ class Assumptions:
     cp_overlap: bool = True
     dp_overlap: float = 1.0
     pp_overlap: bool = False
+    zero2_scatter: str = "microbatch"
     sequence_parallel: bool = True
     residual_sharded: bool = False
     flash_attention: bool = True
@@ -197,6 +204,7 @@ class Assumptions:
         if self.overlap is not None and not 0 <= self.overlap <= 1:
             raise ValueError(f"overlap={self.overlap!r} must be in [0, 1]")
         _choice("pipeline_executor", self.pipeline_executor, PIPELINE_EXECUTORS)
+        _choice("zero2_scatter", self.zero2_scatter, ZERO2_SCATTER)
         if not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
         if not 0 <= self.reserved_fraction < 1:
@@ -251,7 +259,8 @@ class Assumptions:
         weights and Adam moments: 2 + 4 + 12 bytes per parameter), gradients
         all-reduced in fp16 after the backward pass (no overlap), tensor-parallel
         all-reduces exposed, point-to-point pipeline sends exposed, attention
-        computed in full (no causal skipping), no flash attention.
+        computed in full (no causal skipping), no flash attention; the distributed
+        optimizer reduce-scatters the accumulated gradients once a step.
         """
         return cls(
             name="megatron-2021",
@@ -264,6 +273,7 @@ class Assumptions:
             flash_attention=False,
             pipeline_executor="async",
             pipeline_recompute=False,
+            zero2_scatter="step",
         )
 
     @classmethod
