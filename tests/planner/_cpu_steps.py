@@ -3,9 +3,10 @@
 Run by tests/planner/test_calibration.py as `python _cpu_steps.py '<json>'`
 with `{"meshes": [...], "rounds": R, "probe": bool}` and glibc told to keep
 its heap (`ALLOCATOR_ENV`); prints one JSON line: `{"seconds": [...], "cpu":
-<calibrate.measure_cpu>}`. Seconds per step are the process's CPU seconds over the cores (the
-host's other load does not count), the minimum over `rounds` rounds that
-time every mesh once, all meshes compiled first.
+<calibrate.measure_cpu>, "wall_s": {"compile", "rounds", "probe"}}`.
+Seconds per step are the process's CPU seconds over the cores (the host's
+other load does not count), the minimum over `rounds` rounds that time
+every mesh once, all meshes compiled first.
 """
 
 import json
@@ -30,6 +31,8 @@ def main(request):
     from shardfuse.train import TrainConfig, Trainer
 
     cores = request["cores"]
+    clock = time.perf_counter()
+    walls = {}
     runs = []
     for mesh in request["meshes"]:
         zero = 3 if mesh.get("fsdp", 1) > 1 else 0
@@ -40,6 +43,7 @@ def main(request):
         with jax.set_mesh(trainer.mesh):
             jax.block_until_ready(step(*args))  # compiles
         runs.append((trainer.mesh, step, args))
+    walls["compile"] = time.perf_counter() - clock
     best = [float("inf")] * len(runs)
     for _ in range(request["rounds"]):
         for i, (mesh, step, args) in enumerate(runs):
@@ -47,8 +51,10 @@ def main(request):
                 start = time.process_time()
                 jax.block_until_ready(step(*args))
                 best[i] = min(best[i], (time.process_time() - start) / cores)
+    walls["rounds"] = time.perf_counter() - clock - walls["compile"]
     cpu = measure_cpu(8, cores=cores) if request.get("probe") else None
-    print(json.dumps({"seconds": best, "cpu": cpu}))
+    walls["probe"] = time.perf_counter() - clock - walls["compile"] - walls["rounds"]
+    print(json.dumps({"seconds": best, "cpu": cpu, "wall_s": walls}))
 
 
 if __name__ == "__main__":

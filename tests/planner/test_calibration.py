@@ -20,7 +20,10 @@ faults than data=8, of 0.58-0.62 s; that, not the collectives, was most of
 the -19% to -26% this test measured before (the probe's copy rate, 2.7-2.9
 GB/s per device, and 50-75 us per transfer are near the memory-copy figures
 assumed before). Accelerator runtimes keep their arenas (XLA's BFC
-allocator), which is what the planner describes.
+allocator), which is what the planner describes. Measured so (2026-11-25,
+this machine, under other helpers' load): calibrated on data=8 (0.449 s),
+data=2 x model=4 0.506 s predicted 0.468 s (-7.5%), fsdp=8 0.468 s vs 0.436 s
+(-6.8%), data=2 x sequence=2 x model=2 0.484 s vs 0.446 s (-7.8%).
 
 Compiling four meshes takes a minute on the shared 2-core machine: under `-m
 slow`; the default suite checks the fits themselves on synthetic
@@ -68,6 +71,7 @@ def _measure(meshes, rounds=5):
                          env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    print("subprocess wall seconds:", {k: round(v, 1) for k, v in result["wall_s"].items()})
     return result["seconds"], result["cpu"]
 
 
