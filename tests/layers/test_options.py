@@ -226,7 +226,7 @@ def _cases(count: int, seed: int, *, slow: bool = False):
     cases = []
     for name in LAYERS:
         for index in range(count):
-            kind = ("explicit", "auto")[(len(cases) + index) % 2]
+            kind = ("explicit", "auto")[len(cases) % 2]
             marks = (pytest.mark.slow,) if slow else ()
             fields = draw_options(rng)
             cases.append(pytest.param(name, kind, fields, id=f"{name}-{kind}-{index}", marks=marks))
@@ -337,7 +337,7 @@ def test_keywords_and_options_build_the_same_layer(name, kind, fields):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, kind, fields", _cases(5, seed=1)[len(LAYERS) :], ids=str)
+@pytest.mark.parametrize("name, kind, fields", _cases(2, seed=1), ids=str)
 def test_keywords_and_options_build_the_same_layer_more_combinations(name, kind, fields):
     check_equivalent(name, kind, fields)
 

@@ -7,7 +7,9 @@ unpipelined pieces (one chunk's forward and VJP, the head's VJP): the
 program's executed FLOPs must be within 1.1x of it for every schedule, on a
 pure pipeline mesh, pipeline x model (tensor parallel collectives inside the
 stage and the head) and pipeline x sequence x model, with recomputed and
-stored residuals, at m = p, 2p and 4p (`-m slow`; the quick suite keeps one
+stored residuals, at m = p, 2p and 4p (`-m slow` runs the rows that cover
+every pair of mesh, schedule, residuals and m, `tests/pairwise.py`;
+SHARDFUSE_FULL_MATRIX=1 runs all 72 cells; the quick suite keeps one
 pipeline x model case). Before the lockstep executor, pipeline 4 x model 2
 executed 2.3-3.4x the busiest stage's work (every tick ran the stage
 forward twice, the whole VJP and the head).
@@ -15,6 +17,7 @@ forward twice, the whole VJP and the head).
 
 import pytest
 
+from tests.pairwise import pairwise
 from tests.parallel.pipeline_flops import measure
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
@@ -26,12 +29,10 @@ MESHES = (
 
 
 def _grid():
-    for shape, names in MESHES:
-        p = shape[0]
-        for schedule, v in SCHEDULES:
-            for residuals in ("recompute", "stored"):
-                for m in (p, 2 * p, 4 * p):
-                    yield shape, names, schedule, v, residuals, m
+    for (shape, names), (schedule, v), residuals, per_stage in pairwise(
+        MESHES, SCHEDULES, ("recompute", "stored"), (1, 2, 4)
+    ):
+        yield shape, names, schedule, v, residuals, per_stage * shape[0]
 
 
 def _check(shape, names, schedule, v, residuals, m):

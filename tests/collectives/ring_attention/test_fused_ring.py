@@ -20,7 +20,6 @@ The default suite keeps one case of each kind; the matrix runs with -m slow.
 
 import contextlib
 import doctest
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +43,7 @@ from tests.collectives.ring_attention.fused_ring_cases import (
     fused_fn,
 )
 from tests.collectives.ring_attention.ring_cases import make_inputs, oracle_fn, ring_mesh, with_vjp
+from tests.pairwise import pairwise
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,7 +68,7 @@ FAST_CASES = [
 ]
 SLOW_CASES = [
     case(N=n, layout=layout, causal=causal, H=4, K=k)
-    for n, layout, causal, k in itertools.product(
+    for n, layout, causal, k in pairwise(
         (2, 4), ("contiguous", "zigzag", "striped"), (True, False), (4, 1)
     )
 ] + [

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import shardfuse as sf
 from shardfuse.collectives.sharding import typed_on_explicit_mesh
 from shardfuse.testing import assert_close
+from tests.pairwise import pairwise
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,21 +104,25 @@ def _run(mode, attend, mesh, q, k, v, d_out, d_lse):
     return out, lse, vjp((d_out, d_lse))
 
 
+MODES = ("eager", "jit", "grad", "vjp")
+
+
+def _context_id(context):
+    return "set_mesh" if context else "no_context"
+
+
 def _matrix_cells():
     """{Explicit, Auto} x {no context, set_mesh} x {eager, jit, grad, vjp}. The default run
     keeps the README's pattern (jax.make_mesh's Explicit mesh, no set_mesh) in every mode,
-    and Auto + set_mesh under jit; the other cells run with -m slow."""
-    cells = []
-    for mesh_kind in ("explicit", "auto"):
-        for context in (False, True):
-            for mode in ("eager", "jit", "grad", "vjp"):
-                default = (mesh_kind == "explicit" and not context) or (
-                    mesh_kind == "auto" and context and mode == "jit"
-                )
-                name = f"{mesh_kind}-{'set_mesh' if context else 'no_context'}-{mode}"
-                marks = () if default else (pytest.mark.slow,)
-                cells.append(pytest.param(mesh_kind, context, mode, id=name, marks=marks))
-    return cells
+    and Auto + set_mesh under jit; -m slow adds the cells that cover every pair of the
+    three factors (tests/pairwise.py)."""
+    default = [("explicit", False, mode) for mode in MODES] + [("auto", True, "jit")]
+    slow = [c for c in pairwise(("explicit", "auto"), (False, True), MODES) if c not in default]
+    return [
+        pytest.param(*cell, id=f"{cell[0]}-{_context_id(cell[1])}-{cell[2]}", marks=marks)
+        for cells, marks in ((default, ()), (slow, (pytest.mark.slow,)))
+        for cell in cells
+    ]
 
 
 @pytest.mark.parametrize("mesh_kind, context, mode", _matrix_cells())
@@ -138,26 +143,15 @@ def test_matrix(mesh_kind, context, mode):
 def _strategy_cells():
     """Ulysses and USP over {Explicit, Auto} x {no context, set_mesh} x {eager, jit, grad,
     vjp}: the default run keeps USP under jax.grad on the README's Explicit mesh without a
-    context (numerics: test_ulysses.py); the other cells run with -m slow."""
-    cells = []
-    for strategy in ("ulysses", "ulysses_ring"):
-        for mesh_kind in ("explicit", "auto"):
-            for context in (False, True):
-                for mode in ("eager", "jit", "grad", "vjp"):
-                    default = (strategy, mesh_kind, context, mode) == (
-                        "ulysses_ring",
-                        "explicit",
-                        False,
-                        "grad",
-                    )
-                    name = (
-                        f"{strategy}-{mesh_kind}-{'set_mesh' if context else 'no_context'}-{mode}"
-                    )
-                    marks = () if default else (pytest.mark.slow,)
-                    cells.append(
-                        pytest.param(strategy, mesh_kind, context, mode, id=name, marks=marks)
-                    )
-    return cells
+    context (numerics: test_ulysses.py); -m slow adds the cells that cover every pair of the
+    four factors (tests/pairwise.py)."""
+    default = ("ulysses_ring", "explicit", False, "grad")
+    cells = pairwise(("ulysses", "ulysses_ring"), ("explicit", "auto"), (False, True), MODES)
+    return [pytest.param(*default, id="ulysses_ring-explicit-no_context-grad")] + [
+        pytest.param(*c, id=f"{c[0]}-{c[1]}-{_context_id(c[2])}-{c[3]}", marks=pytest.mark.slow)
+        for c in cells
+        if c != default
+    ]
 
 
 @pytest.mark.parametrize("strategy, mesh_kind, context, mode", _strategy_cells())

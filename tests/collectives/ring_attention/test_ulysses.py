@@ -29,6 +29,7 @@ from tests.collectives.ring_attention.ring_cases import (
     mesh_3d,
     with_vjp,
 )
+from tests.pairwise import pairwise
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -91,29 +92,33 @@ DEFAULT = [
 
 
 def _slow_cases():
-    cases = []
-    for n in (2, 4, 8):
-        for kv in (1, 2, 8):
-            cases.append(UlyssesCase(N=n, H=8, K=kv))
-        cases += [
-            UlyssesCase(N=n, H=8, K=4, segments=True, causal=False),
-            UlyssesCase(N=n, H=8, K=2, window=(6, 0)),
-            UlyssesCase(N=n, H=8, K=2, softcap=10.0, segments=True),
-            UlyssesCase(N=n, H=8, K=2, dtype="bfloat16", segments=True),
-            UlyssesCase(N=n, H=8, K=8, T=24, S=40, window=(None, 4), causal=False),
-            UlyssesCase(N=n, H=8, K=2, T=40, S=24),
-            UlyssesCase(N=n, H=8, K=2, T=27, S=27),  # padded to a multiple of N
-        ]
-    for ulysses, ring in ((2, 4), (4, 2), (2, 2)):
-        for layout in ("zigzag", "contiguous"):
-            cases += [
-                _usp(ulysses, ring, layout=layout, H=4, K=2),
-                _usp(ulysses, ring, layout=layout, H=4, K=1, segments=True),
-                _usp(ulysses, ring, layout=layout, H=8, K=8, window=(9, 2), softcap=30.0),
-                _usp(ulysses, ring, layout=layout, H=4, K=4, dtype="bfloat16", segments=True),
-                _usp(ulysses, ring, layout=layout, H=4, K=2, T=24, S=40),
-                _usp(ulysses, ring, layout=layout, H=4, K=2, T=37, S=37, causal=False),
-            ]
+    # Ulysses alone: every kv-head count against every ring size (K < N, K == N, K > N
+    # place the kv heads differently), then each feature at one ring size in turn.
+    cases = [UlyssesCase(N=n, H=8, K=kv) for n in (2, 4, 8) for kv in (1, 2, 8)]
+    features = [
+        dict(K=4, segments=True, causal=False),
+        dict(K=2, window=(6, 0)),
+        dict(K=2, softcap=10.0, segments=True),
+        dict(K=2, dtype="bfloat16", segments=True),
+        dict(K=8, T=24, S=40, window=(None, 4), causal=False),
+        dict(K=2, T=40, S=24),
+        dict(K=2, T=27, S=27),  # padded to a multiple of N
+    ]
+    sizes = (2, 4, 8)
+    cases += [UlyssesCase(N=sizes[i % 3], H=8, **f) for i, f in enumerate(features)]
+    # USP: every pair of (ulysses x ring sizes, layout, feature) (tests/pairwise.py)
+    usp_features = [
+        dict(H=4, K=2),
+        dict(H=4, K=1, segments=True),
+        dict(H=8, K=8, window=(9, 2), softcap=30.0),
+        dict(H=4, K=4, dtype="bfloat16", segments=True),
+        dict(H=4, K=2, T=24, S=40),
+        dict(H=4, K=2, T=37, S=37, causal=False),
+    ]
+    for (ulysses, ring), layout, f in pairwise(
+        ((2, 4), (4, 2), (2, 2)), ("zigzag", "contiguous"), range(len(usp_features))
+    ):
+        cases.append(_usp(ulysses, ring, layout=layout, **usp_features[f]))
     cases += [
         UlyssesCase(N=2, H=4, K=2, dtype="bfloat16", window=(5, 3), softcap=20.0, causal=False),
         _usp(4, 2, H=4, K=2, T=44, S=44),
