@@ -7,8 +7,22 @@
 
 namespace shardfuse {
 
-constexpr int kBlockQ = 64;    // queries per tile
-constexpr int kBlockKV = 128;  // keys per tile (a multiple of 2 * kLanes)
+// Tile sizes (queries x keys; keys a multiple of 2 * kLanes). Masked problems (causal,
+// window, segment ids) run small tiles, which skip more of what nobody sees; unmasked
+// ones large tiles, which spend less per score on the softmax bookkeeping and on
+// reloading the accumulators (measured: 64 x 128 is ~8% faster on causal, 128 x 256
+// ~10% faster on full attention, 2048 keys, D 64 and 128).
+constexpr int kBlockQ = 64;
+constexpr int kBlockKV = 128;
+constexpr int kBlockQFull = 128;
+constexpr int kBlockKVFull = 256;
+
+// Whether a problem runs the large unmasked tiles: no mask, and long enough that
+// the larger tiles still give every thread several work items.
+inline bool use_full_tiles(const Problem& p) {
+  const bool masked = p.causal || p.left >= 0 || p.right >= 0 || p.has_segments;
+  return !masked && p.T >= 2 * kBlockQFull && p.S >= 4 * kBlockKVFull;
+}
 
 inline float load_element(const void* x, size_t index, bool bf16) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[index])
@@ -32,19 +46,22 @@ inline void apply_softcap(float* s, int n, float cap, float* tanh_out) {
   }
 }
 
+template <int BQ, int BKV>
 struct TileMask {
   bool every_row_sees = true, every_col_seen = true;
-  uint8_t row_sees[kBlockQ] = {};
-  uint8_t col_seen[kBlockKV] = {};
+  uint8_t row_sees[BQ] = {};
+  uint8_t col_seen[BKV] = {};
 };
 
-// mask[r * kBlockKV + c]: query t0 + r sees key s0 + c (padding rows/columns never do).
-inline TileMask tile_mask(const Problem& p, int b, int t0, int rows, int s0, uint8_t* mask) {
-  TileMask tm;
-  const int cols = std::min(kBlockKV, p.S - s0);
-  for (int r = 0; r < kBlockQ; ++r) {
-    uint8_t* row = mask + r * kBlockKV;
-    std::fill_n(row, kBlockKV, uint8_t{0});
+// mask[r * BKV + c]: query t0 + r sees key s0 + c (padding rows/columns never do).
+template <int BQ, int BKV>
+inline TileMask<BQ, BKV> tile_mask(const Problem& p, int b, int t0, int rows, int s0,
+                                   uint8_t* mask) {
+  TileMask<BQ, BKV> tm;
+  const int cols = std::min(BKV, p.S - s0);
+  for (int r = 0; r < BQ; ++r) {
+    uint8_t* row = mask + r * BKV;
+    std::fill_n(row, BKV, uint8_t{0});
     if (r >= rows) continue;
     for (int c = 0; c < cols; ++c) {
       uint8_t seen = p.visible(b, t0 + r, s0 + c);
@@ -54,7 +71,7 @@ inline TileMask tile_mask(const Problem& p, int b, int t0, int rows, int s0, uin
     }
   }
   for (int r = 0; r < rows; ++r) tm.every_row_sees &= tm.row_sees[r] != 0;
-  for (int c = 0; c < kBlockKV; ++c) tm.every_col_seen &= tm.col_seen[c] != 0;
+  for (int c = 0; c < BKV; ++c) tm.every_col_seen &= tm.col_seen[c] != 0;
   return tm;
 }
 

@@ -39,17 +39,16 @@ std::vector<std::vector<int>> schedule(const std::vector<double>& cost, int thre
   return plan;
 }
 
-}  // namespace
-
-void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
-                        const void* d_out, bool bf16, const float* lse, const float* delta,
-                        float* dq, float* dk, float* dv) {
-  const int nq = (p.T + kBlockQ - 1) / kBlockQ, nk = (p.S + kBlockKV - 1) / kBlockKV;
-  const int Dp = p.Dp(), G = p.G(), Tp = nq * kBlockQ, Sp = nk * kBlockKV;
-  const std::vector<Tile> tiles = classify_tiles(p, kBlockQ, kBlockKV);
+template <int BQ, int BKV>
+void backward_tiles(const Problem& p, const void* q, const void* k, const void* v,
+                    const void* d_out, bool bf16, const float* lse, const float* delta, float* dq,
+                    float* dk, float* dv) {
+  const int nq = (p.T + BQ - 1) / BQ, nk = (p.S + BKV - 1) / BKV;
+  const int Dp = p.Dp(), G = p.G(), Tp = nq * BQ, Sp = nk * BKV;
+  const std::vector<Tile> tiles = classify_tiles(p, BQ, BKV);
 
   // Packed float32 operands: per query head Q * scale and dO [Tp, Dp]; per kv head
-  // K [Sp, Dp], and K, V transposed per block [nk, Dp, kBlockKV].
+  // K [Sp, Dp], and K, V transposed per block [nk, Dp, BKV].
   const size_t q_head = static_cast<size_t>(Tp) * Dp, kv_head = static_cast<size_t>(Sp) * Dp;
   std::vector<float> qs(q_head * p.B * p.H, 0.0f), dos(q_head * p.B * p.H, 0.0f);
   std::vector<float> kn(kv_head * p.B * p.K, 0.0f), kt(kv_head * p.B * p.K, 0.0f);
@@ -69,10 +68,10 @@ void attention_backward(const Problem& p, const void* q, const void* k, const vo
     float* vt_head = vt.data() + kv_head * item;
     for (int s = 0; s < p.S; ++s) {
       const size_t src = base + (static_cast<size_t>(s) * p.K + kvh) * p.D;
-      const size_t col = static_cast<size_t>(s / kBlockKV) * Dp * kBlockKV + s % kBlockKV;
+      const size_t col = static_cast<size_t>(s / BKV) * Dp * BKV + s % BKV;
       for (int d = 0; d < p.D; ++d) {
-        kt_head[col + d * kBlockKV] = k_rows[static_cast<size_t>(s) * Dp + d];
-        vt_head[col + d * kBlockKV] = load_element(v, src + d, bf16);
+        kt_head[col + d * BKV] = k_rows[static_cast<size_t>(s) * Dp + d];
+        vt_head[col + d * BKV] = load_element(v, src + d, bf16);
       }
     }
   });
@@ -94,17 +93,17 @@ void attention_backward(const Problem& p, const void* q, const void* k, const vo
   run_threads(threads, [&](int thread) {
     std::vector<float>& dq_acc = dq_thread[thread];
     dq_acc.assign(q_head * p.B * p.H, 0.0f);
-    std::vector<float> probs(kBlockQ * kBlockKV), dprobs(kBlockQ * kBlockKV);
-    std::vector<float> tanh_buf(p.softcap > 0 ? kBlockQ * kBlockKV : 0);
-    std::vector<float> dk_blk(kBlockKV * Dp), dv_blk(kBlockKV * Dp);
+    std::vector<float> probs(BQ * BKV), dprobs(BQ * BKV);
+    std::vector<float> tanh_buf(p.softcap > 0 ? BQ * BKV : 0);
+    std::vector<float> dk_blk(BKV * Dp), dv_blk(BKV * Dp);
     std::vector<float> q_clean, k_clean;
-    std::vector<uint8_t> mask(kBlockQ * kBlockKV);
+    std::vector<uint8_t> mask(BQ * BKV);
     for (int item : plan[thread]) {
       const int j = item % nk, kvh = (item / nk) % p.K, b = item / (nk * p.K);
       const size_t kv_index = static_cast<size_t>(b) * p.K + kvh;
-      const float* kt_j = kt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * kBlockKV;
-      const float* vt_j = vt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * kBlockKV;
-      const float* kn_j = kn.data() + kv_head * kv_index + static_cast<size_t>(j) * kBlockKV * Dp;
+      const float* kt_j = kt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * BKV;
+      const float* vt_j = vt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * BKV;
+      const float* kn_j = kn.data() + kv_head * kv_index + static_cast<size_t>(j) * BKV * Dp;
       std::fill(dk_blk.begin(), dk_blk.end(), 0.0f);
       std::fill(dv_blk.begin(), dv_blk.end(), 0.0f);
       for (int g = 0; g < G; ++g) {
@@ -113,7 +112,7 @@ void attention_backward(const Problem& p, const void* q, const void* k, const vo
         for (int i = 0; i < nq; ++i) {
           const Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
           if (tile == Tile::kSkip) continue;
-          const int t0 = i * kBlockQ, rows = std::min(kBlockQ, p.T - t0);
+          const int t0 = i * BQ, rows = std::min(BQ, p.T - t0);
           const float* q_i = qs.data() + q_head * head + static_cast<size_t>(t0) * Dp;
           const float* do_i = dos.data() + q_head * head + static_cast<size_t>(t0) * Dp;
           const float* k_src = kn_j;
@@ -121,11 +120,11 @@ void attention_backward(const Problem& p, const void* q, const void* k, const vo
           const float* delta_i = delta + head * p.T + t0;
           float* pr = probs.data();
           float* dpr = dprobs.data();
-          gemm<false>(rows, kBlockKV, Dp, q_i, Dp, 1, kt_j, kBlockKV, pr, kBlockKV);
-          if (p.softcap > 0) apply_softcap(pr, rows * kBlockKV, p.softcap, tanh_buf.data());
-          TileMask tm;
+          gemm<false>(rows, BKV, Dp, q_i, Dp, 1, kt_j, BKV, pr, BKV);
+          if (p.softcap > 0) apply_softcap(pr, rows * BKV, p.softcap, tanh_buf.data());
+          TileMask<BQ, BKV> tm;
           if (tile == Tile::kPartial) {
-            tm = tile_mask(p, b, t0, rows, j * kBlockKV, mask.data());
+            tm = tile_mask<BQ, BKV>(p, b, t0, rows, j * BKV, mask.data());
             // Queries and keys this tile never pairs may hold NaN: 0 * NaN would leak.
             if (!tm.every_row_sees) {
               q_clean.assign(q_i, q_i + rows * Dp);
@@ -134,49 +133,49 @@ void attention_backward(const Problem& p, const void* q, const void* k, const vo
               q_i = q_clean.data();
             }
             if (!tm.every_col_seen) {
-              k_clean.assign(kn_j, kn_j + kBlockKV * Dp);
-              for (int c = 0; c < kBlockKV; ++c)
+              k_clean.assign(kn_j, kn_j + BKV * Dp);
+              for (int c = 0; c < BKV; ++c)
                 if (!tm.col_seen[c]) std::fill_n(k_clean.data() + c * Dp, Dp, 0.0f);
               k_src = k_clean.data();
             }
           }
           for (int r = 0; r < rows; ++r) {
-            float* row = pr + r * kBlockKV;
+            float* row = pr + r * BKV;
             const Vec l = splat(lse_i[r]);
-            for (int c = 0; c < kBlockKV; c += kLanes) store(row + c, vexp(load(row + c) - l));
+            for (int c = 0; c < BKV; c += kLanes) store(row + c, vexp(load(row + c) - l));
             if (tile == Tile::kPartial) {
-              const uint8_t* m = mask.data() + r * kBlockKV;
-              for (int c = 0; c < kBlockKV; ++c)
+              const uint8_t* m = mask.data() + r * BKV;
+              for (int c = 0; c < BKV; ++c)
                 if (!m[c]) row[c] = 0.0f;
             }
           }
           // dV += p^T dO (p read transposed through its strides).
-          gemm<true>(kBlockKV, Dp, rows, pr, 1, kBlockKV, do_i, Dp, dv_blk.data(), Dp);
-          gemm<false>(rows, kBlockKV, Dp, do_i, Dp, 1, vt_j, kBlockKV, dpr, kBlockKV);
+          gemm<true>(BKV, Dp, rows, pr, 1, BKV, do_i, Dp, dv_blk.data(), Dp);
+          gemm<false>(rows, BKV, Dp, do_i, Dp, 1, vt_j, BKV, dpr, BKV);
           for (int r = 0; r < rows; ++r) {
-            float* ds = dpr + r * kBlockKV;
-            const float* prow = pr + r * kBlockKV;
+            float* ds = dpr + r * BKV;
+            const float* prow = pr + r * BKV;
             const Vec dl = splat(delta_i[r]);
-            for (int c = 0; c < kBlockKV; c += kLanes) {
+            for (int c = 0; c < BKV; c += kLanes) {
               Vec x = load(prow + c) * (load(ds + c) - dl);
               if (p.softcap > 0) {
-                Vec t = load(tanh_buf.data() + r * kBlockKV + c);
+                Vec t = load(tanh_buf.data() + r * BKV + c);
                 x = x * (splat(1.0f) - t * t);
               }
               store(ds + c, x);
             }
             if (tile == Tile::kPartial) {
-              const uint8_t* m = mask.data() + r * kBlockKV;
-              for (int c = 0; c < kBlockKV; ++c)
+              const uint8_t* m = mask.data() + r * BKV;
+              for (int c = 0; c < BKV; ++c)
                 if (!m[c]) ds[c] = 0.0f;
             }
           }
-          gemm<true>(kBlockKV, Dp, rows, dpr, 1, kBlockKV, q_i, Dp, dk_blk.data(), Dp);
+          gemm<true>(BKV, Dp, rows, dpr, 1, BKV, q_i, Dp, dk_blk.data(), Dp);
           float* dq_i = dq_acc.data() + q_head * head + static_cast<size_t>(t0) * Dp;
-          gemm<true>(rows, Dp, kBlockKV, dpr, kBlockKV, 1, k_src, Dp, dq_i, Dp);
+          gemm<true>(rows, Dp, BKV, dpr, BKV, 1, k_src, Dp, dq_i, Dp);
         }
       }
-      const int s0 = j * kBlockKV, cols = std::min(kBlockKV, p.S - s0);
+      const int s0 = j * BKV, cols = std::min(BKV, p.S - s0);
       for (int c = 0; c < cols; ++c) {
         const size_t dst = ((static_cast<size_t>(b) * p.S + s0 + c) * p.K + kvh) * p.D;
         std::copy_n(dk_blk.data() + c * Dp, p.D, dk + dst);
@@ -198,6 +197,17 @@ void attention_backward(const Problem& p, const void* q, const void* k, const vo
       }
     }
   });
+}
+
+}  // namespace
+
+void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
+                        const void* d_out, bool bf16, const float* lse, const float* delta,
+                        float* dq, float* dk, float* dv) {
+  if (use_full_tiles(p))
+    backward_tiles<kBlockQFull, kBlockKVFull>(p, q, k, v, d_out, bf16, lse, delta, dq, dk, dv);
+  else
+    backward_tiles<kBlockQ, kBlockKV>(p, q, k, v, d_out, bf16, lse, delta, dq, dk, dv);
 }
 
 }  // namespace shardfuse

@@ -1,5 +1,5 @@
 // Flash attention forward on the CPU (FlashAttention-2, Dao 2023): for each
-// (batch, query head, block of kBlockQ queries), a loop over blocks of kBlockKV
+// (batch, query head, block of BQ queries), a loop over blocks of BKV
 // keys keeps the running row maximum m, normaliser l and a float32 accumulator,
 // rescaled as m grows; lse = m + log l. Scores are one register-tiled matmul per
 // tile against K packed transposed, probabilities one more against V; the
@@ -11,24 +11,26 @@ namespace shardfuse {
 
 namespace {
 
-// K transposed per block [B, K, nk, Dp, kBlockKV] and V [B, K, nk * kBlockKV, Dp], float32,
+// K transposed per block [B, K, nk, Dp, BKV] and V [B, K, nk * BKV, Dp], float32,
 // zero padded.
+template <int BKV>
 struct PackedKV {
   int nk, Dp;
   std::vector<float> kt, v;
   const float* kt_block(int b, int kvh, int j, int K) const {
-    return kt.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * Dp * kBlockKV;
+    return kt.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * Dp * BKV;
   }
   const float* v_block(int b, int kvh, int j, int K) const {
-    return v.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * kBlockKV * Dp;
+    return v.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * BKV * Dp;
   }
 };
 
-PackedKV pack_kv(const Problem& p, const void* k, const void* v, bool bf16) {
-  PackedKV packed;
-  packed.nk = (p.S + kBlockKV - 1) / kBlockKV;
+template <int BKV>
+PackedKV<BKV> pack_kv(const Problem& p, const void* k, const void* v, bool bf16) {
+  PackedKV<BKV> packed;
+  packed.nk = (p.S + BKV - 1) / BKV;
   packed.Dp = p.Dp();
-  const size_t per_head = static_cast<size_t>(packed.nk) * kBlockKV * packed.Dp;
+  const size_t per_head = static_cast<size_t>(packed.nk) * BKV * packed.Dp;
   packed.kt.assign(per_head * p.B * p.K, 0.0f);
   packed.v.assign(per_head * p.B * p.K, 0.0f);
   parallel_for(p.B * p.K, [&](int item, int) {
@@ -37,11 +39,11 @@ PackedKV pack_kv(const Problem& p, const void* k, const void* v, bool bf16) {
     float* vv = packed.v.data() + per_head * item;
     for (int s = 0; s < p.S; ++s) {
       const size_t src = ((static_cast<size_t>(b) * p.S + s) * p.K + kvh) * p.D;
-      const int j = s / kBlockKV, c = s % kBlockKV;
-      float* kt_col = kt + static_cast<size_t>(j) * packed.Dp * kBlockKV + c;
+      const int j = s / BKV, c = s % BKV;
+      float* kt_col = kt + static_cast<size_t>(j) * packed.Dp * BKV + c;
       float* v_row = vv + static_cast<size_t>(s) * packed.Dp;
       for (int d = 0; d < p.D; ++d) {
-        kt_col[d * kBlockKV] = load_element(k, src + d, bf16);
+        kt_col[d * BKV] = load_element(k, src + d, bf16);
         v_row[d] = load_element(v, src + d, bf16);
       }
     }
@@ -49,23 +51,22 @@ PackedKV pack_kv(const Problem& p, const void* k, const void* v, bool bf16) {
   return packed;
 }
 
-}  // namespace
-
-void attention_forward(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
-                       void* out, float* lse) {
-  const int nq = (p.T + kBlockQ - 1) / kBlockQ;
-  const PackedKV kv = pack_kv(p, k, v, bf16);
+template <int BQ, int BKV>
+void forward_tiles(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
+                   void* out, float* lse) {
+  const int nq = (p.T + BQ - 1) / BQ;
+  const PackedKV<BKV> kv = pack_kv<BKV>(p, k, v, bf16);
   const int nk = kv.nk, Dp = kv.Dp, G = p.G();
-  const std::vector<Tile> tiles = classify_tiles(p, kBlockQ, kBlockKV);
+  const std::vector<Tile> tiles = classify_tiles(p, BQ, BKV);
 
   parallel_for(p.B * p.H * nq, [&](int item, int) {
     const int i = item % nq, h = (item / nq) % p.H, b = item / (nq * p.H), kvh = h / G;
-    const int t0 = i * kBlockQ, rows = std::min(kBlockQ, p.T - t0);
+    const int t0 = i * BQ, rows = std::min(BQ, p.T - t0);
     // Per-item buffers: queries (scaled), scores, accumulator, a sanitised V block.
-    std::vector<float> qs(kBlockQ * Dp, 0.0f), scores(kBlockQ * kBlockKV);
-    std::vector<float> acc(kBlockQ * Dp, 0.0f), v_clean;
-    std::vector<float> m(kBlockQ, kNegInf), l(kBlockQ, 0.0f);
-    std::vector<uint8_t> mask(kBlockQ * kBlockKV);
+    std::vector<float> qs(BQ * Dp, 0.0f), scores(BQ * BKV);
+    std::vector<float> acc(BQ * Dp, 0.0f), v_clean;
+    std::vector<float> m(BQ, kNegInf), l(BQ, 0.0f);
+    std::vector<uint8_t> mask(BQ * BKV);
     for (int r = 0; r < rows; ++r) {
       const size_t src = ((static_cast<size_t>(b) * p.T + t0 + r) * p.H + h) * p.D;
       for (int d = 0; d < p.D; ++d) qs[r * Dp + d] = p.scale * load_element(q, src + d, bf16);
@@ -74,37 +75,37 @@ void attention_forward(const Problem& p, const void* q, const void* k, const voi
       const Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
       if (tile == Tile::kSkip) continue;
       float* s = scores.data();
-      gemm<false>(rows, kBlockKV, Dp, qs.data(), Dp, 1, kv.kt_block(b, kvh, j, p.K), kBlockKV, s,
-                  kBlockKV);
-      if (p.softcap > 0) apply_softcap(s, rows * kBlockKV, p.softcap, nullptr);
+      gemm<false>(rows, BKV, Dp, qs.data(), Dp, 1, kv.kt_block(b, kvh, j, p.K), BKV, s,
+                  BKV);
+      if (p.softcap > 0) apply_softcap(s, rows * BKV, p.softcap, nullptr);
       const float* v_blk = kv.v_block(b, kvh, j, p.K);
       if (tile == Tile::kPartial) {
-        TileMask tm = tile_mask(p, b, t0, rows, j * kBlockKV, mask.data());
-        for (int x = 0; x < rows * kBlockKV; ++x)
+        TileMask<BQ, BKV> tm = tile_mask<BQ, BKV>(p, b, t0, rows, j * BKV, mask.data());
+        for (int x = 0; x < rows * BKV; ++x)
           if (!mask[x]) s[x] = kNegInf;
         if (!tm.every_col_seen) {
           // Keys nobody in this tile sees may hold NaN or inf: 0 * NaN would leak.
-          v_clean.assign(v_blk, v_blk + kBlockKV * Dp);
-          for (int c = 0; c < kBlockKV; ++c)
+          v_clean.assign(v_blk, v_blk + BKV * Dp);
+          for (int c = 0; c < BKV; ++c)
             if (!tm.col_seen[c]) std::fill_n(v_clean.data() + c * Dp, Dp, 0.0f);
           v_blk = v_clean.data();
         }
       }
       for (int r = 0; r < rows; ++r) {
-        float* row = s + r * kBlockKV;
+        float* row = s + r * BKV;
         Vec mx = splat(kNegInf);
-        for (int c = 0; c < kBlockKV; c += kLanes) {
+        for (int c = 0; c < BKV; c += kLanes) {
           Vec x = load(row + c);
           mx = x > mx ? x : mx;
         }
         const float m_new = std::max(m[r], hmax(mx));
         if (m_new == kNegInf) {  // nothing visible yet: p = 0, the accumulator stays 0
-          std::fill_n(row, kBlockKV, 0.0f);
+          std::fill_n(row, BKV, 0.0f);
           continue;
         }
         const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first block
         Vec sum{};
-        for (int c = 0; c < kBlockKV; c += kLanes) {
+        for (int c = 0; c < BKV; c += kLanes) {
           Vec e = vexp(load(row + c) - splat(m_new));
           store(row + c, e);
           sum += e;
@@ -116,7 +117,7 @@ void attention_forward(const Problem& p, const void* q, const void* k, const voi
           for (int d = 0; d < Dp; d += kLanes) store(a + d, load(a + d) * splat(alpha));
         }
       }
-      gemm<true>(rows, Dp, kBlockKV, s, kBlockKV, 1, v_blk, Dp, acc.data(), Dp);
+      gemm<true>(rows, Dp, BKV, s, BKV, 1, v_blk, Dp, acc.data(), Dp);
     }
     for (int r = 0; r < rows; ++r) {
       const size_t dst = ((static_cast<size_t>(b) * p.T + t0 + r) * p.H + h) * p.D;
@@ -127,6 +128,16 @@ void attention_forward(const Problem& p, const void* q, const void* k, const voi
           seen ? m[r] + std::log(l[r]) : kNegInf;
     }
   });
+}
+
+}  // namespace
+
+void attention_forward(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
+                       void* out, float* lse) {
+  if (use_full_tiles(p))
+    forward_tiles<kBlockQFull, kBlockKVFull>(p, q, k, v, bf16, out, lse);
+  else
+    forward_tiles<kBlockQ, kBlockKV>(p, q, k, v, bf16, out, lse);
 }
 
 }  // namespace shardfuse

@@ -186,16 +186,17 @@ PyObject* build_info(PyObject*, PyObject*) {
 #else
   const char* isa = "generic";
 #endif
-  return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i}", "isa", isa, "lanes", shardfuse::kLanes,
+  return Py_BuildValue("{s:s,s:i,s:i,s:i,s:i,s:i,s:i}", "isa", isa, "lanes", shardfuse::kLanes,
                        "threads", shardfuse::num_threads(), "block_q", shardfuse::kBlockQ,
-                       "block_kv", shardfuse::kBlockKV);
+                       "block_kv", shardfuse::kBlockKV, "block_q_full", shardfuse::kBlockQFull,
+                       "block_kv_full", shardfuse::kBlockKVFull);
 }
 
 PyMethodDef methods[] = {
     {"registrations", registrations, METH_NOARGS,
      "{target name: XLA FFI handler capsule} for jax.ffi.register_ffi_target (platform cpu)."},
     {"build_info", build_info, METH_NOARGS,
-     "The target ISA, vector lanes, threads and tile sizes the kernels were built with."},
+     "The target ISA, vector lanes, threads and tile sizes (masked; unmasked: *_full)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_native",

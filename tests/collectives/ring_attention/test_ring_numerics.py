@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.collectives.ring_attention.api import ring_attention as ring_attention_shard
+from shardfuse.kernels.attention import native_cpu
 from shardfuse.testing import assert_close
 from tests.collectives.ring_attention.ring_cases import (
     RingCase,
@@ -33,6 +34,7 @@ from tests.pairwise import pairwise
 pytestmark = pytest.mark.timeout(300)
 
 C = RingCase
+NEEDS_NATIVE = pytest.mark.skipif(not native_cpu.status("cpu")[0], reason="native_cpu not built")
 FAST_CASES = [
     C(N=1, layout="contiguous", causal=True),
     C(N=4, layout="striped", softcap=20.0),
@@ -148,6 +150,8 @@ def _per_shard(n, layout, check_vma, implementation, **kwargs):
     [
         pytest.param("xla", False, marks=pytest.mark.slow),  # the global wrapper's path
         ("reference", True),  # the reference block backward, clean under vma checks
+        # the C++ CPU kernels (CPU's default where built) as the per-step blocks
+        pytest.param("native_cpu", True, marks=NEEDS_NATIVE),
     ],
 )
 def test_per_shard_function_in_user_shard_map(implementation, check_vma):

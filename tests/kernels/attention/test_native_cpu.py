@@ -3,7 +3,8 @@
 The shared body (`test_attention_backends.py`, backend `native_cpu`) checks values,
 gradients, masked rows, NaN poisoning and determinism when the extension is built.
 Here: without the extension (or switched off at build time) the backend says why and
-dispatch falls back to `xla`; with it, `implementation=None` on CPU runs it, and a
+dispatch falls back to `xla`; with it, `implementation=None` on CPU runs it (and so
+does the ring's per-step kernel), the large unmasked tiles match the reference, and a
 malformed call to the custom call itself is an error, never a crash.
 """
 
@@ -25,10 +26,14 @@ def _inputs(dtype=jnp.float32, T=40, S=56, H=4, K=2, D=32):
     return q, k, v
 
 
-def test_native_cpu_is_registered_and_opt_in_on_cpu():
+def test_native_cpu_is_registered_and_preferred_on_cpu():
     attention = registry.get("attention")
     assert "native_cpu" in attention.names
-    assert attention.preference["cpu"] == ("xla",)
+    assert attention.preference["cpu"] == ("native_cpu", "xla")
+    # the ring's per-step kernels follow the attention op's preference
+    assert registry.get("ring_attention").candidates(None)[:1] == ("native_cpu",) or (
+        jax.default_backend() != "cpu"
+    )
 
 
 def test_without_the_extension_status_says_why_and_dispatch_falls_back(monkeypatch):
@@ -64,9 +69,9 @@ needs_native = pytest.mark.skipif(
 
 
 @needs_native
-def test_opt_in_runs_native(monkeypatch):
-    """`implementation=("native_cpu", "xla")` runs the C++ kernels where they are built (the
-    CPU default stays xla: tests/kernels/attention/test_api.py)."""
+@pytest.mark.parametrize("implementation", [None, ("native_cpu", "xla")])
+def test_default_runs_native(monkeypatch, implementation):
+    """`implementation=None` (the CPU preference) runs the C++ kernels where they are built."""
     calls = []
     forward = native_cpu.forward
 
@@ -78,8 +83,8 @@ def test_opt_in_runs_native(monkeypatch):
     flash = native_cpu.protocol.differentiable(counting, native_cpu.backward)
     monkeypatch.setattr(native_cpu, "_flash", flash)
     q, k, v = _inputs()
-    sf.flash_attention(q, k, v, implementation=("native_cpu", "xla"))
-    assert calls, 'implementation=("native_cpu", "xla") on CPU did not run native_cpu'
+    sf.flash_attention(q, k, v, implementation=implementation)
+    assert calls, f"implementation={implementation!r} on CPU did not run native_cpu"
 
 
 @needs_native
@@ -130,3 +135,27 @@ def test_matches_xla_under_vmap_and_jit_grad():
     batched = jax.vmap(lambda q, k, v: sf.flash_attention(q, k, v, implementation="native_cpu"))
     out = batched(q[:, None], k[:, None], v[:, None])[:, 0]
     np.testing.assert_allclose(out, sf.attention_reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_large_unmasked_tiles_match_the_reference(softcap):
+    """Unmasked problems with T >= 256 and S >= 1024 run 128 x 256 tiles (`use_full_tiles` in
+    native/attention.h), which the shared body's small cases never reach: odd lengths pad
+    both tile axes; values, lse and gradients against the reference."""
+    q, k, v = _inputs(T=263, S=1031, H=4, K=2, D=40)
+    d_out = jax.random.normal(jax.random.key(3), q.shape)
+
+    def run(implementation):
+        def attend(q, k, v):
+            return sf.flash_attention(
+                q, k, v, logit_softcap=softcap, return_lse=True, implementation=implementation
+            )
+
+        (out, lse), vjp = jax.vjp(attend, q, k, v)
+        return (out, lse, *vjp((d_out, jnp.zeros_like(lse))))
+
+    actual, expected = jax.jit(lambda: run("native_cpu"))(), jax.jit(lambda: run("reference"))()
+    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected, strict=True):
+        tol = 1e-5 if name in ("out", "lse") else 2e-5
+        np.testing.assert_allclose(a, e, atol=tol, rtol=tol, err_msg=name)

@@ -5,8 +5,8 @@ rounds kept, so that load on a shared machine hits them all alike), both the
 wall time and the process CPU time (all threads: the work done, which other
 processes' load does not inflate, but which also counts threads that spin):
 
-- `shardfuse`: `sf.flash_attention` with `implementation=("native_cpu", "xla")`: the C++
-  CPU attention where the extension is built (opt-in for now), else `xla`;
+- `shardfuse`: `sf.flash_attention` with the default `implementation=None`, what a user
+  gets: on CPU the C++ kernels (`native_cpu`) where the extension is built, else `xla`;
 - `shardfuse.xla`: the portable blockwise JAX backend;
 - `tokamax.xla`, `tokamax.xla_chunked`: `tokamax.dot_product_attention`
   (`pip install -e ".[peers]"`; skipped with a note without it);
@@ -26,6 +26,7 @@ counted exactly, backward 2.5 x forward). Forward outputs are checked against
 import argparse
 import datetime
 import json
+import os
 import platform
 import time
 
@@ -44,9 +45,7 @@ MODES = ("fwd", "fwd+bwd")
 def contenders():
     """`{name: attention(q, k, v, causal) -> out}`, and `{name: why not}` for those absent."""
     table = {
-        "shardfuse": lambda q, k, v, causal: sf.flash_attention(
-            q, k, v, causal=causal, implementation=("native_cpu", "xla")
-        ),
+        "shardfuse": lambda q, k, v, causal: sf.flash_attention(q, k, v, causal=causal),
         "shardfuse.xla": lambda q, k, v, causal: sf.flash_attention(
             q, k, v, causal=causal, implementation="xla"
         ),
@@ -147,7 +146,10 @@ def main(argv=None):
     from shardfuse.kernels.attention import native_cpu
 
     info = native_cpu.build_info()
+    default = "native_cpu" if native_cpu.status(jax.default_backend())[0] else "xla"
+    load_before = os.getloadavg()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, native: {info or 'absent'}")
+    print(f"shardfuse's default attention here: {default}; load average {load_before}")
     for name, why in missing.items():
         print(f"skipped {name}: {why}")
     roof = matmul_roofline(args.matmul, args.rounds)
@@ -183,6 +185,8 @@ def main(argv=None):
                         print(f"    {name} failed: {error}")
                     if r["max_abs_diff_vs_jax_nn"] is not None:
                         print(f"    max |shardfuse - jax.nn| = {r['max_abs_diff_vs_jax_nn']:.2e}")
+    load_after = os.getloadavg()
+    print(f"load average at the end: {load_after}")
     if args.json:
         record = dict(
             date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -190,6 +194,8 @@ def main(argv=None):
             command="python -m shardfuse.bench.tools.peers " + " ".join(argv or []),
             jax=jax.__version__,
             native=info,
+            default_implementation=default,
+            load_average=dict(start=load_before, end=load_after),
             roofline_flops_per_s=roof,
             missing=missing,
             cases=results,

@@ -1,13 +1,17 @@
 """Flash attention on the CPU: C++ kernels (`native/`) called as XLA FFI custom calls.
 
 FlashAttention-2 (Dao 2023, arXiv:2307.08691) for the CPU: the forward runs an
-online softmax over blocks of 128 keys for each (batch, query head, block of 64
-queries), with register-tiled float32 matmuls and vectorised exponentials; the
+online softmax over blocks of keys for each (batch, query head, block of
+queries), 64 x 128 tiles where a mask (causal, window, segment ids) lets tiles
+be skipped, 128 x 256 on long unmasked problems, with register-tiled float32
+matmuls and vectorised exponentials; the
 backward recomputes `p = exp(s - lse)` per tile and accumulates dK/dV per key
 block (GQA: the G query heads sharing a kv head in one work item) and dQ per
 thread, reduced in a fixed order (deterministic). Tiles no query sees are
 skipped, tiles every query sees run unmasked. Threads: every core
-(`SHARDFUSE_NATIVE_THREADS` to change). The kernels ignore `BlockSizes`.
+(`SHARDFUSE_NATIVE_THREADS` to change). The kernels ignore `BlockSizes`. This is
+the CPU's preferred attention backend (`implementation=None`) where the
+extension is built; ring attention's per-step blocks use it the same way.
 
 float32 and bfloat16 inputs, float32 accumulation and lse; any head dim up to
 512. Anything else (float16, another platform, a build without the extension)
@@ -68,7 +72,11 @@ def _extension():
 
 
 def build_info() -> dict:
-    """What the extension was compiled for: `{isa, lanes, threads, block_q, block_kv}`."""
+    """What the extension was compiled for, `{}` without it.
+
+    Keys: `isa`, `lanes`, `threads`, `block_q`, `block_kv` (masked problems'
+    tiles) and `block_q_full`, `block_kv_full` (long unmasked problems').
+    """
     try:
         return dict(_extension().build_info())
     except NotImplementedError:
