@@ -3,10 +3,11 @@
 // block it sees, recompute p = exp(s - lse), then
 //   dV += p^T dO,  dP = dO V^T,  dS = p (dP - delta) [tanh' for the softcap],
 //   dK += dS^T Q,  dQ += dS K,
-// five register-tiled matmuls per tile. dK and dV belong to the work item; dQ is summed
-// into one float32 buffer per thread, reduced in thread order at the end. Items go to
-// threads by a static longest-first schedule, so the sums, and the results, are the
-// same every run.
+// five register-tiled matmuls per tile. dK and dV belong to the work item. Items are
+// split statically (longest first) into groups, each summing its dQ into its own float32
+// buffer; the buffers are reduced in group order at the end, so the sums, and the
+// results, are the same every run whichever thread ran which group. Threads claim groups
+// dynamically, so one the OS deschedules (a loaded machine) does not hold the others up.
 #include <numeric>
 
 #include "attention.h"
@@ -37,6 +38,17 @@ std::vector<std::vector<int>> schedule(const std::vector<double>& cost, int thre
     load[t] += cost[item];
   }
   return plan;
+}
+
+// Groups of backward items: several per thread for dynamic balance, as many as fit in
+// kDqBudget bytes of dQ buffers (one each), at least one per thread.
+constexpr size_t kDqBudget = size_t{64} << 20;
+constexpr int kGroupsPerThread = 2;
+
+int dq_groups(int items, int threads, size_t dq_floats) {
+  const size_t fit = kDqBudget / std::max<size_t>(1, dq_floats * sizeof(float));
+  const int wanted = std::min(items, threads * kGroupsPerThread);
+  return std::max(std::min(wanted, static_cast<int>(std::min<size_t>(fit, wanted))), threads);
 }
 
 template <int BQ, int BKV>
@@ -87,112 +99,117 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
     }
   }
   const int threads = std::max(1, std::min(num_threads(), items));
-  const auto plan = schedule(cost, threads);
-  std::vector<std::vector<float>> dq_thread(threads);
+  const size_t dq_floats = q_head * p.B * p.H;
+  const int groups = dq_groups(items, threads, dq_floats);
+  const auto plan = schedule(cost, groups);
+  std::vector<std::vector<float>> dq_group(groups);
+  std::atomic<int> next_group{0};
 
-  run_threads(threads, [&](int thread) {
-    std::vector<float>& dq_acc = dq_thread[thread];
-    dq_acc.assign(q_head * p.B * p.H, 0.0f);
+  run_threads(threads, [&](int) {
     std::vector<float> probs(BQ * BKV), dprobs(BQ * BKV);
     std::vector<float> tanh_buf(p.softcap > 0 ? BQ * BKV : 0);
     std::vector<float> dk_blk(BKV * Dp), dv_blk(BKV * Dp);
     std::vector<float> q_clean, k_clean;
     std::vector<uint8_t> mask(BQ * BKV);
-    for (int item : plan[thread]) {
-      const int j = item % nk, kvh = (item / nk) % p.K, b = item / (nk * p.K);
-      const size_t kv_index = static_cast<size_t>(b) * p.K + kvh;
-      const float* kt_j = kt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * BKV;
-      const float* vt_j = vt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * BKV;
-      const float* kn_j = kn.data() + kv_head * kv_index + static_cast<size_t>(j) * BKV * Dp;
-      std::fill(dk_blk.begin(), dk_blk.end(), 0.0f);
-      std::fill(dv_blk.begin(), dv_blk.end(), 0.0f);
-      for (int g = 0; g < G; ++g) {
-        const int h = kvh * G + g;
-        const size_t head = static_cast<size_t>(b) * p.H + h;
-        for (int i = 0; i < nq; ++i) {
-          const Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
-          if (tile == Tile::kSkip) continue;
-          const int t0 = i * BQ, rows = std::min(BQ, p.T - t0);
-          const float* q_i = qs.data() + q_head * head + static_cast<size_t>(t0) * Dp;
-          const float* do_i = dos.data() + q_head * head + static_cast<size_t>(t0) * Dp;
-          const float* k_src = kn_j;
-          const float* lse_i = lse + head * p.T + t0;
-          const float* delta_i = delta + head * p.T + t0;
-          float* pr = probs.data();
-          float* dpr = dprobs.data();
-          gemm<false>(rows, BKV, Dp, q_i, Dp, 1, kt_j, BKV, pr, BKV);
-          if (p.softcap > 0) apply_softcap(pr, rows * BKV, p.softcap, tanh_buf.data());
-          TileMask<BQ, BKV> tm;
-          if (tile == Tile::kPartial) {
-            tm = tile_mask<BQ, BKV>(p, b, t0, rows, j * BKV, mask.data());
-            // Queries and keys this tile never pairs may hold NaN: 0 * NaN would leak.
-            if (!tm.every_row_sees) {
-              q_clean.assign(q_i, q_i + rows * Dp);
-              for (int r = 0; r < rows; ++r)
-                if (!tm.row_sees[r]) std::fill_n(q_clean.data() + r * Dp, Dp, 0.0f);
-              q_i = q_clean.data();
-            }
-            if (!tm.every_col_seen) {
-              k_clean.assign(kn_j, kn_j + BKV * Dp);
-              for (int c = 0; c < BKV; ++c)
-                if (!tm.col_seen[c]) std::fill_n(k_clean.data() + c * Dp, Dp, 0.0f);
-              k_src = k_clean.data();
-            }
-          }
-          for (int r = 0; r < rows; ++r) {
-            float* row = pr + r * BKV;
-            const Vec l = splat(lse_i[r]);
-            for (int c = 0; c < BKV; c += kLanes) store(row + c, vexp(load(row + c) - l));
+    for (int group = next_group.fetch_add(1); group < groups; group = next_group.fetch_add(1)) {
+      std::vector<float>& dq_acc = dq_group[group];
+      dq_acc.assign(dq_floats, 0.0f);
+      for (int item : plan[group]) {
+        const int j = item % nk, kvh = (item / nk) % p.K, b = item / (nk * p.K);
+        const size_t kv_index = static_cast<size_t>(b) * p.K + kvh;
+        const float* kt_j = kt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * BKV;
+        const float* vt_j = vt.data() + kv_head * kv_index + static_cast<size_t>(j) * Dp * BKV;
+        const float* kn_j = kn.data() + kv_head * kv_index + static_cast<size_t>(j) * BKV * Dp;
+        std::fill(dk_blk.begin(), dk_blk.end(), 0.0f);
+        std::fill(dv_blk.begin(), dv_blk.end(), 0.0f);
+        for (int g = 0; g < G; ++g) {
+          const int h = kvh * G + g;
+          const size_t head = static_cast<size_t>(b) * p.H + h;
+          for (int i = 0; i < nq; ++i) {
+            const Tile tile = tiles[(static_cast<size_t>(b) * nq + i) * nk + j];
+            if (tile == Tile::kSkip) continue;
+            const int t0 = i * BQ, rows = std::min(BQ, p.T - t0);
+            const float* q_i = qs.data() + q_head * head + static_cast<size_t>(t0) * Dp;
+            const float* do_i = dos.data() + q_head * head + static_cast<size_t>(t0) * Dp;
+            const float* k_src = kn_j;
+            const float* lse_i = lse + head * p.T + t0;
+            const float* delta_i = delta + head * p.T + t0;
+            float* pr = probs.data();
+            float* dpr = dprobs.data();
+            gemm<false>(rows, BKV, Dp, q_i, Dp, 1, kt_j, BKV, pr, BKV);
+            if (p.softcap > 0) apply_softcap(pr, rows * BKV, p.softcap, tanh_buf.data());
+            TileMask<BQ, BKV> tm;
             if (tile == Tile::kPartial) {
-              const uint8_t* m = mask.data() + r * BKV;
-              for (int c = 0; c < BKV; ++c)
-                if (!m[c]) row[c] = 0.0f;
-            }
-          }
-          // dV += p^T dO (p read transposed through its strides).
-          gemm<true>(BKV, Dp, rows, pr, 1, BKV, do_i, Dp, dv_blk.data(), Dp);
-          gemm<false>(rows, BKV, Dp, do_i, Dp, 1, vt_j, BKV, dpr, BKV);
-          for (int r = 0; r < rows; ++r) {
-            float* ds = dpr + r * BKV;
-            const float* prow = pr + r * BKV;
-            const Vec dl = splat(delta_i[r]);
-            for (int c = 0; c < BKV; c += kLanes) {
-              Vec x = load(prow + c) * (load(ds + c) - dl);
-              if (p.softcap > 0) {
-                Vec t = load(tanh_buf.data() + r * BKV + c);
-                x = x * (splat(1.0f) - t * t);
+              tm = tile_mask<BQ, BKV>(p, b, t0, rows, j * BKV, mask.data());
+              // Queries and keys this tile never pairs may hold NaN: 0 * NaN would leak.
+              if (!tm.every_row_sees) {
+                q_clean.assign(q_i, q_i + rows * Dp);
+                for (int r = 0; r < rows; ++r)
+                  if (!tm.row_sees[r]) std::fill_n(q_clean.data() + r * Dp, Dp, 0.0f);
+                q_i = q_clean.data();
               }
-              store(ds + c, x);
+              if (!tm.every_col_seen) {
+                k_clean.assign(kn_j, kn_j + BKV * Dp);
+                for (int c = 0; c < BKV; ++c)
+                  if (!tm.col_seen[c]) std::fill_n(k_clean.data() + c * Dp, Dp, 0.0f);
+                k_src = k_clean.data();
+              }
             }
-            if (tile == Tile::kPartial) {
-              const uint8_t* m = mask.data() + r * BKV;
-              for (int c = 0; c < BKV; ++c)
-                if (!m[c]) ds[c] = 0.0f;
+            for (int r = 0; r < rows; ++r) {
+              float* row = pr + r * BKV;
+              const Vec l = splat(lse_i[r]);
+              for (int c = 0; c < BKV; c += kLanes) store(row + c, vexp(load(row + c) - l));
+              if (tile == Tile::kPartial) {
+                const uint8_t* m = mask.data() + r * BKV;
+                for (int c = 0; c < BKV; ++c)
+                  if (!m[c]) row[c] = 0.0f;
+              }
             }
+            // dV += p^T dO (p read transposed through its strides).
+            gemm<true>(BKV, Dp, rows, pr, 1, BKV, do_i, Dp, dv_blk.data(), Dp);
+            gemm<false>(rows, BKV, Dp, do_i, Dp, 1, vt_j, BKV, dpr, BKV);
+            for (int r = 0; r < rows; ++r) {
+              float* ds = dpr + r * BKV;
+              const float* prow = pr + r * BKV;
+              const Vec dl = splat(delta_i[r]);
+              for (int c = 0; c < BKV; c += kLanes) {
+                Vec x = load(prow + c) * (load(ds + c) - dl);
+                if (p.softcap > 0) {
+                  Vec t = load(tanh_buf.data() + r * BKV + c);
+                  x = x * (splat(1.0f) - t * t);
+                }
+                store(ds + c, x);
+              }
+              if (tile == Tile::kPartial) {
+                const uint8_t* m = mask.data() + r * BKV;
+                for (int c = 0; c < BKV; ++c)
+                  if (!m[c]) ds[c] = 0.0f;
+              }
+            }
+            gemm<true>(BKV, Dp, rows, dpr, 1, BKV, q_i, Dp, dk_blk.data(), Dp);
+            float* dq_i = dq_acc.data() + q_head * head + static_cast<size_t>(t0) * Dp;
+            gemm<true>(rows, Dp, BKV, dpr, BKV, 1, k_src, Dp, dq_i, Dp);
           }
-          gemm<true>(BKV, Dp, rows, dpr, 1, BKV, q_i, Dp, dk_blk.data(), Dp);
-          float* dq_i = dq_acc.data() + q_head * head + static_cast<size_t>(t0) * Dp;
-          gemm<true>(rows, Dp, BKV, dpr, BKV, 1, k_src, Dp, dq_i, Dp);
         }
-      }
-      const int s0 = j * BKV, cols = std::min(BKV, p.S - s0);
-      for (int c = 0; c < cols; ++c) {
-        const size_t dst = ((static_cast<size_t>(b) * p.S + s0 + c) * p.K + kvh) * p.D;
-        std::copy_n(dk_blk.data() + c * Dp, p.D, dk + dst);
-        std::copy_n(dv_blk.data() + c * Dp, p.D, dv + dst);
+        const int s0 = j * BKV, cols = std::min(BKV, p.S - s0);
+        for (int c = 0; c < cols; ++c) {
+          const size_t dst = ((static_cast<size_t>(b) * p.S + s0 + c) * p.K + kvh) * p.D;
+          std::copy_n(dk_blk.data() + c * Dp, p.D, dk + dst);
+          std::copy_n(dv_blk.data() + c * Dp, p.D, dv + dst);
+        }
       }
     }
   });
 
-  // dQ = scale * sum over threads (in thread order) of their dS K.
+  // dQ = scale * sum over groups (in group order) of their dS K.
   parallel_for(p.B * p.H, [&](int head, int) {
     const int b = head / p.H, h = head % p.H;
     for (int t = 0; t < p.T; ++t) {
       float* dst = dq + ((static_cast<size_t>(b) * p.T + t) * p.H + h) * p.D;
       for (int d = 0; d < p.D; ++d) {
         float sum = 0.0f;
-        for (int th = 0; th < threads; ++th)
-          sum += dq_thread[th][q_head * head + static_cast<size_t>(t) * Dp + d];
+        for (int g = 0; g < groups; ++g)
+          sum += dq_group[g][q_head * head + static_cast<size_t>(t) * Dp + d];
         dst[d] = p.scale * sum;
       }
     }
