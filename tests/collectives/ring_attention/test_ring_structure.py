@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.collectives.ring_attention.api import ring_attention
+from shardfuse.kernels.attention import native_cpu
 from tests.collectives.ring_attention.ring_cases import ring_mesh
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,7 +156,8 @@ _MEMORY_SCRIPT = textwrap.dedent(
         mesh = Mesh(np.array(jax.devices()[:n]), ("sequence",))
         spec = P(None, "sequence")
         mapped = jax.shard_map(
-            lambda q, k, v: ring_attention(q, k, v, "sequence", layout="zigzag", causal=True),
+            lambda q, k, v: ring_attention(q, k, v, "sequence", layout="zigzag", causal=True,
+                                           implementation=sys.argv[1]),
             mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
 
         def loss(q, k, v, d_out):
@@ -171,8 +173,16 @@ _MEMORY_SCRIPT = textwrap.dedent(
 )
 
 
-def test_memory_is_flat_in_ring_size():
-    """Per-device compiled temp memory of forward + backward at fixed local length, N = 2, 4, 8."""
+@pytest.mark.parametrize("implementation", ["xla", "native_cpu"])
+def test_memory_is_flat_in_ring_size(implementation):
+    """Per-device compiled temp memory of forward + backward at fixed local length, N = 2, 4, 8.
+
+    native_cpu (the CPU default where built): N = 2 needs about one local-q-sized buffer
+    less than N = 4 and 8, which are equal (measured: 540 KB against 678 KB), so
+    flatness is checked from N = 4 on, and N = 2 must not need more.
+    """
+    if implementation == "native_cpu" and not native_cpu.status("cpu")[0]:
+        pytest.skip("native_cpu is not built")
     env = dict(os.environ)
     # XLA:CPU's YNNPACK fusion hides temporaries; the flag must be set before the backend starts.
     env["XLA_FLAGS"] = (
@@ -181,7 +191,7 @@ def test_memory_is_flat_in_ring_size():
     src = os.path.join(os.path.dirname(__file__), "..", "..", "..", "src")
     env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT],
+        [sys.executable, "-c", _MEMORY_SCRIPT, implementation],
         env=env,
         capture_output=True,
         text=True,
@@ -191,4 +201,7 @@ def test_memory_is_flat_in_ring_size():
     assert done.returncode == 0, done.stderr[-3000:]
     temp = {int(n): size for n, size in json.loads(done.stdout).items()}
     assert all(size > 0 for size in temp.values()), temp
+    if implementation == "native_cpu":
+        assert temp[2] <= temp[4], temp
+        temp.pop(2)
     assert max(temp.values()) <= 1.10 * min(temp.values()), f"temp bytes by ring size: {temp}"
