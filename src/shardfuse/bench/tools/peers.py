@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 
 import jax
@@ -201,7 +202,8 @@ def main(argv=None):
         record = dict(
             date=datetime.datetime.now().isoformat(timespec="seconds"),
             machine=platform.processor() or platform.machine(),
-            command="python -m shardfuse.bench.tools.peers " + " ".join(argv or []),
+            command="python -m shardfuse.bench.tools.peers "
+            + " ".join(sys.argv[1:] if argv is None else argv),
             jax=jax.__version__,
             native=info,
             default_implementation=default,
