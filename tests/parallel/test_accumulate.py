@@ -205,6 +205,30 @@ def _stack_lm_step(layers, zero, scatter="microbatch", microbatches=2):
     return loss, grads, compiled.memory_analysis(), counts, grad_bytes, layer
 
 
+def _planned_zero2_gradient_bytes(layers):
+    """The planner's gradient memory of `_stack_lm_step`'s ZeRO-2 step (float32, data 2,
+    fsdp 4): its `gradients` term plus the one layer's whole gradient its backward working
+    set adds over ZeRO-1's; and the bytes of the tables (embedding, head) held whole."""
+    from shardfuse import hardware
+    from shardfuse.models import ModelSpec
+    from shardfuse.planner.cost import estimate
+    from shardfuse.planner.options import Assumptions, Layout
+
+    spec = ModelSpec.tiny(vocab_size=64, hidden=64, ffn_hidden=256, num_layers=layers)
+    a = Assumptions(param_bytes=4, grad_bytes=4, activation_bytes=4)
+    terms = {}
+    for zero in (1, 2):
+        layout = Layout(data=2, fsdp=4, zero=zero, num_microbatches=2)
+        e = estimate(spec, hardware.cluster("h100"), layout, global_batch=16, seq_len=8,
+                     assumptions=a)  # fmt: skip
+        terms[zero] = {t.name: t.value for t in e.memory}
+    one_layer = terms[2]["layer_working_set"] - terms[1]["layer_working_set"]
+    assert one_layer == pytest.approx(spec.layer_params() * 4)
+    tables = 2 * spec.vocab_size * spec.hidden * 4
+    assert terms[2]["gradients"] < terms[1]["gradients"] / 3  # not a whole gradient
+    return terms[2]["gradients"] + one_layer, tables
+
+
 @pytest.mark.parametrize("layers", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_zero2_reduce_scatters_each_layer_inside_the_layer_scan(layers):
     """ZeRO-2 ties each stacked parameter's layer slice to a sharded gradient inside the
@@ -221,8 +245,10 @@ def test_zero2_reduce_scatters_each_layer_inside_the_layer_scan(layers):
     | 4 | 1.02 MB | 0.255 MB | 0.246 MB | 0.303 MB | 1.78 MB |
     | 8 | 2.00 MB | 0.501 MB | 0.246 MB | 0.549 MB | 3.55 MB |
 
-    Values and gradients equal ZeRO-0's; reduce-scatters: one per stacked leaf per
-    layer (inside the loop) plus one per other leaf, per microbatch."""
+    The planner's ZeRO-2 gradient memory (`planner.memory`: shards + the tables' whole
+    gradients + one layer's whole gradient) is 0.525 / 0.771 MB: above the compiled, below
+    G / fsdp + one layer + the tables. Values and gradients equal ZeRO-0's; reduce-scatters:
+    one per stacked leaf per layer (inside the loop) plus one per other leaf, per microbatch."""
     m = 2
     want_loss, want, memory0, _, grad_bytes, layer = _stack_lm_step(layers, 0, microbatches=m)
     loss, grads, memory2, counts, _, _ = _stack_lm_step(layers, 2, microbatches=m)
@@ -234,6 +260,12 @@ def test_zero2_reduce_scatters_each_layer_inside_the_layer_scan(layers):
     sharded = grad_bytes / 4  # fsdp = 4
     assert gradient_temp <= sharded + layer, (gradient_temp, sharded, layer)
     assert memory2.output_size_in_bytes <= sharded + 4096  # the gradient shards (and the loss)
+
+    # the planner charges the same: the shards, the tables' whole gradients (embedding and
+    # head, outside the layer scan) and one layer's whole gradient in the backward's working
+    # set; at least what the program holds, at most the bound above plus the tables
+    planned, tables = _planned_zero2_gradient_bytes(layers)
+    assert gradient_temp <= planned <= sharded + layer + tables, (gradient_temp, planned)
 
     stacked = len(jax.tree.leaves(grads["blocks"]))
     others = len(jax.tree.leaves(grads)) - stacked

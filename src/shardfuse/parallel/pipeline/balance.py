@@ -1,9 +1,12 @@
 """Balanced pipeline stages: the contiguous split of the layers that minimises the slowest stage.
 
-A pipeline in lockstep runs each tick as long as its slowest stage, so the
-split of L layers over p stages that matters is the one whose largest stage
-cost (its layers' costs, plus the embedding's on the first stage and the
-head's on the last) is smallest. `balance_stages` finds it exactly by
+A pipeline runs each tick as long as its slowest stage, so the split of L
+layers over p stages that matters is the one whose largest stage cost (its
+layers' costs, plus the embedding's on the first stage and the head's on
+the last where the stages run apart) is smallest. (`sf.parallel.Pipeline`
+runs the same code on every stage: each runs the fullest stage's rows and
+the head's ticks, so there only the fullest stage's layer count matters.)
+`balance_stages` finds it exactly by
 dynamic programming over the prefix sums of the layer costs: `best[s][i]`,
 the smallest slowest-stage cost of the first `i` layers over `s` stages, is
 `min_j max(best[s-1][j], cost(j, i) + extra(s))`, `O(p L^2)` (126 layers
@@ -53,7 +56,10 @@ def balance_stages(layer_costs, stages: int, *, first_extra=0.0, last_extra=0.0)
     dynamic program, see the module docstring); among equally slow splits,
     the most even one (least sum of squared stage costs), then the one
     whose earlier stages hold more layers. Pass the result to
-    `Stack(..., stage_layers=...)`.
+    `Stack(..., stage_layers=...)`. `sf.parallel.Pipeline` runs in lockstep:
+    every stage runs the fullest stage's rows and the head's ticks, so only
+    the fullest stage's layer count matters there (balance equal costs);
+    the extras model an executor whose stages run apart (docs/pipeline.md).
 
     Args:
       layer_costs: the cost of each layer, in order (seconds, FLOPs: any unit).

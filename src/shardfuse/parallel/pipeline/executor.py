@@ -33,15 +33,16 @@ the steady state is all real work, the fill and drain waste at most the
 bubble, and the head runs in the ticks where the last stage needs it, not in
 every tick.
 
-Why not a per-stage `lax.switch` (each stage only its own action, W filling
-the bubble): in lockstep, a tick lasts as long as its slowest stage anyway,
-so a switch saves no time over a masked slot, and it makes each stage's
-devices run different collectives (the CPU runtime hangs). Zero bubble's
-gain in this model would come from W slots aligned across stages in fewer
-ticks than F and B, which needs a weight gradient cheaper than the backward
-it is split from: with JAX's VJP of a whole stage the weight gradient
-reruns the chain of cotangents (and, recomputing, the forward), so zb-h1
-runs as 1F1B here, its W inside B.
+Why not a per-stage `lax.switch` (each stage only its own action): in
+lockstep a tick lasts as long as its slowest stage, and in every tick of
+these tables some stage uses every slot in use (tested), so a switch saves
+no time over a masked slot; and it makes each stage's devices run
+different collectives (the CPU runtime hangs). zb-h1 runs as 1F1B, its W
+inside B: a separate W could save at most `(p - 1) w` per step (aligned W
+slots), or reach the paper's bubble with per-stage branches (no
+collectives), and only with a weight gradient that costs `w`; JAX's VJP of
+a stage reruns the chain of cotangents (and, recomputing, the forward) for
+it. The bound and the numbers: docs/pipeline.md.
 
 Stage inputs, output gradients (and stored residuals) wait in ring buffers of
 `table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`).
