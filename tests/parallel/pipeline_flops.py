@@ -108,12 +108,18 @@ def _flops(fn, *args):
 MICROBATCH, SEQ = 2, 8
 
 
-def measure(shape, names, schedule, m, v=1, residuals="recompute"):
-    """`dict(executed, lockstep, ideal)`: dot FLOPs per device of one training step."""
+def measure(shape, names, schedule, m, v=1, residuals="recompute", stage_layers=None):
+    """`dict(executed, lockstep, ideal)`: dot FLOPs per device of one training step.
+
+    `stage_layers` (v = 1): uneven stages; every stage then runs the fullest
+    stage's rows, so one F or B costs `max(stage_layers)` layers' (what the
+    planner's `pipeline_imbalance` charges).
+    """
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[: math.prod(shape)])
     p = mesh.shape["pipeline"]
-    layers = p * v
-    model = pm.LM(mesh, schedule=schedule, m=m, v=v, layers=layers)
+    layers = p * v if stage_layers is None else sum(stage_layers)
+    rows = 1 if stage_layers is None else max(stage_layers)  # layers per chunk, run by all
+    model = pm.LM(mesh, schedule=schedule, m=m, v=v, layers=layers, stage_layers=stage_layers)
     model.pipe.residuals = residuals
     tokens = jnp.zeros((MICROBATCH * m, SEQ), jnp.int32)
     executed = _flops(nnx.value_and_grad(pm.LM.loss), model, tokens, tokens)
@@ -132,9 +138,9 @@ def measure(shape, names, schedule, m, v=1, residuals="recompute"):
         return total / count
 
     head_flops = _flops(nnx.grad(head_loss, argnums=(0, 1)), head, x)
-    chunks = p * v
+    per_layer = rows / layers
     backward = vjp if residuals == "recompute" else vjp - forward
-    cost = {F: forward / chunks, B: backward / chunks, HEAD: head_flops}
+    cost = {F: forward * per_layer, B: backward * per_layer, HEAD: head_flops}
     table = lockstep_table(schedule, p, m, v)
     return dict(executed=executed, lockstep=table.work(cost), ideal=table.ideal(cost))
 

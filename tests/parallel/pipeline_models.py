@@ -121,13 +121,14 @@ def lm_spec(layers: int, *, tied: bool = False) -> ModelSpec:
 class LM(nnx.Module):
     """An `sf.models.Transformer` whose stacked blocks run in a `Pipeline`."""
 
-    def __init__(self, mesh, *, schedule="1f1b", m=2, v=1, layers=2, tied=False):
+    def __init__(self, mesh, *, schedule="1f1b", m=2, v=1, layers=2, tied=False, stage_layers=None):
         names = mesh.axis_names
         self.model = sf.models.Transformer(
             lm_spec(layers, tied=tied),
             mesh=mesh,
             pipelined=True,
             layout="contiguous",
+            stage_layers=stage_layers,
             rngs=nnx.Rngs(0),
         )
         self.embed, self.head = self.model.embed, self.model.head

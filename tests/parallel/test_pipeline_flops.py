@@ -10,7 +10,8 @@ stage and the head) and pipeline x sequence x model, with recomputed and
 stored residuals, at m = p, 2p and 4p (`-m slow` runs the rows that cover
 every pair of mesh, schedule, residuals and m, `tests/pairwise.py`;
 SHARDFUSE_FULL_MATRIX=1 runs all 72 cells; the quick suite keeps one
-pipeline x model case). Before the lockstep executor, pipeline 4 x model 2
+pipeline x model case); uneven stages likewise, one F or B costing the
+fullest stage's layers. Before the lockstep executor, pipeline 4 x model 2
 executed 2.3-3.4x the busiest stage's work (every tick ran the stage
 forward twice, the whole VJP and the head).
 """
@@ -51,3 +52,23 @@ def test_pipeline_model_executes_the_lockstep_work():
 @pytest.mark.parametrize("shape, names, schedule, v, residuals, m", list(_grid()))
 def test_every_schedule_executes_the_lockstep_work(shape, names, schedule, v, residuals, m):
     _check(shape, names, schedule, v, residuals, m)
+
+
+@pytest.mark.parametrize(
+    "shape, names, stage_layers, m",
+    [
+        ((2, 2), ("pipeline", "model"), (2, 1), 2),
+        pytest.param((4, 1), ("pipeline", "model"), (3, 2, 2, 1), 8, marks=pytest.mark.slow),
+    ],
+)
+def test_uneven_stages_execute_the_fullest_stage_in_every_tick(shape, names, stage_layers, m):
+    """Uneven stages (`Stack(stage_layers=...)`): every stage runs the fullest stage's rows
+    (padding computed and discarded) and the head's ticks, so the step executes the IR's
+    lockstep work with one F or B costing `max(stage_layers)` layers, whatever the split;
+    the balancer's split for a head as heavy as two layers, (3, 2, 2, 1), executes 1.48x the
+    even split's (2, 2, 2, 2) (docs/pipeline.md: its extras model stages that run apart)."""
+    r = measure(shape, names, "1f1b", m, stage_layers=stage_layers)
+    assert r["lockstep"] / 1.1 <= r["executed"] <= 1.1 * r["lockstep"], r
+    if len(stage_layers) == 4:
+        even = measure(shape, names, "1f1b", m, stage_layers=(2, 2, 2, 2))
+        assert r["executed"] > 1.3 * even["executed"], (r, even)
