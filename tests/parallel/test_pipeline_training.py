@@ -43,4 +43,6 @@ def test_pipelined_training_matches_unpipelined():
     pipelined = _train(model, LM.loss, batches)
     plain = _train(reference, LM.plain_loss, batches)
     np.testing.assert_allclose(pipelined, plain, rtol=1e-4, atol=1e-4)
-    assert pipelined[-1] < 0.9 * pipelined[0], pipelined  # 3.97 -> 3.44 in 8 steps
+    # learns: a fresh random batch each step, so the second half's mean against the first
+    # step (4.04 -> 3.65, 3.53, 3.53, 3.45, 3.52, ...: the last step alone is noisy)
+    assert np.mean(pipelined[STEPS // 2 :]) < 0.9 * pipelined[0], pipelined
