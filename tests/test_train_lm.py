@@ -75,7 +75,9 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
     kernel = restored.model.head.unembed.kernel[...]
     assert kernel.sharding.spec[0] == "fsdp" and kernel.sharding.mesh.shape["fsdp"] == 4
     (got,) = restored.run()
-    assert abs(got - want) <= 1e-6, (got, want)
+    # the next step's loss on the other mesh: a different reduction order, a few float32
+    # ulps of a loss near 4 (1.4e-6 measured on jax 0.12)
+    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)
 
 
 def test_bad_mesh_is_refused():
