@@ -243,7 +243,9 @@ def _is_variable(x):
 
 def _loss(graphdef, state, x, cotangent):
     y = nnx.merge(graphdef, state)(x)
-    return jnp.vdot(y.astype(jnp.float32), cotangent), y
+    # a sum, not jnp.vdot: vdot flattens y, a reshape an Explicit mesh refuses when y is
+    # sharded over two dims (column with sequence parallelism and ZeRO-3)
+    return jnp.sum(y.astype(jnp.float32) * cotangent), y
 
 
 _value_and_grad = jax.jit(jax.value_and_grad(_loss, argnums=(1, 2), has_aux=True), static_argnums=0)

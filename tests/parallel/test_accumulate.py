@@ -114,8 +114,10 @@ def test_gradient_reductions_do_not_grow_with_microbatches(zero):
 def test_zero3_gathers_each_weight_at_most_twice_per_microbatch(reshard):
     mesh = mesh_of("data2-fsdp4")
     model = make_lm(mesh, 3, reshard_after_forward=reshard)
-    # per block: fused qkv, o, up, down and the two norms; the embedding and the head
-    gathered = 6 * len(model.blocks) + 2
+    # the blocks are one scanned Stack: its six stacked weights (fused qkv, o, up, down and
+    # the two norms, each [layers, ...]) are gathered as one array each, then the embedding
+    # and the head (measured: 8 gathers per microbatch with and without resharding)
+    gathered = 6 + 2
     for m in (1, 4):
         hlo = _compiled(model, padded_batch(2), mesh, 3, m)[1]
         gathers = hlo_collectives.total(hlo_collectives.count(hlo, mesh), "all-gather", "fsdp")
