@@ -2,6 +2,9 @@
 #include "kernels.h"
 
 #include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <system_error>
 
 namespace shardfuse {
 
@@ -22,11 +25,35 @@ void run_threads(int threads, const std::function<void(int)>& fn) {
     fn(0);
     return;
   }
+  // Never std::terminate: an exception inside a thread (bad_alloc) is kept and rethrown
+  // here after every thread has joined (the FFI handler turns it into an error), and a
+  // thread the system refuses to start (EAGAIN under load: 8 devices' custom calls at
+  // once) runs its index on the caller instead. Every caller claims work dynamically, so
+  // running an index late still covers all the work.
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto guarded = [&](int t) {
+    try {
+      fn(t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  };
   std::vector<std::thread> pool;
+  std::vector<int> inline_threads;
   pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(fn, t);
-  fn(0);
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(guarded, t);
+    } catch (const std::system_error&) {
+      inline_threads.push_back(t);
+    }
+  }
+  guarded(0);
+  for (int t : inline_threads) guarded(t);
   for (auto& thread : pool) thread.join();
+  if (error) std::rethrow_exception(error);
 }
 
 void parallel_for(int n, const std::function<void(int, int)>& fn) {

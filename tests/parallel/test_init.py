@@ -240,10 +240,13 @@ def test_init_program_equals_eager_and_shards_the_optimizer():
     eager = _values(make_lm(mesh, 3))
     for path, value in _values(model).items():
         np.testing.assert_array_equal(value, eager[path], err_msg=str(path))
-    kernel = model.blocks[0].mlp.up.kernel[...]
-    assert kernel.sharding.spec == P("fsdp", None)
-    mu = optimizer.opt_state[0].mu["blocks"][0]["mlp"]["up"]["kernel"][...]
-    assert mu.sharding.spec == P("fsdp", None)
+    # the blocks are one scanned Stack: kernels [layers, in, out], ZeRO-3 shards `in`
+    kernel = model.blocks.blocks.mlp.up.kernel[...]
+    assert tuple(kernel.sharding.spec) + (None,) * (3 - len(kernel.sharding.spec)) == (
+        None, "fsdp", None,
+    )  # fmt: skip
+    mu = optimizer.opt_state[0].mu["blocks"]["blocks"]["mlp"]["up"]["kernel"][...]
+    assert tuple(mu.sharding.spec) + (None,) * (3 - len(mu.sharding.spec)) == (None, "fsdp", None)
 
 
 def _mlp_stack(mesh, layer_axis):
