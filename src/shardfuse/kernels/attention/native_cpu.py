@@ -9,9 +9,9 @@ backward recomputes `p = exp(s - lse)` per tile and accumulates dK/dV per key
 block (GQA: the G query heads sharing a kv head in one work item) and dQ per
 thread, reduced in a fixed order (deterministic). Tiles no query sees are
 skipped, tiles every query sees run unmasked. Threads: every core
-(`SHARDFUSE_NATIVE_THREADS` to change). The kernels ignore `BlockSizes`. This is
-the CPU's preferred attention backend (`implementation=None`) where the
-extension is built; ring attention's per-step blocks use it the same way.
+(`SHARDFUSE_NATIVE_THREADS` to change). The kernels ignore `BlockSizes`. Opt-in:
+`implementation="native_cpu"` (or `("native_cpu", "xla")`, which falls back where it
+refuses); ring attention's per-step blocks take the same names.
 
 float32 and bfloat16 inputs, float32 accumulation and lse; any head dim up to
 512. Anything else (float16, another platform, a build without the extension)
