@@ -205,8 +205,8 @@ class Stack(nnx.Module):
       >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
       >>> stack = Stack(lambda rngs: sf.layers.ParallelTransformerBlock(32, 4, 64, mesh=mesh,
       ...               zero=3, rngs=rngs), 3, mesh=mesh, prefetch=True, rngs=nnx.Rngs(0))
-      >>> stack.blocks.mlp.up.kernel[...].sharding.spec
-      P(None, 'fsdp')
+      >>> tuple(stack.blocks.mlp.up.kernel[...].sharding.spec)[:2]  # [layers, in, out]
+      (None, 'fsdp')
       >>> y = stack(jnp.ones((8, 16, 32)))
       >>> y.shape, y.sharding.spec
       ((8, 16, 32), P(('data', 'fsdp'), None, None))
