@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("triton", reason="needs triton (pip install triton)")
 
+import shardfuse as sf  # noqa: E402
 from shardfuse.kernels.attention import triton_compile, triton_configs  # noqa: E402
 
 
@@ -45,3 +46,52 @@ def test_default_configs_compile_without_spills(kernel, arch):
 def test_every_default_config_compiles_without_spills(arch, head_dim, dtype, variant):
     for kernel in triton_configs.KERNELS:
         _check(kernel, arch, head_dim, dtype, variant)
+
+
+@pytest.mark.slow  # compiles five kernels (about 30 s)
+def test_launch_lowers_pipeline_stages_to_fit_shared_memory():
+    """User tiles of 128 x 128 at head dim 128: the tuned 3 dQ stages ask for 256 KiB on sm_90.
+
+    Seen on an H200 (`Shared memory requested (262144 b) exceeds device resources
+    (232448 b)`). The jax-triton launcher compiles each kernel first and lowers
+    `num_stages` until it fits; a tile that does not fit in one stage (here on
+    sm_86's 99 KiB) is refused with NotImplementedError, so dispatch falls back.
+    The kernels, inputs and constexprs are those the real backward launches.
+    """
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from shardfuse.kernels.attention import base, triton_gpu
+    from shardfuse.kernels.triton import compile_stats, launch
+
+    fitted = {}
+
+    @dataclasses.dataclass(frozen=True)
+    class Fitting(launch.JaxTritonLauncher):
+        def __call__(self, kernel_name, inputs, out_shapes, grid, config, constexprs):
+            kernel = getattr(launch.kernel_module(self.kernels_module), kernel_name)
+            fitted[kernel_name] = launch._fit_shared_memory(
+                kernel, inputs, out_shapes, config, constexprs, self
+            )
+            return [jnp.zeros(shape.shape, shape.dtype) for shape in out_shapes]
+
+    T, H, K, D = 256, 4, 2, 128
+    q = jnp.zeros((1, T, H, D), jnp.bfloat16)
+    k = v = jnp.zeros((1, T, K, D), jnp.bfloat16)
+    config = base.validate(q, k, v, causal=True, block_sizes=sf.BlockSizes(128, 128))
+    pos = jnp.arange(T, dtype=jnp.int32)
+    lse = jnp.zeros((1, H, T), jnp.float32)
+
+    def backward(capability):
+        launcher = Fitting(capability)
+        return triton_gpu.backward(config, q, k, v, pos, pos, None, None, q, lse, q, lse,
+                                   launcher=launcher)  # fmt: skip
+
+    backward(90)
+    assert compile_stats.shared_memory_limit(90) == 232448
+    assert fitted["attention_backward_dq_kernel"] == triton_configs.AttentionKernelConfig(
+        128, 128, 8, 2
+    )
+    with pytest.raises(NotImplementedError, match="shared memory.*compute capability 8.6"):
+        backward(86)

@@ -24,7 +24,7 @@ import importlib
 import jax
 import numpy as np
 
-from shardfuse.kernels.triton import interpreter
+from shardfuse.kernels.triton import compile_stats, interpreter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +42,11 @@ class JaxTritonLauncher:
     def __call__(self, kernel_name, inputs, out_shapes, grid, config, constexprs):
         import jax_triton
 
+        kernel = getattr(importlib.import_module(self.kernels_module), kernel_name)
+        config = _fit_shared_memory(kernel, inputs, out_shapes, config, constexprs, self)
         return jax_triton.triton_call(
             *inputs,
-            kernel=getattr(importlib.import_module(self.kernels_module), kernel_name),
+            kernel=kernel,
             out_shape=list(out_shapes),
             grid=grid,
             num_warps=config.num_warps,
@@ -52,6 +54,24 @@ class JaxTritonLauncher:
             name=kernel_name,
             **constexprs,
         )
+
+
+def _fit_shared_memory(kernel, inputs, out_shapes, config, constexprs, launcher):
+    """`config` with as many pipeline stages as fit this GPU's shared memory (compiled to see)."""
+    pointers = [name for name in kernel.arg_names if name not in constexprs]
+    dtypes = [np.dtype(x.dtype).name for x in (*inputs, *out_shapes)]
+    if len(pointers) != len(dtypes):
+        raise ValueError(
+            f"{kernel.__name__} takes {len(pointers)} pointers; got {len(inputs)} inputs and "
+            f"{len(out_shapes)} outputs"
+        )
+    return compile_stats.fit_num_stages(
+        kernel,
+        constexprs,
+        dict(zip(pointers, dtypes, strict=True)),
+        arch=launcher.compute_capability,
+        config=config,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
