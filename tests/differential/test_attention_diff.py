@@ -181,15 +181,21 @@ CORNERS = (
 )
 
 
-@pytest.mark.parametrize("n", budget_params(3, 60))
+@pytest.mark.parametrize("n", budget_params(3, 24))
 def test_flash_attention_matches_reference(n):
     # The default budget draws the cheap implementations; -m slow adds pallas_tpu (TPU
     # interpret mode, about 25 s a configuration on a loaded 2-core machine).
     implementations = ("reference", "xla") if n < 10 else sa.FLASH_IMPLEMENTATIONS
-    tally = sa.Tally("sf.flash_attention")
+    tally, drawn = sa.Tally("sf.flash_attention"), set()
+
+    def check(c):
+        drawn.add(c.implementation)
+        check_flash(c, tally)
+
     strategy = sa.flash_configs(implementations=implementations)
-    sa.run_with_examples(lambda c: check_flash(c, tally), strategy, n, CORNERS)
+    sa.run_with_examples(check, strategy, n, CORNERS)
     tally.report()
+    assert drawn == set(implementations), f"drew {drawn}, not every one of {implementations}"
 
 
 @pytest.mark.slow

@@ -233,7 +233,7 @@ def _check_drawn(case_and_jit):
     check_pipeline(case, jit=jit)
 
 
-@pytest.mark.parametrize("max_examples", budget_params(2, 10))
+@pytest.mark.parametrize("max_examples", budget_params(2, 6))
 def test_pipeline_matches_unpipelined(max_examples):
     run(
         _check_drawn,

@@ -227,7 +227,7 @@ CORNERS = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("n", budget_params(2, 40))
+@pytest.mark.parametrize("n", budget_params(2, 16))
 def test_ring_attention_matches_reference(n):
     tally = sa.Tally("sf.ring_attention")
     sa.run_with_examples(lambda c: check_ring(c, tally), sa.ring_configs(), n, CORNERS)

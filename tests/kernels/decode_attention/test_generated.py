@@ -84,7 +84,7 @@ def _check(config):
     assert_close(lse, expected_lse, name=f"lse {label}")
 
 
-@pytest.mark.parametrize("max_examples", budget_params(6, 300))
+@pytest.mark.parametrize("max_examples", budget_params(6, 80))
 def test_matches_numpy_oracle(max_examples):
     run_budget(_check, configs(), max_examples)
 
