@@ -22,6 +22,7 @@ Run as a script for the table of the issue (slow: one compile per row)::
   python -m tests.parallel.pipeline_flops
 """
 
+import functools
 import math
 import re
 
@@ -108,6 +109,27 @@ def _flops(fn, *args):
 MICROBATCH, SEQ = 2, 8
 
 
+@functools.cache
+def _action_flops(rest, names, layers):
+    """(stack forward, stack VJP, head VJP) dot FLOPs per device of the unpipelined pieces
+    of a `layers`-layer LM on a mesh of shape `rest` (pipeline axis 1); computed once per
+    mesh and depth, shared by every schedule, residual mode and m measured on them."""
+    one = jax.make_mesh(rest, names, devices=jax.devices()[: math.prod(rest)])
+    ref = pm.LM(one, schedule="gpipe", m=1, layers=layers)
+    x = jnp.zeros((MICROBATCH, SEQ, pm.FEATURES * 2))
+    targets = jnp.zeros((MICROBATCH, SEQ), jnp.int32)
+    stack, head = ref.pipe.stack, ref.head
+    forward = _flops(lambda stack, x: stack(x), stack, x)
+    vjp = _flops(nnx.grad(lambda stack, x: jnp.sum(stack(x)), argnums=(0, 1)), stack, x)
+
+    def head_loss(head, y):
+        total, count = pm.token_loss(head(y), targets, jnp.ones(targets.shape))
+        return total / count
+
+    head_flops = _flops(nnx.grad(head_loss, argnums=(0, 1)), head, x)
+    return forward, vjp, head_flops
+
+
 def measure(shape, names, schedule, m, v=1, residuals="recompute", stage_layers=None):
     """`dict(executed, lockstep, ideal)`: dot FLOPs per device of one training step.
 
@@ -125,19 +147,7 @@ def measure(shape, names, schedule, m, v=1, residuals="recompute", stage_layers=
     executed = _flops(nnx.value_and_grad(pm.LM.loss), model, tokens, tokens)
 
     rest = tuple(1 if n == "pipeline" else s for n, s in zip(names, shape, strict=True))
-    one = jax.make_mesh(rest, names, devices=jax.devices()[: math.prod(rest)])
-    ref = pm.LM(one, schedule="gpipe", m=1, layers=layers)
-    x = jnp.zeros((MICROBATCH, SEQ, pm.FEATURES * 2))
-    targets = jnp.zeros((MICROBATCH, SEQ), jnp.int32)
-    stack, head = ref.pipe.stack, ref.head
-    forward = _flops(lambda stack, x: stack(x), stack, x)
-    vjp = _flops(nnx.grad(lambda stack, x: jnp.sum(stack(x)), argnums=(0, 1)), stack, x)
-
-    def head_loss(head, y):
-        total, count = pm.token_loss(head(y), targets, jnp.ones(targets.shape))
-        return total / count
-
-    head_flops = _flops(nnx.grad(head_loss, argnums=(0, 1)), head, x)
+    forward, vjp, head_flops = _action_flops(rest, tuple(names), layers)
     per_layer = rows / layers
     backward = vjp if residuals == "recompute" else vjp - forward
     cost = {F: forward * per_layer, B: backward * per_layer, HEAD: head_flops}

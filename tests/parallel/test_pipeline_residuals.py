@@ -10,14 +10,14 @@ stored backward does not rerun the stage forward.
 
 The default slice is one poisoned zero-bubble case (split B/W from the same
 residuals), one pipeline x model case, the structure count and bad input;
-the grid (gpipe, 1f1b, interleaved v=2, zb-h1 x p in {2, 4}, Explicit and
-Auto meshes, the transformer LM on pipeline x model) runs under `-m slow`.
+the grid (gpipe, 1f1b, interleaved v=2, zb-h1 x p in {2, 4} x m in {p, 2p} x Explicit
+and Auto meshes: the rows covering every pair, `tests/pairwise.py`; the transformer LM
+on pipeline x model) runs under `-m slow`.
 The measured memory and step times, and why "recompute" is the default, are
 in `tests/parallel/test_pipeline_memory.py`.
 """
 
 import doctest
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from shardfuse.layers.stack import Stack
 from shardfuse.parallel.pipeline import executor
 from shardfuse.parallel.pipeline import residuals as residuals_module
 from shardfuse.parallel.pipeline.api import Pipeline
+from tests.pairwise import pairwise
 from tests.parallel import pipeline_models as pm
 
 
@@ -80,11 +81,11 @@ def check_mlp_stored(schedule, p, m, v=1, *, poison=True, explicit=True, recompu
 
 
 def _grid():
-    for schedule, p in itertools.product(("gpipe", "1f1b", "interleaved", "zb-h1"), (2, 4)):
-        v = 2 if schedule == "interleaved" else 1
-        for m, explicit in ((p, True), (2 * p, False)):
-            if (schedule, p, m, explicit) != ("zb-h1", 2, 4, False):
-                yield schedule, p, m, v, explicit
+    """The rows covering every pair of schedule, p, m / p in {1, 2} and axis type
+    (`tests/pairwise.py`; SHARDFUSE_FULL_MATRIX=1 gives all 32 cells)."""
+    schedules = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+    for (schedule, v), p, per_stage, explicit in pairwise(schedules, (2, 4), (1, 2), (True, False)):
+        yield schedule, p, per_stage * p, v, explicit
 
 
 def test_zero_bubble_stored_matches_unpipelined_nan_poisoned():
