@@ -79,13 +79,17 @@ def assert_close(actual, expected, *, kind: str = "output", atol=None, rtol=None
     actual, expected = _as_f32(actual), _as_f32(expected)
     finite = _split_infinite(actual, expected, name)
     err = np.abs(np.where(finite, actual, 0.0) - np.where(finite, expected, 0.0))
-    bad = finite & (err > atol + rtol * np.abs(expected))
+    bound = atol + rtol * np.abs(expected)
+    bad = finite & (err > bound)
     if bad.any():
-        worst = np.unravel_index(np.argmax(np.where(finite, err, -1)), err.shape)
+        # The entry furthest beyond its bound (not the largest error, which may be within it).
+        worst = np.unravel_index(np.argmax(np.where(finite, err / bound, -1)), err.shape)
+        atol_text = f"{atol}" if np.ndim(atol) == 0 else "per entry"
         raise AssertionError(
-            f"{name}: {int(bad.sum())} of {err.size} entries beyond atol={atol}, rtol={rtol}; "
-            f"max error {err[worst]:.3g} at {tuple(int(i) for i in worst)} "
-            f"(got {actual[worst]:.6g}, expected {expected[worst]:.6g})"
+            f"{name}: {int(bad.sum())} of {err.size} entries beyond atol={atol_text}, rtol={rtol}; "
+            f"furthest beyond: error {err[worst]:.3g} (bound {bound[worst]:.3g}) at "
+            f"{tuple(int(i) for i in worst)} (got {actual[worst]:.6g}, expected "
+            f"{expected[worst]:.6g})"
         )
 
 

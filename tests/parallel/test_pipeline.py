@@ -9,7 +9,6 @@ cover every pair of its factors run (`tests/pairwise.py`; SHARDFUSE_FULL_MATRIX=
 the whole grid).
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

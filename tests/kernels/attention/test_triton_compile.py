@@ -20,7 +20,10 @@ def _check(kernel, arch, head_dim, dtype, variant):
     stats = triton_compile.compile_kernel(
         kernel, arch=arch, head_dim=head_dim, dtype=dtype, variant=variant
     )
-    assert stats.spill_stores == 0 and stats.spill_loads == 0, stats
+    # GPU-timed entries may spill a little where that measured faster (their record says).
+    timed = (f"sm{arch}", head_dim, "float32" if dtype == "float32" else "16bit", kernel)
+    allowed = 128 if timed in triton_configs.GPU_TIMED else 0
+    assert stats.spill_stores <= allowed and stats.spill_loads <= allowed, stats
     assert stats.shared_memory <= stats.shared_memory_limit, stats
     assert 0 < stats.registers <= 255, stats
 
@@ -49,14 +52,16 @@ def test_every_default_config_compiles_without_spills(arch, head_dim, dtype, var
 
 
 @pytest.mark.slow  # compiles five kernels (about 30 s)
-def test_launch_lowers_pipeline_stages_to_fit_shared_memory():
+def test_launch_lowers_pipeline_stages_to_fit_shared_memory(monkeypatch):
     """User tiles of 128 x 128 at head dim 128: the tuned 3 dQ stages ask for 256 KiB on sm_90.
 
     Seen on an H200 (`Shared memory requested (262144 b) exceeds device resources
     (232448 b)`). The jax-triton launcher compiles each kernel first and lowers
     `num_stages` until it fits; a tile that does not fit in one stage (here on
     sm_86's 99 KiB) is refused with NotImplementedError, so dispatch falls back.
-    The kernels, inputs and constexprs are those the real backward launches.
+    The kernels, inputs and constexprs are those the real backward launches,
+    with TRITON_CACHE_DIR empty as importing jax_triton leaves it (on the H200
+    that made `triton.compile` fail: "Could not create or locate cache dir").
     """
     import dataclasses
 
@@ -65,6 +70,7 @@ def test_launch_lowers_pipeline_stages_to_fit_shared_memory():
     from shardfuse.kernels.attention import base, triton_gpu
     from shardfuse.kernels.triton import compile_stats, launch
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")
     fitted = {}
 
     @dataclasses.dataclass(frozen=True)

@@ -254,25 +254,45 @@ def run(backend, case: Case, inputs: Inputs, dtype: str, out_dtype: str | None):
 
 @functools.cache
 def exact_results(case_name: str):
-    """`(out, da, db, daddend, dbias)` of a float32 case in float64 numpy, rounded to float32.
+    """The exact `(out, da, db, daddend, dbias)` of a float32 case, and each one's summation slack.
 
-    The oracle of float32 comparisons: two float32 implementations that sum in
-    different orders (a GPU's tiles against cuBLAS) each stay within the
-    tolerance of the exact result but not always of each other (seen on an H200:
-    `db` of the 762-row batched case, one entry of 16448 at 1.2x the bound).
+    Returns `(values, slack)`: float64 numpy results rounded to float32 (None for
+    absent), and per entry `sqrt(K) * 2**-24 * sum_k |term_k|`, the rounding
+    error a float32 sum of those K terms reaches in any order (the probabilistic
+    bound; the worst case has K for sqrt(K)). Two float32 implementations that
+    sum in different orders (a GPU's tiles against cuBLAS) each stay near the
+    exact result but not always within the fixed tolerance of it when terms
+    cancel: seen on an H200, `db` of the 762-row batched case, one entry of 16448.
+    The slack is added to atol; a wrong or missing term is of the order of a
+    term itself, thousands of times larger.
     """
     case = CASE[case_name]
     inputs = make_inputs(case)
     a, b, addend, bias, g = (None if x is None else np.asarray(x, np.float64) for x in inputs)
     out = a @ b + (0.0 if addend is None else addend) + (0.0 if bias is None else bias)
     rows_a, rows_g = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-    grads = (
+    values = (
+        out,
         g @ b.T,
         rows_a.T @ rows_g,
         None if addend is None else g,
         None if bias is None else rows_g.sum(0),
     )
-    return tuple(None if x is None else x.astype(np.float32) for x in (out, *grads))
+    rows = rows_g.shape[0]
+    unit = 2.0**-24
+    magnitudes = (
+        (np.abs(a) @ np.abs(b), a.shape[-1]),
+        (np.abs(g) @ np.abs(b.T), b.shape[-1]),
+        (np.abs(rows_a.T) @ np.abs(rows_g), rows),
+        (np.abs(g), 1),
+        (np.abs(rows_g).sum(0), rows),
+    )
+    values = tuple(None if x is None else x.astype(np.float32) for x in values)
+    slack = tuple(
+        None if x is None else np.sqrt(terms) * unit * total
+        for x, (total, terms) in zip(values, magnitudes, strict=True)
+    )
+    return values, slack
 
 
 @functools.cache

@@ -8,10 +8,11 @@ What a backend's capability flags exclude is skipped with the reason, and
 raises NotImplementedError there.
 
 - the output and the gradients of a, b, addend and bias (vjp with a random
-  cotangent): float32 at atol = rtol = 1e-5 (2e-5 gradients) against the exact
-  result (float64, `exact_results`; the reference implementation is held to it
-  too), bfloat16 / float16 by the 2x / 3x rule against the reference
-  in float32 and in the low precision; finite on both sides; dtypes and shapes;
+  cotangent): float32 at atol = rtol = 1e-5 (2e-5 gradients), plus the
+  summation slack of each entry's terms, against the exact result (float64,
+  `exact_results`; the reference implementation is held to it too), bfloat16 /
+  float16 by the 2x / 3x rule against the reference in float32 and in the low
+  precision; finite on both sides; dtypes and shapes;
 - determinism: a second run under jit is bitwise equal.
 """
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardfuse.testing import assert_close, assert_close_low_precision
+from shardfuse.testing import F32_TOLERANCE, assert_close, assert_close_low_precision
 from tests.kernels.backend_params import backend_params
 from tests.kernels.matmul.matmul_cases import (
     BACKENDS,
@@ -58,9 +59,10 @@ def test_matches_reference(backend, case):
             assert finite.all(), f"{label}: {side} {NAMES[i]} has non-finite entries"
     kinds = ["output"] + ["grad"] * 4
     if case.dtype == "float32":
-        exact = exact_results(case.name)
+        exact, slack = exact_results(case.name)
         for i in present:
-            assert_close(got[i], exact[i], kind=kinds[i], name=f"{label} {NAMES[i]}")
+            atol = F32_TOLERANCE[kinds[i]] + slack[i]
+            assert_close(got[i], exact[i], atol=atol, kind=kinds[i], name=f"{label} {NAMES[i]}")
         return
     ref32 = results("reference", case.name, "float32")
     ref_lp = results("reference", case.name, "low")
@@ -110,8 +112,10 @@ def test_refuses_what_its_flags_exclude(backend, case):
 @pytest.mark.parametrize("case", [name for name, case in CASE.items() if case.dtype == "float32"])
 def test_reference_matches_exact(case):
     """The pure-JAX reference against float64 numpy, at the float32 tolerances."""
-    got, exact = results("reference", case), exact_results(case)
+    got, (exact, slack) = results("reference", case), exact_results(case)
     for i, (x, y) in enumerate(zip(got, exact, strict=True)):
         assert (x is None) == (y is None), (case, NAMES[i])
         if x is not None:
-            assert_close(x, y, kind="output" if i == 0 else "grad", name=f"{case} {NAMES[i]}")
+            kind = "output" if i == 0 else "grad"
+            atol = F32_TOLERANCE[kind] + slack[i]
+            assert_close(x, y, atol=atol, kind=kind, name=f"{case} {NAMES[i]}")

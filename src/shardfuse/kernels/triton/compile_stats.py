@@ -162,11 +162,20 @@ def _compile(fn, constexprs, pointer_dtypes, *, arch, num_warps, num_stages, **o
         else:
             signature[name] = "*" + _TRITON_TYPES[pointer_dtypes[name]]
             attrs[(index,)] = [["tt.divisibility", 16]]  # jax-triton's alignment assumption
-    return triton.compile(
-        triton.compiler.ASTSource(fn, signature, constexprs, attrs),
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages, **options),
-    )
+    with triton.knobs.cache.scope():
+        if not triton.knobs.cache.dir:  # jax_triton empties TRITON_CACHE_DIR when imported
+            triton.knobs.cache.dir = _private_cache_dir()
+        return triton.compile(
+            triton.compiler.ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", arch, 32),
+            options=dict(num_warps=num_warps, num_stages=num_stages, **options),
+        )
+
+
+@functools.cache
+def _private_cache_dir() -> str:
+    """A cache directory for `triton.compile` in this process, where triton's is switched off."""
+    return tempfile.mkdtemp(prefix="shardfuse-triton-")
 
 
 @functools.lru_cache(maxsize=512)

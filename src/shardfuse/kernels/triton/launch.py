@@ -20,6 +20,7 @@ triton and jax_triton are imported lazily, inside these functions:
 
 import dataclasses
 import importlib
+import warnings
 
 import jax
 import numpy as np
@@ -65,13 +66,23 @@ def _fit_shared_memory(kernel, inputs, out_shapes, config, constexprs, launcher)
             f"{kernel.__name__} takes {len(pointers)} pointers; got {len(inputs)} inputs and "
             f"{len(out_shapes)} outputs"
         )
-    return compile_stats.fit_num_stages(
-        kernel,
-        constexprs,
-        dict(zip(pointers, dtypes, strict=True)),
-        arch=launcher.compute_capability,
-        config=config,
-    )
+    try:
+        return compile_stats.fit_num_stages(
+            kernel,
+            constexprs,
+            dict(zip(pointers, dtypes, strict=True)),
+            arch=launcher.compute_capability,
+            config=config,
+        )
+    except NotImplementedError:  # a RuntimeError too: the tiles do not fit
+        raise
+    except (RuntimeError, OSError) as e:  # the check itself cannot compile here: launch as tuned
+        warnings.warn(
+            f"shardfuse could not compile {kernel.__name__} to check its shared memory "
+            f"({type(e).__name__}: {e}); launching it with {config}",
+            stacklevel=2,
+        )
+        return config
 
 
 @dataclasses.dataclass(frozen=True)
