@@ -5,7 +5,7 @@ An `AttentionKernelConfig` is the tile shape and the launch options of one kerne
 `num_stages` (software-pipelining depth of the inner loop). `TUNED` maps
 (GPU generation, padded head dim, input class) to the four kernels' configs.
 
-How the table was chosen: no GPU was available to time configurations, so
+How the table was chosen: with no GPU to time configurations at first,
 `python -m shardfuse.bench.tools.triton_compile_stats --search` compiled candidate configs (the
 Triton fused-attention tutorial's A100/H100 choices first: 128 x 64 forward
 tiles, 32 x 128 dK/dV and 128 x 32 dQ tiles, then smaller tiles, more warps,
@@ -18,7 +18,9 @@ memory of every default. Entries timed on a GPU since are listed in `GPU_TIMED`
 with the measurement. float32 inputs use exact IEEE dots (no TF32, to
 match the HIGHEST-precision oracle) on FMA units, which need far smaller
 tiles and do not fit above head dim 64. Re-tune on the target GPU with
-`python -m shardfuse.bench.tools.triton_attention` and edit the table.
+`python -m shardfuse.bench.tools.triton_tune` (candidates timed, results checked)
+and edit the table; a launch lowers `num_stages` where a config's shared memory
+does not fit the GPU at hand (`shardfuse.kernels.triton.compile_stats.fit_num_stages`).
 
 Generations: "sm80" (A100, compute capability 8.x) and "sm90" (H100/H200,
 9.x; newer GPUs use the sm90 table). Head dims are padded to the next power
