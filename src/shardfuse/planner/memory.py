@@ -252,6 +252,17 @@ def attention_tiles(model: ModelShape, layout: Layout, mb_tokens: float, seq_len
     return 2 * sequences * model.heads / layout.model * block * block * 4
 
 
+@functools.lru_cache(maxsize=4096)
+def _peak_in_flight(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+    """The most microbatches any stage holds from F to B in the lockstep table (the search
+    asks for the same few tables tens of thousands of times).
+
+    >>> _peak_in_flight("gpipe", 2, 4, 1), _peak_in_flight("1f1b", 2, 4, 1)
+    (4.0, 3.0)
+    """
+    return float(max(lockstep_table(schedule, stages, microbatches, virtual).in_flight()))
+
+
 def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev, seq_len):
     """The memory `Term`s of `cost.estimate` (see the module docstring); bytes per device.
 
@@ -316,7 +327,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         # the stage forward in its backward tick (`Pipeline(residuals="recompute")`).
         # The executor's lockstep table: stage 0 holds its microbatches from F to B,
         # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe.
-        in_flight = float(max(lockstep_table(layout.schedule, P, m, v).in_flight()))
+        in_flight = _peak_in_flight(layout.schedule, P, m, v)
         inputs = in_flight * mb_tokens * h / T * act
         activations = inputs + stage
         what = (
