@@ -229,9 +229,27 @@ CORNERS = (
 
 @pytest.mark.parametrize("n", budget_params(2, 16))
 def test_ring_attention_matches_reference(n):
-    tally = sa.Tally("sf.ring_attention")
-    sa.run_with_examples(lambda c: check_ring(c, tally), sa.ring_configs(), n, CORNERS)
+    """Under `-m slow`, a strategy the budget did not draw is then drawn twice on its own
+    (budgets of 16 and 40 drew no "all_gather"), and every strategy and layout is checked."""
+    tally, drawn = sa.Tally("sf.ring_attention"), set()
+
+    def check(c):
+        drawn.add(("strategy", c.strategy))
+        drawn.add(("layout", c.layout))
+        check_ring(c, tally)
+
+    sa.run_with_examples(check, sa.ring_configs(), n, CORNERS)
+    if n >= 10:
+        for strategy in RING_STRATEGIES:
+            if ("strategy", strategy) not in drawn:
+                only = sa.ring_configs().filter(lambda c, s=strategy: c.strategy == s)
+                sa.run_with_examples(check, only, 2)
+        want = {("strategy", s) for s in RING_STRATEGIES} | {("layout", x) for x in sa.RING_LAYOUTS}
+        assert want <= drawn, want - drawn
     tally.report()
+
+
+RING_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring", None)
 
 
 def test_ring_generator_covers_the_option_space():
