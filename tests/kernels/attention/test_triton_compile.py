@@ -20,10 +20,8 @@ def _check(kernel, arch, head_dim, dtype, variant):
     stats = triton_compile.compile_kernel(
         kernel, arch=arch, head_dim=head_dim, dtype=dtype, variant=variant
     )
-    # GPU-timed entries may spill a little where that measured faster (their record says).
-    timed = (f"sm{arch}", head_dim, "float32" if dtype == "float32" else "16bit", kernel)
-    allowed = 128 if timed in triton_configs.GPU_TIMED else 0
-    assert stats.spill_stores <= allowed and stats.spill_loads <= allowed, stats
+    # No spills, except a few in GPU-timed entries that measured faster (GPU_TIMED says).
+    assert stats.acceptable, stats
     assert stats.shared_memory <= stats.shared_memory_limit, stats
     assert 0 < stats.registers <= 255, stats
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from shardfuse.kernels.attention import base, triton_configs
 from shardfuse.kernels.attention.triton_gpu import kernel_options
 from shardfuse.kernels.triton import launch
-from shardfuse.kernels.triton.compile_stats import ResourceUsage, compile_usage
+from shardfuse.kernels.triton.compile_stats import ResourceUsage, compile_usage, generation
 
 KERNEL_NAMES = {
     "forward": "attention_forward_kernel",
@@ -43,6 +43,18 @@ class AttentionCompileStats(ResourceUsage):
     dtype: str
     variant: str
     config: triton_configs.AttentionKernelConfig
+
+    @property
+    def acceptable(self) -> bool:
+        """Shared memory within the limit and no spills (a few for a GPU-timed table entry)."""
+        allowed = triton_configs.spill_allowance(
+            generation(self.arch), self.head_dim, jnp.dtype(self.dtype), self.kernel, self.config
+        )
+        return (
+            self.shared_memory <= self.shared_memory_limit
+            and self.spill_stores <= allowed
+            and self.spill_loads <= allowed
+        )
 
 
 def compile_kernel(

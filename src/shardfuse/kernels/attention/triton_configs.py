@@ -115,6 +115,26 @@ GPU_TIMED = {
         "with every mask option (triton 3.9 ptxas)"
     ),
 }
+GPU_TIMED_SPILL_BYTES = 128  # the spill stores / loads a GPU-timed entry may keep
+
+
+def spill_allowance(generation: str, head_dim: int, dtype, kernel: str, config) -> int:
+    """Spill bytes accepted for `config` of `kernel`: 0, or a few for a GPU-timed table entry.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tuned = default_configs(90, 128, jnp.bfloat16)
+      >>> spill_allowance("sm90", 128, jnp.bfloat16, "dkdv", tuned.dkdv)
+      128
+      >>> spill_allowance("sm90", 128, jnp.bfloat16, "dq", tuned.dq)
+      0
+    """
+    kind = "float32" if np.dtype(dtype) == np.float32 else "16bit"
+    key = (generation, padded_head_dim(head_dim), kind)
+    timed = (*key, kernel) in GPU_TIMED and TUNED[key].get(kernel) == config
+    return GPU_TIMED_SPILL_BYTES if timed else 0
+
+
 TUNED = {}
 for (_generation, _padded), (_forward, _dkdv, _dq) in _16BIT.items():
     TUNED[(_generation, _padded, "16bit")] = _configs(_forward, _dkdv, _dq)
