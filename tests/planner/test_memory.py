@@ -154,11 +154,14 @@ MISSES = {
     ((2, 4, 1, 1, 1), 0, "none", 4, "1f1b", 1): "predicted 5.458 MB, compiled 7.505 MB (0.727)",
     ((2, 4, 1, 1, 1), 0, "none", 4, "zb-h1", 1): "under-predicted like 1F1B at m = 4",
 }
-# Per version: jax 0.12's XLA keeps one more [batch, seq, hidden] float32 activation
-# (16 x 128 x 64 x 4 = 524,288 B) live on the model = 8 mesh than jax 0.10.2's: the
-# compiled step is 0.53 MB larger there with every remat policy (none 9.95 -> 10.48 MB,
-# dots 6.48 -> 7.01, full 4.46 -> 4.99; 2026-11-26), which the planner does not model;
-# only the smallest, remat "full", falls outside 15% (0.911 on jax 0.10.2).
+# Per version: jax 0.12's XLA keeps one more [batch, seq, hidden] float32 buffer
+# (16 x 128 x 64 x 4 = 524,288 B) on the model = 8 mesh than jax 0.10.2's: the input
+# gradient of the step's microbatch slicing (the transpose of dynamic_slice: a zeros
+# broadcast, a dynamic-update-slice after the loop, then the all-reduce over model) gets
+# its own temp buffer, where 0.10.2 writes it in place (the buffer assignments of the
+# two compiled steps, 2026-11-26). The step is 0.53 MB larger with every remat policy
+# (none 9.95 -> 10.48 MB, dots 6.48 -> 7.01, full 4.46 -> 4.99); the planner does not
+# model it, and only the smallest, remat "full", falls outside 15% (0.911 on 0.10.2).
 if JAX_VERSION >= (0, 12):
     MISSES[((1, 1, 1, 1, 8), 0, "full", 1, "1f1b", 1)] = (
         "jax 0.12: predicted 4.067 MB, compiled 4.989 MB (0.815)"
