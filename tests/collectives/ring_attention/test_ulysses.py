@@ -13,6 +13,7 @@ full matrix runs with -m slow.
 
 import dataclasses
 import functools
+import os
 
 import jax
 import numpy as np
@@ -203,7 +204,24 @@ def _mesh_order_cells():
         issue.append((sizes, "ulysses_major", "zigzag", 1024, 64, "auto"))
         issue.append((sizes, "ring_major", "zigzag", 1000, 64, "explicit"))
     slow = pytest.mark.slow
-    return cells + [pytest.param(*cell, id=_cell_id(*cell), marks=slow) for cell in issue]
+    # Open bug: an xdist worker died with SIGABRT in this test's T = 1024 Auto cells
+    # (u2xr4 on 2026-11-25 with native_cpu the CPU default; again on 2026-11-26 with xla,
+    # in a clean-checkout CI run, while reading back the result: no XLA message, not
+    # reproduced alone, clean under ASan with native_cpu). Until its cause is found they
+    # run only on request (SHARDFUSE_USP_AUTO_1024=1), so that the abort cannot take a CI
+    # worker down; the Explicit cells at T = 1024 and the Auto cells at T = 64 still run.
+    aborts = pytest.mark.skipif(
+        os.environ.get("SHARDFUSE_USP_AUTO_1024") != "1",
+        reason="XLA:CPU aborted a worker here twice (open bug); SHARDFUSE_USP_AUTO_1024=1 runs it",
+    )
+    return cells + [
+        pytest.param(
+            *cell,
+            id=_cell_id(*cell),
+            marks=(slow, aborts) if cell[3] == 1024 and cell[5] == "auto" else slow,
+        )
+        for cell in issue
+    ]
 
 
 def _cell_id(sizes, order, layout, T, D, kind):
