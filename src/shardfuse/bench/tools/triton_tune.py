@@ -27,6 +27,7 @@ import numpy as np
 import shardfuse as sf
 from shardfuse.demos import time_call
 from shardfuse.kernels.attention import triton_configs
+from shardfuse.kernels.triton import launch
 from shardfuse.kernels.triton.compile_stats import generation
 
 TOKENS = 16384
@@ -88,9 +89,7 @@ def _run(q, k, v, d_out, causal, repeats):
 
 def tune(head_dim, seq_len, causal, dtype, repeats, kernels, emit):
     """Times each kernel's candidates (others tuned); emits one markdown row per candidate."""
-    device = jax.devices()[0]
-    major, minor = (int(p) for p in str(device.compute_capability).split(".")[:2])
-    capability = 10 * major + minor
+    capability = launch.gpu_compute_capability()
     kind = "float32" if jnp.dtype(dtype) == jnp.float32 else "16bit"
     triton_configs_key = (generation(capability), triton_configs.padded_head_dim(head_dim), kind)
     tuned = triton_configs.TUNED[triton_configs_key]
