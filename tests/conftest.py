@@ -3,18 +3,37 @@
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # The suite compiles about two thousand small programs and runs each a few times, so
-# LLVM's optimisation of the generated CPU code dominates its cost and buys nothing:
-# without it the suite needs about a third less CPU (measured on tests/layers/
-# test_attention_block.py, tests/models/test_transformer.py and the ring numerics:
-# 198 -> 134 CPU seconds). XLA's HLO passes (sharding, fusion, scheduling, the
-# collectives the tests count) are the same. SHARDFUSE_TEST_XLA_OPT=1 keeps LLVM's
-# default. Subprocesses (the multi-host and CLI tests) inherit the flags.
-if os.environ.get("SHARDFUSE_TEST_XLA_OPT") != "1":
-    _FAST = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    os.environ["XLA_FLAGS"] = f"{_FAST} {os.environ.get('XLA_FLAGS', '')}".strip()
+# compiling dominates its cost (about two thirds of a worker's time in XLA's backend
+# compile, measured with jax.monitoring on tests/models and tests/layers) while the
+# generated code's speed buys nothing. Two XLA:CPU settings cut it, neither changes XLA's
+# HLO passes (sharding, fusion, scheduling, the collectives the tests count):
+# - LLVM without its optimisations: about a third less CPU (tests/layers/
+#   test_attention_block.py, tests/models/test_transformer.py and the ring numerics:
+#   198 -> 134 CPU seconds);
+# - where this XLA still has them (jax 0.10; gone in 0.12), the IR emitters instead of the
+#   MLIR fusion emitters: half the backend compile time again (tests/models/
+#   test_transformer.py and tests/layers/test_api.py: 75 -> 38 s of compile, 64 -> 42 s
+#   wall on 2 workers). XLA aborts on a flag it does not know, so a subprocess asks first.
+# SHARDFUSE_TEST_XLA_OPT=1 keeps XLA's defaults. Subprocesses (the multi-host and CLI
+# tests) and the xdist workers inherit the flags through the environment.
+if os.environ.get("SHARDFUSE_TEST_XLA_OPT") != "1" and "SHARDFUSE_TEST_XLA_FLAGS" not in os.environ:
+    _fast = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    _emitters = "--xla_cpu_use_fusion_emitters=false"
+    _probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+        env={**os.environ, "XLA_FLAGS": _emitters, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        timeout=300,
+    )
+    if _probe.returncode == 0:
+        _fast.append(_emitters)
+    os.environ["SHARDFUSE_TEST_XLA_FLAGS"] = " ".join(_fast)
+    os.environ["XLA_FLAGS"] = f"{' '.join(_fast)} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 # Many tests compile the same program again (the unsharded reference of each mesh's case,
 # the same layer under eager, jit and grad): JAX's persistent compilation cache in a
