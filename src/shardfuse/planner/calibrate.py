@@ -251,11 +251,12 @@ def measure_cpu(devices: int | None = None, *, cores: int | None = None, sizes=P
 
     Raises:
       ValueError: `devices` not in [2, local devices], not CPU devices, or transfer
-        times that do not grow with the size in three tries (`fit_link`).
+        times that do not grow with the size in three tries, each with twice the
+        transfers and two more repeats (`fit_link`).
 
     Example:
       >>> from shardfuse.planner.calibrate import cpu_cluster, measure_cpu
-      >>> measured = measure_cpu(2, cores=1, transfers=4, repeats=2)
+      >>> measured = measure_cpu(2, cores=1, repeats=5)
       >>> cpu_cluster(2, cores=1, **measured).num_devices
       2
     """
@@ -284,7 +285,7 @@ def measure_cpu(devices: int | None = None, *, cores: int | None = None, sizes=P
         except ValueError:
             if attempt == 2:
                 raise
-            transfers *= 2
+            transfers, repeats = 2 * transfers, repeats + 2
     seconds, nbytes = _memory_s(mesh, MEMORY_PROBE_BYTES, repeats, cores)
     return {
         "memory_gb_per_s": round(nbytes * devices / seconds / 1e9, 6),
