@@ -127,8 +127,11 @@ def test_saved_residuals_inside_scan_and_gradients_equal_none(policy, one_device
     assert _device(X, CORE, (48,)) <= kept  # "none" keeps the attention core and activation
     assert len(kept) > len(expected)
     got = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
+    # The recomputed forward is fused apart from the stored one, so float32 sums may
+    # round differently: 3.3e-6 on entries up to 20 with XLA:CPU's IR emitters (the suite's
+    # setting on jax 0.10, tests/conftest.py), below 1e-6 with the fusion emitters.
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

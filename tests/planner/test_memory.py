@@ -19,6 +19,7 @@ runs under `-m slow`; one configuration runs in the default suite.
 """
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -154,17 +155,20 @@ MISSES = {
     ((2, 4, 1, 1, 1), 0, "none", 4, "1f1b", 1): "predicted 5.458 MB, compiled 7.505 MB (0.727)",
     ((2, 4, 1, 1, 1), 0, "none", 4, "zb-h1", 1): "under-predicted like 1F1B at m = 4",
 }
-# Per version: jax 0.12's XLA keeps one more [batch, seq, hidden] float32 buffer
-# (16 x 128 x 64 x 4 = 524,288 B) on the model = 8 mesh than jax 0.10.2's: the input
-# gradient of the step's microbatch slicing (the transpose of dynamic_slice: a zeros
-# broadcast, a dynamic-update-slice after the loop, then the all-reduce over model) gets
-# its own temp buffer, where 0.10.2 writes it in place (the buffer assignments of the
-# two compiled steps, 2026-11-26). The step is 0.53 MB larger with every remat policy
-# (none 9.95 -> 10.48 MB, dots 6.48 -> 7.01, full 4.46 -> 4.99); the planner does not
-# model it, and only the smallest, remat "full", falls outside 15% (0.911 on 0.10.2).
-if JAX_VERSION >= (0, 12):
+# Per XLA:CPU code generator: jax 0.12's XLA keeps one more [batch, seq, hidden] float32
+# buffer (16 x 128 x 64 x 4 = 524,288 B) on the model = 8 mesh than jax 0.10.2's with its
+# default (MLIR fusion) emitters: the input gradient of the step's microbatch slicing (the
+# transpose of dynamic_slice: a zeros broadcast, a dynamic-update-slice after the loop,
+# then the all-reduce over model) gets its own temp buffer, where 0.10.2 writes it in place
+# (the buffer assignments of the two compiled steps, 2026-11-26). The step is 0.53 MB
+# larger with every remat policy (none 9.95 -> 10.48 MB, dots 6.48 -> 7.01, full 4.46 ->
+# 4.99); the planner does not model it, and only the smallest, remat "full", falls outside
+# 15% (0.911 with the fusion emitters). jax 0.10.2 with the IR emitters, which the suite
+# uses there to compile faster (tests/conftest.py), keeps the same buffer (5.005 MB, 0.813).
+_IR_EMITTERS = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+if JAX_VERSION >= (0, 12) or _IR_EMITTERS:
     MISSES[((1, 1, 1, 1, 8), 0, "full", 1, "1f1b", 1)] = (
-        "jax 0.12: predicted 4.067 MB, compiled 4.989 MB (0.815)"
+        "jax 0.12 or the IR emitters: predicted 4.067 MB, compiled 4.99-5.01 MB (0.81)"
     )
 
 
