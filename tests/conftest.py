@@ -10,8 +10,9 @@ import tempfile
 # The suite compiles about two thousand small programs and runs each a few times, so
 # compiling dominates its cost (about two thirds of a worker's time in XLA's backend
 # compile, measured with jax.monitoring on tests/models and tests/layers) while the
-# generated code's speed buys nothing. Two XLA:CPU settings cut it, neither changes XLA's
-# HLO passes (sharding, fusion, scheduling, the collectives the tests count):
+# generated code's speed buys nothing. Two XLA:CPU settings cut it; the sharding, fusion
+# and collectives the tests count stay the same (one buffer of the planner's memory grid
+# does not: tests/planner/test_memory.py):
 # - LLVM without its optimisations: about a third less CPU (tests/layers/
 #   test_attention_block.py, tests/models/test_transformer.py and the ring numerics:
 #   198 -> 134 CPU seconds);
