@@ -5,7 +5,10 @@
 interpreter (no conftest, no 8-device setup of the test suite, no XLA_/JAX_
 environment) runs the file's own device-setup block (the one that calls
 `jax_num_cpu_devices`) and then the blocks in order, in one namespace. Any
-exception fails with the block's file and line number.
+exception fails with the block's file and line number. Two settings of the suite
+do travel, since they change how fast XLA compiles and not what a program
+computes: its XLA:CPU compile flags (`SHARDFUSE_TEST_XLA_FLAGS`, tests/conftest.py)
+and its compilation cache (docs and README together on 2 workers: 107 -> 63 s on jax 0.10.2).
 """
 
 import json
@@ -69,6 +72,12 @@ def run_blocks(name: str, blocks, setup, cwd, timeout=540):
     if setup is not None and setup not in blocks:
         blocks.insert(0, setup)  # the file's own setup: a fresh Python has 1 CPU device
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    if os.environ.get("SHARDFUSE_TEST_XLA_FLAGS"):
+        env["XLA_FLAGS"] = os.environ["SHARDFUSE_TEST_XLA_FLAGS"]
+    for key in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):  # fmt: skip
+        if key in os.environ:
+            env[key] = os.environ[key]
     result = subprocess.run(
         [sys.executable, "-c", RUNNER],
         input=json.dumps([name, blocks]),
