@@ -8,6 +8,7 @@ contiguous split of small random cases.
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,106 @@ def test_uneven_stages_with_tensor_parallel_blocks():
     got, want = _flat(grads), _flat(want)
     for path in want:
         np.testing.assert_allclose(got[path][real], want[path], rtol=RTOL, atol=ATOL, err_msg=path)
+
+
+_CALLS = []  # (what, stage) of every layer and head application that ran
+
+
+def _record(what, stage):
+    _CALLS.append((what, int(stage)))
+
+
+class CountingMLP(ResidualMLP):
+    """A `ResidualMLP` that records each application with the stage it ran on."""
+
+    def __call__(self, x):
+        jax.debug.callback(_record, "layer", jax.lax.axis_index("pipeline"))
+        return super().__call__(x)
+
+
+class CountingHead(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(FEATURES, VOCAB, rngs=nnx.Rngs(1))
+
+    def __call__(self, y):
+        jax.debug.callback(_record, "head", jax.lax.axis_index("pipeline"))
+        return self.linear(y)
+
+
+@pytest.mark.parametrize("stage_layers", [(3, 2, 2, 1), (2, 2, 2, 2)])
+def test_each_stage_runs_only_its_layers_and_only_the_last_the_head(stage_layers):
+    """Counted at run time (a debug callback in each layer and in the head), pipeline 4,
+    1F1B: stage s applies a layer `stage_layers[s]` times per F or B slot of a tick (its
+    padding rows are skipped by `lax.cond`, not computed and discarded), and only the
+    last stage runs the head, once per microbatch. So the balancer's split for a head as
+    heavy as two layers, (3, 2, 2, 1), executes at most 3 layers' work on any stage in a
+    tick where the even split's last stage runs 2 layers and the head (4)."""
+    p, m = 4, 4
+    mesh = jax.make_mesh((p,), ("pipeline",), devices=jax.devices()[:p])
+    stack = Stack(CountingMLP, sum(stage_layers), mesh=mesh, layer_axis="pipeline",
+                  stage_layers=stage_layers, rngs=nnx.Rngs(0))  # fmt: skip
+    pipe = Pipeline(stack, mesh=mesh, schedule="1f1b", num_microbatches=m, io_spec=P())
+    head = CountingHead()
+    x = jax.random.normal(jax.random.key(0), (2 * m, 4, FEATURES))
+    targets = jax.random.randint(jax.random.key(1), (2 * m, 4), 0, VOCAB)
+    step = nnx.jit(nnx.value_and_grad(lambda pipe, head: pipe.loss(x, targets, head=head)))
+    _CALLS.clear()
+    jax.block_until_ready(step(pipe, head))
+    jax.effects_barrier()
+    layers = [sum(1 for w, s in _CALLS if w == "layer" and s == stage) for stage in range(p)]
+    heads = [sum(1 for w, s in _CALLS if w == "head" and s == stage) for stage in range(p)]
+    slots = layers[0] // stage_layers[0]  # F and B slots run per stage (the same on all)
+    assert slots >= 2 * m and layers == [slots * n for n in stage_layers], layers
+    assert heads == [0] * (p - 1) + [m], heads
+
+
+def test_per_stage_branches_with_collectives_lower_for_tpu(monkeypatch):
+    """Where a branch may hold collectives (GPU and TPU runtimes meet per group), pipeline 2
+    x model 2 with uneven stages puts each layer and the head in a `lax.cond` with their
+    tensor parallel all-reduces inside: the training step lowers for TPU. (On XLA:CPU,
+    whose collectives meet all devices of an op, the same mesh computes and discards the
+    padding rows instead: test_uneven_stages_with_tensor_parallel_blocks.)"""
+    mesh = jax.make_mesh((2, 2), ("pipeline", "model"))
+
+    def block(rngs):
+        return sf.layers.ParallelTransformerBlock(16, 4, 32, mesh=mesh, layout="contiguous",
+                                                  sequence_axis=None, rngs=rngs)  # fmt: skip
+
+    stack = Stack(block, 3, mesh=mesh, layer_axis="pipeline", stage_layers=(2, 1),
+                  rngs=nnx.Rngs(0))  # fmt: skip
+    head = sf.layers.ColumnParallelLinear(16, 32, mesh=mesh, sequence_parallel=True,
+                                          gather_output=True, rngs=nnx.Rngs(1))  # fmt: skip
+    x = jax.random.normal(jax.random.key(0), (4, 8, 16))
+    targets = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
+    graphdef, state = nnx.split((stack, head))
+
+    def step(state):
+        def loss(state):
+            stack, head = nnx.merge(graphdef, state)
+            pipe = Pipeline(stack, mesh=mesh, schedule="1f1b", num_microbatches=2)
+            return pipe.loss(x, targets, head=head, targets_spec=P())
+
+        return jax.value_and_grad(loss)(state)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with jax.set_mesh(mesh):
+        text = jax.export.export(jax.jit(step), platforms=["tpu"])(state).mlir_module()
+    bodies = dict(
+        re.findall(r"func\.func \w+ @([\w.$-]+)\((.*?)(?=\n  func\.func |\Z)", text, re.S)
+    )
+
+    def reaches_all_reduce(code, seen=()):
+        if "stablehlo.all_reduce" in code:
+            return True
+        return any(
+            name not in seen and reaches_all_reduce(bodies.get(name, ""), (*seen, name))
+            for name in re.findall(r"func\.call @([\w.$-]+)", code)
+        )
+
+    cases = [part.split(") : (tensor<i32>)")[0] for part in text.split('"stablehlo.case"')[1:]]
+    assert len(cases) >= 2, "no per-stage branch in the lowered step"
+    reached = [reaches_all_reduce(case) for case in cases]
+    assert any(reached), "no collective inside a per-stage branch"
 
 
 def _brute_force(costs, p, first, last):

@@ -262,6 +262,31 @@ def in_manual_region(mesh) -> bool:
     return True
 
 
+def branches_may_hold_collectives(axis: str) -> bool:
+    """Whether, inside a shard_map, a `lax.cond` on the index along `axis` may hold collectives.
+
+    Every device with one index along `axis` takes the same branch, so a
+    collective over the other axes inside a branch has all of its group. GPU
+    (NCCL) and TPU runtimes meet per group; XLA:CPU's in-process runtime meets
+    all devices of a collective op, whichever group they belong to (the
+    rendezvous key's `global_devices` are every group's), so a group that skips
+    the branch leaves the others waiting until its 40 s timeout aborts the
+    process. So on CPU only when no other axis of the mesh has more than one
+    device (no collective inside the branch can then reach another device).
+
+    Example usage::
+
+      >>> import jax
+      >>> from shardfuse.collectives.sharding import branches_may_hold_collectives
+      >>> branches_may_hold_collectives("pipeline")  # outside shard_map: no other axes
+      True
+    """
+    context = jax.sharding.get_abstract_mesh()
+    names = getattr(context, "axis_names", ()) or ()
+    others = [n for n in names if n != axis and context.shape[n] > 1]
+    return not others or jax.default_backend() != "cpu"
+
+
 def check_divisible(argument: str, value: int, mesh, axes):
     """ValueError unless `value` divides evenly over mesh axes `axes` (a name, a tuple or None).
 

@@ -26,7 +26,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import explicit_axes
+from shardfuse.collectives.sharding import branches_may_hold_collectives, explicit_axes
+from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.layers import _sharding
 from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers import options as options_lib
@@ -422,9 +423,11 @@ class Stack(nnx.Module):
         """Per shard, in a pipeline stage: its rows of the stacked `state` applied in order.
 
         With `stage_layers`, this device's stage `s` (its index along
-        `layer_axis`) runs its `stage_layers[s]` layers; its padding rows
-        leave the activations unchanged (computed and discarded: the stage
-        runs in lockstep with the fullest one). Without, `apply_layers`.
+        `layer_axis`) runs its `stage_layers[s]` layers and skips its padding
+        rows (a `lax.cond` per row; every device of a stage takes the same
+        branch). Where a branch may not hold collectives
+        (`branches_may_hold_collectives`: XLA:CPU with other mesh axes), the
+        padding rows are computed and discarded instead. Without, `apply_layers`.
         """
         if self.stage_layers is None:
             return self.apply_layers(state, x, **kwargs)
@@ -433,11 +436,18 @@ class Stack(nnx.Module):
         counts = jnp.asarray(self.stage_layers, jnp.int32)
         count = counts[jax.lax.axis_index(self.layer_axis)]
         rows = jax.tree.leaves(state)[0].shape[0]
+        branch = branches_may_hold_collectives(self.layer_axis)
 
         def body(x, layer):
             index, layer_state = layer
-            y = nnx.merge(graphdef, layer_state)(x, **kwargs)
-            return jnp.where(index < count, y, x), None
+
+            def run(x):
+                y = nnx.merge(graphdef, layer_state)(x, **kwargs)
+                return to_varying(y, varying_axes(x))
+
+            if branch:
+                return jax.lax.cond(index < count, run, lambda x: x, x), None
+            return jnp.where(index < count, run(x), x), None
 
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
         return jax.lax.scan(body, x, (jnp.arange(rows), state))[0]

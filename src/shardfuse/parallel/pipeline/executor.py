@@ -36,8 +36,11 @@ every tick.
 Why not a per-stage `lax.switch` (each stage only its own action): in
 lockstep a tick lasts as long as its slowest stage, and in every tick of
 these tables some stage uses every slot in use (tested), so a switch saves
-no time over a masked slot; and it makes each stage's devices run
-different collectives (the CPU runtime hangs). zb-h1 runs as 1F1B, its W
+no time over a masked slot. The head is the exception: only the last stage
+needs it, so it runs in a `lax.cond` on the stage index where a branch may
+hold collectives (`branches_may_hold_collectives`: not on XLA:CPU with
+other mesh axes, whose collectives wait for every device of the op), and
+`Stack.apply_stage_layers` skips uneven stages' padding rows likewise. zb-h1 runs as 1F1B, its W
 inside B: a separate W could save at most `(p - 1) w` per step (aligned W
 slots), or reach the paper's bubble with per-stage branches (no
 collectives), and only with a weight gradient that costs `w`; JAX's VJP of
@@ -53,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shardfuse.collectives.sharding import branches_may_hold_collectives
 from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.parallel.pipeline.residuals import StageVJP, check_residuals
 
@@ -156,6 +160,11 @@ def _typed_carry(bodies, carry, xs_row):
         if same:
             return carry
     return carry
+
+
+def _zeros_like_typed(struct):
+    """Zeros of `struct`'s shape and dtype, varying over the same manual axes."""
+    return to_varying(jnp.zeros(struct.shape, struct.dtype), _varying_of(struct))
 
 
 def _inexact(struct) -> bool:
@@ -268,12 +277,24 @@ def run_schedule(
             y = stage_fn(params, x_in)
         if with_head:
             tokens, token_weights = _microbatch(targets, i), _microbatch(weights, i)
-            (loss_sum, weight_sum), head_vjp = jax.vjp(
-                lambda hp, y: head_fn(hp, y, tokens, token_weights), head_params, y
-            )
-            d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
+
+            def head(y):
+                (loss_sum, weight_sum), head_vjp = jax.vjp(
+                    lambda hp, y: head_fn(hp, y, tokens, token_weights), head_params, y
+                )
+                d_head, d_y = head_vjp((jnp.ones_like(loss_sum), jnp.zeros_like(weight_sum)))
+                return loss_sum, weight_sum, d_head, d_y.astype(y.dtype)
+
+            if branches_may_hold_collectives(pipeline_axis):
+                # Only the last stage runs the head; the others take zeros.
+                types = jax.eval_shape(head, y)
+                loss_sum, weight_sum, d_head, d_y = lax.cond(
+                    stage == p - 1, head, lambda y: jax.tree.map(_zeros_like_typed, types), y
+                )
+            else:  # XLA:CPU with collectives in the stage: every stage, kept where `last`
+                loss_sum, weight_sum, d_head, d_y = head(y)
             slot = i % slots
-            carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y.astype(y.dtype), last)
+            carry["grads_in"] = _put2(carry["grads_in"], c, slot, d_y, last)
             carry["loss"] = jnp.where(last, carry["loss"] + loss_sum, carry["loss"])
             carry["weight"] = jnp.where(last, carry["weight"] + weight_sum, carry["weight"])
             carry["head_grads"] = jax.tree.map(
