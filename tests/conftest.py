@@ -72,9 +72,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_collection_modifyitems(config, items):
-    # The longest tests (`@pytest.mark.first`) run first, so that none of them starts when
-    # the other worker has nothing left (pytest-xdist's worksteal keeps this order).
-    items.sort(key=lambda item: "first" not in item.keywords)
     has_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:

@@ -34,7 +34,6 @@ def test_bad_arguments_exit_with_usage():
 
 
 @pytest.mark.slow
-@pytest.mark.first
 def test_demo_runs_end_to_end():
     result = _run("demo", "--seq-len", "128", timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]

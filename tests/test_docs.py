@@ -34,7 +34,6 @@ def test_every_capability_has_a_page_in_the_toctree():
     assert SETUP is not None and SETUP_MARKER in SETUP[1]
 
 
-@pytest.mark.first
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", WITH_BLOCKS)
 def test_page_runs_as_written(page, tmp_path):

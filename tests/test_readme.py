@@ -44,7 +44,6 @@ def test_readme_is_short_and_imports_only_the_public_api():
 _BY_SECTION, _SETUP = sections(README.read_text())
 
 
-@pytest.mark.first
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("section", list(_BY_SECTION))
 def test_readme_section_runs_as_written(section, tmp_path):

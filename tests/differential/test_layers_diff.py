@@ -280,7 +280,6 @@ def check_layer(case: LayerCase):
         )
 
 
-@pytest.mark.first
 @pytest.mark.parametrize("max_examples", budget_params(4, 20))
 def test_layers_match_unsharded_reference(max_examples):
     """Drawn from every kind at once; under `-m slow` every kind that the budget drew fewer

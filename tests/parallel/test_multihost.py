@@ -57,7 +57,6 @@ def _losses(log_path):
     return [record["loss"] for record in json.loads(pathlib.Path(log_path).read_text())["steps"]]
 
 
-@pytest.mark.first
 @pytest.mark.timeout(240)
 def test_two_processes_match_one_process(tmp_path):
     log = tmp_path / "log.json"
@@ -81,7 +80,6 @@ def _complete_steps(directory):
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-@pytest.mark.first
 @pytest.mark.timeout(300)
 def test_killed_run_resumes_where_it_stopped(tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"

@@ -144,7 +144,6 @@ def test_cpu_probe_runs_on_the_cpu_devices():
 
 
 @pytest.mark.slow
-@pytest.mark.first
 @pytest.mark.timeout(1800)
 def test_calibrated_cpu_prediction_holds_on_three_unseen_meshes():
     (base, *unseen), cpu = _measure([CALIBRATE_ON, *UNSEEN])

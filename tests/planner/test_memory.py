@@ -173,7 +173,6 @@ if JAX_VERSION >= (0, 12) or _IR_EMITTERS:
 
 
 @pytest.mark.slow
-@pytest.mark.first
 @pytest.mark.timeout(3600)
 def test_memory_grid_within_tolerance_and_ranking_agrees():
     """Every configuration of GRID within TOLERANCE (MISSES outside it), and the ranking.

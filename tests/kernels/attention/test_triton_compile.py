@@ -50,7 +50,6 @@ def test_every_default_config_compiles_without_spills(arch, head_dim, dtype, var
 
 
 @pytest.mark.slow  # compiles five kernels (about 30 s)
-@pytest.mark.first
 def test_launch_lowers_pipeline_stages_to_fit_shared_memory(monkeypatch):
     """User tiles of 128 x 128 at head dim 128: the tuned 3 dQ stages ask for 256 KiB on sm_90.
 
