@@ -99,27 +99,37 @@ def test_uneven_stages_equal_the_unpipelined_model(stage_layers, schedule, m):
     np.testing.assert_allclose(model.pipe.forward(x), plain.stack(x), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.slow
-def test_uneven_stages_with_tensor_parallel_blocks():
-    """pipeline 2 x model 2, transformer blocks, 5 layers as (3, 2): equal to the same
-    layers unpipelined."""
+def _tensor_parallel_case(stage_layers):
+    """pipeline 2 x model 2: transformer blocks in a stack of `stage_layers`, a vocabulary-
+    parallel head and a batch. Returns `(mesh, block, stack, head, x, targets, pipelined)`,
+    `pipelined(stack, head)` the 1F1B loss built from the stack it is given (the one being
+    differentiated)."""
     mesh = jax.make_mesh((2, 2), ("pipeline", "model"))
 
     def block(rngs):
         return sf.layers.ParallelTransformerBlock(16, 4, 32, mesh=mesh, layout="contiguous",
                                                   sequence_axis=None, rngs=rngs)  # fmt: skip
 
-    stack = Stack(block, 5, mesh=mesh, layer_axis="pipeline", stage_layers=(3, 2),
-                  rngs=nnx.Rngs(0))  # fmt: skip
-    plain = Stack(block, 5, mesh=mesh, rngs=nnx.Rngs(0))
+    stack = Stack(block, sum(stage_layers), mesh=mesh, layer_axis="pipeline",
+                  stage_layers=stage_layers, rngs=nnx.Rngs(0))  # fmt: skip
     head = sf.layers.ColumnParallelLinear(16, 32, mesh=mesh, sequence_parallel=True,
                                           gather_output=True, rngs=nnx.Rngs(1))  # fmt: skip
     x = jax.random.normal(jax.random.key(0), (4, 8, 16))
     targets = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
 
-    def pipelined(stack, head):  # built from the stack being differentiated
+    def pipelined(stack, head):
         pipe = Pipeline(stack, mesh=mesh, schedule="1f1b", num_microbatches=2)
         return pipe.loss(x, targets, head=head, targets_spec=P())
+
+    return mesh, block, stack, head, x, targets, pipelined
+
+
+@pytest.mark.slow
+def test_uneven_stages_with_tensor_parallel_blocks():
+    """pipeline 2 x model 2, transformer blocks, 5 layers as (3, 2): equal to the same
+    layers unpipelined."""
+    mesh, block, stack, head, x, targets, pipelined = _tensor_parallel_case((3, 2))
+    plain = Stack(block, 5, mesh=mesh, rngs=nnx.Rngs(0))
 
     def unpipelined(stack, head):
         s, w = token_loss(head(stack(x)), targets, jnp.ones(targets.shape))
@@ -191,27 +201,11 @@ def test_per_stage_branches_with_collectives_lower_for_tpu(monkeypatch):
     tensor parallel all-reduces inside: the training step lowers for TPU. (On XLA:CPU,
     whose collectives meet all devices of an op, the same mesh computes and discards the
     padding rows instead: test_uneven_stages_with_tensor_parallel_blocks.)"""
-    mesh = jax.make_mesh((2, 2), ("pipeline", "model"))
-
-    def block(rngs):
-        return sf.layers.ParallelTransformerBlock(16, 4, 32, mesh=mesh, layout="contiguous",
-                                                  sequence_axis=None, rngs=rngs)  # fmt: skip
-
-    stack = Stack(block, 3, mesh=mesh, layer_axis="pipeline", stage_layers=(2, 1),
-                  rngs=nnx.Rngs(0))  # fmt: skip
-    head = sf.layers.ColumnParallelLinear(16, 32, mesh=mesh, sequence_parallel=True,
-                                          gather_output=True, rngs=nnx.Rngs(1))  # fmt: skip
-    x = jax.random.normal(jax.random.key(0), (4, 8, 16))
-    targets = jax.random.randint(jax.random.key(1), (4, 8), 0, 32)
+    mesh, _, stack, head, _, _, pipelined = _tensor_parallel_case((2, 1))
     graphdef, state = nnx.split((stack, head))
 
     def step(state):
-        def loss(state):
-            stack, head = nnx.merge(graphdef, state)
-            pipe = Pipeline(stack, mesh=mesh, schedule="1f1b", num_microbatches=2)
-            return pipe.loss(x, targets, head=head, targets_spec=P())
-
-        return jax.value_and_grad(loss)(state)
+        return jax.value_and_grad(lambda state: pipelined(*nnx.merge(graphdef, state)))(state)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with jax.set_mesh(mesh):
@@ -230,8 +224,7 @@ def test_per_stage_branches_with_collectives_lower_for_tpu(monkeypatch):
 
     cases = [part.split(") : (tensor<i32>)")[0] for part in text.split('"stablehlo.case"')[1:]]
     assert len(cases) >= 2, "no per-stage branch in the lowered step"
-    reached = [reaches_all_reduce(case) for case in cases]
-    assert any(reached), "no collective inside a per-stage branch"
+    assert any(map(reaches_all_reduce, cases)), "no collective inside a per-stage branch"
 
 
 def _brute_force(costs, p, first, last):

@@ -40,12 +40,13 @@ no time over a masked slot. The head is the exception: only the last stage
 needs it, so it runs in a `lax.cond` on the stage index where a branch may
 hold collectives (`branches_may_hold_collectives`: not on XLA:CPU with
 other mesh axes, whose collectives wait for every device of the op), and
-`Stack.apply_stage_layers` skips uneven stages' padding rows likewise. zb-h1 runs as 1F1B, its W
-inside B: a separate W could save at most `(p - 1) w` per step (aligned W
-slots), or reach the paper's bubble with per-stage branches (no
-collectives), and only with a weight gradient that costs `w`; JAX's VJP of
-a stage reruns the chain of cotangents (and, recomputing, the forward) for
-it. The bound and the numbers: docs/pipeline.md.
+`Stack.apply_stage_layers` skips uneven stages' padding rows likewise.
+
+zb-h1 runs as 1F1B, its W inside B: a separate W could save at most
+`(p - 1) w` per step (aligned W slots), or reach the paper's bubble with
+per-stage branches (no collectives), and only with a weight gradient that
+costs `w`; JAX's VJP of a stage reruns the chain of cotangents (and,
+recomputing, the forward) for it. The bound and the numbers: docs/pipeline.md.
 
 Stage inputs, output gradients (and stored residuals) wait in ring buffers of
 `table.buffer_slots` slots per chunk (microbatch `i` in slot `i % slots`).
