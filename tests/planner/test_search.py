@@ -293,3 +293,52 @@ def test_zero2_with_accumulation_reduce_scatters_every_microbatch():
     assert "fsdp_gather" not in terms["step"]
     with pytest.raises(ValueError, match="zero2_scatter='layer'"):
         Assumptions(zero2_scatter="layer")
+
+
+def _generated_problems(count, seed=0):
+    """Random models (0.01-7B parameters) on 8-64 devices: batch, sequence, top_k, pinned mesh."""
+    import random
+
+    rng = random.Random(seed)
+    for i in range(count):
+        # Compute-bound sizes (hidden 256-4096), where the bound is tight enough to prune.
+        kv_heads = rng.choice([1, 2, 4, 8])
+        heads = kv_heads * rng.choice([1, 2, 4])
+        head_dim = rng.choice([64, 128])
+        layers = rng.choice([8, 12, 16, 24, 32])
+        model = models.ModelSpec(
+            f"gen{i}", hidden=heads * head_dim, heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, ffn_hidden=rng.choice([2, 4]) * heads * head_dim,
+            num_layers=layers, vocab_size=rng.choice([1000, 32000, 128256]),
+        )  # fmt: skip
+        device = rng.choice(["h100-sxm", "a100-80gb", "tpu-v5p"])
+        devices = rng.choice([8, 16, 32, 64])
+        cluster = hardware.cluster(device, devices_per_node=min(devices, 8),
+                                   nodes=max(1, devices // 8))  # fmt: skip
+        batch = rng.choice([16, 32, 64, 128, 256])
+        seq = rng.choice([1024, 4096, 8192])
+        # Half pin a pipeline, so that its schedules compete (small models seldom choose one).
+        pinned = {"pipeline": rng.choice([2, 4])} if i % 2 else {}
+        yield model, cluster, batch, seq, rng.choice([1, 2, 5, 10]), pinned
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_branch_and_bound_skips_only_what_cannot_be_chosen(monkeypatch, seed):
+    """The pruned search returns exactly the plans of the exhaustive one (bound off)."""
+    from shardfuse.planner import search
+
+    compared = 0
+    for model, cluster, batch, seq, top_k, pinned in _generated_problems(8, seed):
+        kwargs = dict(global_batch=batch, seq_len=seq, top_k=top_k, mesh=pinned)
+        try:
+            pruned = plan(model, cluster, **kwargs)
+        except PlanningError:
+            continue
+        monkeypatch.setattr(search, "BOUND", False)
+        exhaustive = plan(model, cluster, **kwargs)
+        monkeypatch.setattr(search, "BOUND", True)
+        assert [(p.layout, p.step_time_s) for p in pruned] == [
+            (p.layout, p.step_time_s) for p in exhaustive
+        ], (model, cluster.describe(), kwargs)
+        compared += 1
+    assert compared >= 4

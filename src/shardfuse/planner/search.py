@@ -130,6 +130,12 @@ def mesh_shapes(
                         yield P, D, F, C, T
 
 
+# Branch and bound in `plan`: a candidate whose compute plus its schedule's closed-form
+# bubble (a lower bound on its step time) is slower than the top_k-th plan so far is not
+# estimated. Tests turn it off to check that it skips only what cannot be chosen.
+BOUND = True
+
+
 def plan(
     model: "ModelShape | str",
     cluster: "Cluster | str",
@@ -268,7 +274,7 @@ def plan(
                     # Branch and bound: compute plus the smallest bubble any allowed
                     # schedule could reach is a lower bound on the step time.
                     bound = compute_s[policy] * (1 + _least_bubble(schedules, P, m, max_v))
-                    if len(best_times) >= top_k and bound > -best_times[0] * 1.001:
+                    if BOUND and len(best_times) >= top_k and bound > -best_times[0] * 1.001:
                         continue
                     base = Layout(P, D, F, C, T, zero=z, remat=policy, microbatch_size=mb,
                                   num_microbatches=m, cp_strategy=cps[0])  # fmt: skip
@@ -285,7 +291,7 @@ def plan(
                     fitted.add(mb)
                     best_cp = _best(model, cluster, kwargs, [
                         dataclasses.replace(base, cp_strategy=s) for s in cps
-                    ])  # fmt: skip
+                    ], known=(base, first))  # fmt: skip
                     candidates = [best_cp]
                     if P > 1:
                         candidates = [
@@ -299,6 +305,14 @@ def plan(
                     for e, layout in candidates:
                         if layout == best_cp[1]:
                             e = best_cp[0]
+                        elif (
+                            BOUND
+                            and len(best_times) >= top_k
+                            and compute_s[policy]
+                            * (1 + _least_bubble((layout.schedule,), P, m, layout.virtual_stages))
+                            > -best_times[0] * 1.001
+                        ):
+                            continue  # the bound above, for this schedule alone
                         elif broken := layout_constraints(model, layout, **sizes_only):
                             rejected += [(layout.mesh_shape, rule) for rule in broken]
                             continue
@@ -358,12 +372,16 @@ def _compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumptio
     return e.time[0].value * global_batch / cluster.num_devices
 
 
-def _best(model, cluster, kwargs, layouts):
+def _best(model, cluster, kwargs, layouts, known=None):
+    """The fastest fitting `(estimate, layout)` of `layouts`; `known`: one already estimated."""
     best = None
     for layout in layouts:
         if layout_constraints(model, layout, **kwargs):
             continue
-        e = estimate(model, cluster, layout, **kwargs)
+        if known is not None and layout == known[0]:
+            e = known[1]
+        else:
+            e = estimate(model, cluster, layout, **kwargs)
         if e.fits and (best is None or e.step_time_s < best[0].step_time_s):
             best = (e, layout)
     return best
