@@ -5,6 +5,11 @@ default suite, and a large one under ``-m slow`` (CI runs both). ``settings(n_de
 n_slow)`` gives the two hypothesis settings; ``budget_params`` parametrizes a test over
 them so that the slow run carries the ``slow`` marker.
 
+``SHARDFUSE_TEST_SEED=<int>`` draws other configurations (hypothesis seeded with it, not
+derandomized): a bug hunt beyond the fixed draws, e.g.
+``SHARDFUSE_TEST_SEED=7 python -m pytest -m slow tests/differential``. A failure prints
+the configuration and the ``@reproduce_failure`` blob.
+
 Example:
   >>> from tests.differential.budget import budget_params
   >>> [p.id for p in budget_params(4, 40)]
@@ -13,8 +18,12 @@ Example:
 
 from __future__ import annotations
 
+import os
+
 import hypothesis
 import pytest
+
+SEED = os.environ.get("SHARDFUSE_TEST_SEED")  # None: the fixed (derandomized) draws
 
 
 def settings(max_examples: int) -> hypothesis.settings:
@@ -22,7 +31,7 @@ def settings(max_examples: int) -> hypothesis.settings:
     (XLA compiles), no database, shrinking kept short (each example compiles a program)."""
     return hypothesis.settings(
         max_examples=max_examples,
-        derandomize=True,
+        derandomize=SEED is None,
         deadline=None,
         database=None,
         print_blob=True,
@@ -52,6 +61,8 @@ def run(test_body, strategy, max_examples: int) -> None:
     def _drawn(config):
         test_body(config)
 
+    if SEED is not None:
+        _drawn = hypothesis.seed(int(SEED))(_drawn)
     _drawn()
 
 

@@ -244,6 +244,10 @@ def test_ring_attention_matches_reference(n):
             if ("strategy", strategy) not in drawn:
                 only = sa.ring_configs().filter(lambda c, s=strategy: c.strategy == s)
                 sa.run_with_examples(check, only, 2)
+        for layout in sa.RING_LAYOUTS:
+            if ("layout", layout) not in drawn:
+                only = sa.ring_configs().filter(lambda c, x=layout: c.layout == x)
+                sa.run_with_examples(check, only, 2)
         want = {("strategy", s) for s in RING_STRATEGIES} | {("layout", x) for x in sa.RING_LAYOUTS}
         assert want <= drawn, want - drawn
     tally.report()
