@@ -270,13 +270,16 @@ def check_layer(case: LayerCase):
         dtype=jnp.float32,
     )
     assert y.dtype == jnp.bfloat16, y.dtype
-    assert_close_low_precision(y, ref32[0], ref_lp[0], name="output", relative_cap=True)
-    assert_close_low_precision(g_x, ref32[2], ref_lp[2], kind="grad", name="dx", relative_cap=True)
+    # A stack rounds once per layer: the cap grows with its depth (the rule's first bound,
+    # twice the bfloat16 reference's own error, does not).
+    rule = dict(relative_cap=True, depth=dict(case.stack).get("num_layers", 1))
+    assert_close_low_precision(y, ref32[0], ref_lp[0], name="output", **rule)
+    assert_close_low_precision(g_x, ref32[2], ref_lp[2], kind="grad", name="dx", **rule)
     e32, elp = _flat(ref32[1]), _flat(ref_lp[1])
     assert grads.keys() == e32.keys()
     for key in grads:
         assert_close_low_precision(
-            grads[key], e32[key], elp[key], kind="grad", name=f"d{key}", relative_cap=True
+            grads[key], e32[key], elp[key], kind="grad", name=f"d{key}", **rule
         )
 
 
