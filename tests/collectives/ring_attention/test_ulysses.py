@@ -205,7 +205,7 @@ def _mesh_order_cells():
         issue.append((sizes, "ring_major", "zigzag", 1000, 64, "explicit"))
     slow = pytest.mark.slow
     # XLA:CPU aborts these T = 1024 Auto cells now and then when another process competes
-    # for the cores (`pytest -n 2`: 3 of 10 runs on jax 0.10.2, 2 of 6 on 0.12; never
+    # for the cores (`pytest -n 2`: 3 of 10 runs on jax 0.10.2, 2 of 6 on 0.12; not seen
     # alone): a CHECK in its in-process collectives, `rendezvous.h:314] Check failed: id <
     # num_threads (9 vs. 8) ... name=collective permute RendezvousKey{run_id=...,
     # global_devices=[0, ..., 7], num_local_participants=8, ..., op_id=1}` in
