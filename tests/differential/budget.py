@@ -40,6 +40,11 @@ def settings(max_examples: int) -> hypothesis.settings:
     )
 
 
+def seeded(test):
+    """`test` (a `hypothesis.given` test) seeded with SHARDFUSE_TEST_SEED when it is set."""
+    return test if SEED is None else hypothesis.seed(int(SEED))(test)
+
+
 def budget_params(n_default: int, n_slow: int):
     """``pytest.param``s for the default and the slow budget (the slow one marked ``slow``)."""
     return [
@@ -61,9 +66,7 @@ def run(test_body, strategy, max_examples: int) -> None:
     def _drawn(config):
         test_body(config)
 
-    if SEED is not None:
-        _drawn = hypothesis.seed(int(SEED))(_drawn)
-    _drawn()
+    seeded(_drawn)()
 
 
 def assert_catches(plant, check, strategy, max_examples: int, monkeypatch) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax import lax
 
-from tests.differential.budget import SEED, settings
+from tests.differential.budget import SEED, seeded, settings
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -80,7 +80,16 @@ def run_with_examples(body, strategy, max_examples: int, examples=(), *, shrink=
     test = hypothesis.given(strategy)(drawn)
     for example in reversed(examples):
         test = hypothesis.example(example)(test)
-    base(test)()
+    seeded(base(test))()
+
+
+def draw_missing(body, wanted, drawn, strategy_for, max_examples: int = 2):
+    """Runs `body` on `max_examples` draws of `strategy_for(value)` for each value of
+    `wanted` (in order) not in `drawn` by then: what another seed's draws missed, on its
+    own (the fixed draws cover every value)."""
+    for value in wanted:
+        if value not in drawn:
+            run_with_examples(body, strategy_for(value), max_examples)
 
 
 # ---------------------------------------------------------------------------------------

@@ -194,9 +194,7 @@ def test_flash_attention_matches_reference(n):
 
     strategy = sa.flash_configs(implementations=implementations)
     sa.run_with_examples(check, strategy, n, CORNERS)
-    for implementation in implementations:  # one the draws missed (another seed) on its own
-        if implementation not in drawn:
-            sa.run_with_examples(check, sa.flash_configs(implementations=(implementation,)), 2)
+    sa.draw_missing(check, implementations, drawn, lambda i: sa.flash_configs(implementations=(i,)))
     tally.report()
     assert drawn == set(implementations), f"drew {drawn}, not every one of {implementations}"
 

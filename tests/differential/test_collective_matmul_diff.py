@@ -199,11 +199,8 @@ def test_collective_matmuls_match_lax(n):
     tally.report()
     if n >= 10:  # the slow budget: every op with every implementation
         want = {(op, i) for op in sa.MATMUL_OPS for i in (None, "reference", "xla")}
-        for op, implementation in sorted(want - drawn, key=str):  # not drawn (another seed)
-            only = sa.matmul_configs(implementations=(implementation,)).filter(
-                lambda c, o=op: c.op == o
-            )
-            sa.run_with_examples(check, only, 2)
+        sa.draw_missing(check, sorted(want, key=str), drawn, lambda w: sa.matmul_configs(
+            implementations=(w[1],)).filter(lambda c: c.op == w[0]))  # fmt: skip
         assert want <= drawn, want - drawn
 
 
@@ -218,9 +215,9 @@ def test_collective_matmuls_pallas_tpu_interpret(n):
 
     strategy = sa.matmul_configs(implementations=("pallas_tpu",))
     sa.run_with_examples(check, strategy, n)
-    for op in sa.MATMUL_OPS[:2]:  # one the draws missed (another seed) on its own
-        if op not in drawn:
-            sa.run_with_examples(check, strategy.filter(lambda c, o=op: c.op == o), 2)
+    sa.draw_missing(
+        check, sa.MATMUL_OPS[:2], drawn, lambda op: strategy.filter(lambda c: c.op == op)
+    )
     tally.report()
     # the fused kernels refuse the all-reduce (drawn rarely): both ops they run
     assert set(sa.MATMUL_OPS[:2]) <= drawn, drawn

@@ -240,16 +240,10 @@ def test_ring_attention_matches_reference(n):
 
     sa.run_with_examples(check, sa.ring_configs(), n, CORNERS)
     if n >= 10:
-        for strategy in RING_STRATEGIES:
-            if ("strategy", strategy) not in drawn:
-                only = sa.ring_configs().filter(lambda c, s=strategy: c.strategy == s)
-                sa.run_with_examples(check, only, 2)
-        for layout in sa.RING_LAYOUTS:
-            if ("layout", layout) not in drawn:
-                only = sa.ring_configs().filter(lambda c, x=layout: c.layout == x)
-                sa.run_with_examples(check, only, 2)
-        want = {("strategy", s) for s in RING_STRATEGIES} | {("layout", x) for x in sa.RING_LAYOUTS}
-        assert want <= drawn, want - drawn
+        want = [("strategy", s) for s in RING_STRATEGIES] + [("layout", x) for x in sa.RING_LAYOUTS]
+        sa.draw_missing(check, want, drawn, lambda w: sa.ring_configs().filter(
+            lambda c: getattr(c, w[0]) == w[1]))  # fmt: skip
+        assert set(want) <= drawn, set(want) - drawn
     tally.report()
 
 

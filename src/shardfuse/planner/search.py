@@ -243,6 +243,13 @@ def plan(
     found, smallest, shapes = [], None, 0
     rejected = []  # (what, rule) of pinned candidates that break a rule
     best_times = []  # a max-heap (negated) of the top_k step times so far
+
+    def cannot_win(compute, allowed, P, m, v):
+        """compute x (1 + the least bubble of `allowed`) beyond the top_k-th time so far."""
+        if not BOUND or len(best_times) < top_k:
+            return False
+        return compute * (1 + _least_bubble(allowed, P, m, v)) > -best_times[0] * 1.001
+
     compute_s = {policy: _compute_seconds(model, cluster, policy, **kwargs) for policy in remats}
     max_v = max(virtuals) if virtuals else MAX_VIRTUAL_STAGES
     meshes = list(mesh_shapes(model, n, global_batch=global_batch, seq_len=seq_len, fixed=fixed,
@@ -273,8 +280,7 @@ def plan(
                         continue
                     # Branch and bound: compute plus the smallest bubble any allowed
                     # schedule could reach is a lower bound on the step time.
-                    bound = compute_s[policy] * (1 + _least_bubble(schedules, P, m, max_v))
-                    if BOUND and len(best_times) >= top_k and bound > -best_times[0] * 1.001:
+                    if cannot_win(compute_s[policy], schedules, P, m, max_v):
                         continue
                     base = Layout(P, D, F, C, T, zero=z, remat=policy, microbatch_size=mb,
                                   num_microbatches=m, cp_strategy=cps[0])  # fmt: skip
@@ -305,13 +311,8 @@ def plan(
                     for e, layout in candidates:
                         if layout == best_cp[1]:
                             e = best_cp[0]
-                        elif (
-                            BOUND
-                            and len(best_times) >= top_k
-                            and compute_s[policy]
-                            * (1 + _least_bubble((layout.schedule,), P, m, layout.virtual_stages))
-                            > -best_times[0] * 1.001
-                        ):
+                        elif cannot_win(compute_s[policy], (layout.schedule,), P, m,
+                                        layout.virtual_stages):  # fmt: skip
                             continue  # the bound above, for this schedule alone
                         elif broken := layout_constraints(model, layout, **sizes_only):
                             rejected += [(layout.mesh_shape, rule) for rule in broken]
