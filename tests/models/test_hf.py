@@ -16,6 +16,7 @@ from jax.sharding import AxisType
 
 import shardfuse as sf
 from shardfuse.models import generation, hf
+from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -212,6 +213,19 @@ def test_bad_checkpoints_name_the_problem(checkpoints, tmp_path):
                    mesh=mesh)  # fmt: skip
     with pytest.raises(ValueError, match="heads"):  # 8 query heads over a model axis of 3
         hf.load_hf(path, mesh=jax.make_mesh((3,), ("model",), devices=jax.devices()[:3]))
+    # Llama's attention_bias puts a bias on o_proj too, which the spec has no place for
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        hf.load_hf(variant("bias", attention_bias=True), mesh=mesh)
+    # a tensor no parameter reads is refused, not dropped
+    extra = variant("extra")
+    source = SafetensorsDir(path)
+    tensors = {n: source.read(n) for n in source.names()}
+    tensors["model.layers.1.self_attn.o_proj.bias"] = np.ones(SIZES["hidden_size"], np.float32)
+    for f in extra.glob("*.safetensors*"):
+        f.unlink()
+    write_safetensors(extra / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=r"no parameter for: model\.layers\.1\.self_attn\.o_proj"):
+        hf.load_hf(extra, mesh=mesh)
     missing = variant("missing")
     (missing / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})

@@ -27,6 +27,7 @@ Both use the rotate-half RoPE convention, so q and k need no permutation.
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -63,8 +64,9 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
 
     Raises:
       ValueError: an unknown `model_type`, or a field with a value shardfuse does not
-        compute (named), e.g. `hidden_act="gelu"` on a Llama, `mlp_bias=True`, a
-        RoPE type other than "default" or "llama3".
+        compute (named), e.g. `hidden_act="gelu"` on a Llama, `mlp_bias=True`,
+        Llama's `attention_bias=True` (an `o_proj` bias), a RoPE type other than
+        "default" or "llama3".
 
     Example:
       >>> from shardfuse.models import hf
@@ -102,7 +104,14 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
         window = int(config["sliding_window"])
     if kind == "qwen2" and config.get("use_sliding_window") and config.get("sliding_window"):
         raise ValueError("config.json: use_sliding_window=True (Qwen2) is not supported")
-    qkv_bias = bool(config.get("attention_bias", kind == "qwen2"))
+    # q/k/v biases: always on Qwen2, never on Mistral; Llama's `attention_bias` puts a
+    # bias on o_proj too, which the spec cannot hold (transformers' modeling files).
+    if kind == "llama" and config.get("attention_bias"):
+        raise ValueError(
+            "config.json: attention_bias=True (Llama: biases on q, k, v and o_proj) is not "
+            "supported; q, k and v biases alone are model_type='qwen2'"
+        )
+    qkv_bias = kind == "qwen2"
     scaling = None
     if rope["rope_type"] == "llama3":
         scaling = (
@@ -319,6 +328,33 @@ def _check_shapes(source, m: _Map, shape, path):
             )
 
 
+# Tensors a checkpoint may hold that are not parameters (older transformers saved RoPE's
+# buffer) or that repeat one (a tied lm_head).
+_NOT_PARAMETERS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _check_all_used(source, maps, state, spec):
+    """ValueError naming the checkpoint's tensors that no parameter reads.
+
+    A tensor left unread is a part of the model we would silently drop (a bias the
+    spec has no place for, an unknown layer): refuse instead of computing another model.
+    """
+    shapes = {p: v.get_raw_value().shape for p, v in _params(state)}
+    used = set()
+    for p, m in maps.items():
+        layers = range(shapes[p][0]) if m.stacked else [None]
+        used.update(n.format(layer=layer) for n in m.names for layer in layers)
+    unused = [n for n in source.names() if n not in used and not _NOT_PARAMETERS.search(n)]
+    if spec.tied_embeddings:
+        unused = [n for n in unused if n != "lm_head.weight"]
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ValueError(
+            f"the checkpoint holds tensors that model {spec.name!r} has no parameter for: "
+            f"{shown}; loading without them would compute another model"
+        )
+
+
 def _params(state):
     """`(path, variable)` of every `nnx.Param` of a split state."""
     return [(p, v) for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param)]
@@ -344,8 +380,9 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
 
     Raises:
       ValueError: an unknown architecture or unsupported config field (named), a missing
-        shard file or tensor, tensors of the wrong shape, a mesh that does not divide
-        the heads (raised by the layers, before anything is read).
+        shard file or tensor, tensors of the wrong shape, a tensor no parameter reads
+        (named), a mesh that does not divide the heads (raised by the layers, before
+        anything is read).
 
     Example:
       >>> import jax, tempfile
@@ -376,6 +413,7 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
         m = _map_of(p, spec)
         _check_shapes(source, m, variable.get_raw_value().shape, p)
         maps[p] = m
+    _check_all_used(source, maps, state, spec)
     for p, variable in _params(state):
         abstract = variable.get_raw_value()
         sharding = NamedSharding(mesh, abstract.sharding.spec)
