@@ -21,7 +21,12 @@ import tempfile
 #   test_transformer.py and tests/layers/test_api.py: 75 -> 38 s of compile, 64 -> 42 s
 #   wall on 2 workers; the quick suite 734 -> 507 s);
 # - where it has not, XLA:CPU's FAST_COMPILE preset (jax 0.12: 68 -> 57 s of compile,
-#   58 -> 51 s wall on the same tests; on jax 0.10 it changes nothing measurable).
+#   58 -> 51 s wall on the same tests; on jax 0.10 it changes nothing measurable);
+# - the generated code in one LLVM module instead of XLA's default split for parallel
+#   codegen, whose parts repeat the per-module work: 25-35% less compile CPU on jax 0.10
+#   (four training steps of tests/planner/test_memory.py's grid: 9.6-10.2 -> 6.4-8.2 CPU
+#   s) and about 11% on jax 0.12 (18.7-19.5 -> 16.7-17.1 s), the memory analysis the
+#   same; the suite's two workers already keep both cores busy.
 # XLA aborts on a flag it does not know, so a subprocess asks first.
 # SHARDFUSE_TEST_XLA_OPT=1 keeps XLA's defaults. Subprocesses (the multi-host and CLI
 # tests) and the xdist workers inherit the flags through the environment.
@@ -40,6 +45,8 @@ if os.environ.get("SHARDFUSE_TEST_XLA_OPT") != "1" and "SHARDFUSE_TEST_XLA_FLAGS
         if _xla_knows(_flag):
             _fast.append(_flag)
             break
+    if _xla_knows("--xla_cpu_parallel_codegen_split_count=1"):
+        _fast.append("--xla_cpu_parallel_codegen_split_count=1")
     os.environ["SHARDFUSE_TEST_XLA_FLAGS"] = " ".join(_fast)
     os.environ["XLA_FLAGS"] = f"{' '.join(_fast)} {os.environ.get('XLA_FLAGS', '')}".strip()
 
