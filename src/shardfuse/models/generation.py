@@ -224,7 +224,7 @@ class DecodeProgram:
         self.cache_sharding = NamedSharding(mesh, _cache_spec(mesh, self.batch_axes))
         self.cache_dtype = cache_dtype or self.params["q"].dtype
         self.static = (spec, mesh, implementation)  # hashable: the step's static argument
-        self.mesh, self.cache_size = mesh, cache_size
+        self.spec, self.mesh, self.cache_size = spec, mesh, cache_size
 
     def empty_cache(self):
         """Zero keys and values, `[L, B, S, K, D]` each."""
@@ -241,10 +241,35 @@ class DecodeProgram:
         return self.step(tokens, self.empty_cache(), 0, prefill=True)
 
     def step(self, tokens, cache, start, *, prefill=False):
-        """`(logits [B, V], cache)` after `tokens` `[B, t]` at positions `start ... start+t-1`."""
+        """`(logits [B, V], cache)` after `tokens` `[B, t]` at positions `start ... start+t-1`.
+
+        Raises:
+          ValueError: (an int `start`) positions outside the cache, or beyond a learned
+            position table's `spec.max_positions` rows; either would be computed from
+            clamped or NaN rows, not refused, inside the program.
+        """
+        if isinstance(start, int | np.integer):
+            stop = int(start) + np.shape(tokens)[1]
+            if start < 0 or stop > self.cache_size:
+                raise ValueError(
+                    f"tokens at positions {start}..{stop - 1} do not fit "
+                    f"cache_size={self.cache_size}"
+                )
+            if self.spec.positions == "learned" and stop > self.spec.max_positions:
+                raise ValueError(
+                    f"tokens at positions {start}..{stop - 1}: the learned position table "
+                    f"has spec.max_positions={self.spec.max_positions} rows"
+                )
         logits, k, v = _step(self.static, prefill, self.layout, self.params, self.tokens(tokens),
                              *cache, jnp.int32(start))  # fmt: skip
         return logits, (k, v)
+
+
+def _check_sampling(top_k, top_p):
+    if top_k is not None and (not isinstance(top_k, int | np.integer) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be an int >= 1 (or None)")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (or None)")
 
 
 def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
@@ -259,6 +284,7 @@ def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
       >>> sample(jnp.array([[0.0, 2.0, 1.0]]), None).tolist()
       [1]
     """
+    _check_sampling(top_k, top_p)
     logits = logits.astype(jnp.float32)
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -303,7 +329,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
       int32 `[B, max_new_tokens]`.
 
     Raises:
-      ValueError: bad sizes, `temperature > 0` without `rngs`, a cache too short.
+      ValueError: bad sizes, `temperature > 0` without `rngs`, a cache too short,
+        positions beyond a learned position table, a bad `top_k` or `top_p`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -331,6 +358,14 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
     S = cache_size or T + max_new_tokens
     if S < T + max_new_tokens:
         raise ValueError(f"cache_size={S} < prompt length {T} + max_new_tokens {max_new_tokens}")
+    _check_sampling(top_k, top_p)
+    spec = model.spec
+    if spec.positions == "learned" and T + max_new_tokens - 1 > spec.max_positions:
+        raise ValueError(
+            f"prompt length {T} + max_new_tokens {max_new_tokens} reads positions up to "
+            f"{T + max_new_tokens - 2}; the learned position table has spec.max_positions="
+            f"{spec.max_positions} rows"
+        )
     program = DecodeProgram(model, batch=B, cache_size=S, cache_dtype=cache_dtype,
                             implementation=implementation)  # fmt: skip
     logits, cache = program.prefill(tokens)

@@ -21,6 +21,7 @@ so that microbatches and shards combine into the exact large-batch mean.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -268,6 +269,15 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"sequence length {seq_len} exceeds spec.max_positions={self.spec.max_positions} "
                 "(the learned position table's rows)"
+            )
+        split = self.blocks.blocks.io_spec()[1]  # the mesh axes the sequence is split over
+        split = () if split is None else (split,) if isinstance(split, str) else tuple(split)
+        shards = int(np.prod([self.mesh.shape[a] for a in split]))
+        if seq_len % shards:
+            raise ValueError(
+                f"sequence length {seq_len} is not divisible by {shards}, the size of the mesh "
+                f"axes {split} the sequence is split over (sequence_parallel=True splits it "
+                "over model; sequence_parallel=False does not)"
             )
 
     def embed_tokens(self, tokens):

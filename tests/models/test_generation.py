@@ -1,0 +1,115 @@
+"""`sf.generate` against recomputing the whole sequence with the model's own forward.
+
+The Hugging Face tests (test_hf.py) check Llama, Mistral and Qwen2 checkpoints
+against `transformers`; these check the other options of the one model (GPT-style:
+GELU, LayerNorm, biases, learned positions, tied embeddings; a sliding window) with
+no torch, on two meshes: greedy decoding with the KV cache must pick, at every step,
+the argmax of the full forward pass over the prompt and the tokens so far. And the
+bounds: positions beyond the cache or a learned position table are refused, not
+computed from clamped or NaN rows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import shardfuse as sf
+from shardfuse.models import generation
+
+SPECS = {
+    "gpt": sf.models.ModelSpec(
+        "gpt",
+        hidden=32,
+        heads=4,
+        kv_heads=4,
+        head_dim=8,
+        ffn_hidden=64,
+        num_layers=2,
+        vocab_size=64,
+        activation="gelu",
+        norm="layernorm",
+        positions="learned",
+        max_positions=16,
+        use_bias=True,
+        tied_embeddings=True,
+    ),  # fmt: skip
+    "window": sf.models.ModelSpec(
+        "window",
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        ffn_hidden=64,
+        num_layers=2,
+        vocab_size=64,
+        window=3,
+    ),  # fmt: skip
+}
+MESHES = {"model2": ((2,), ("model",)), "data2_model2": ((2, 2), ("data", "model"))}
+
+
+def _model(name, mesh_name):
+    shape, names = MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+    # the oracle runs the full forward at every length: no sequence split over model
+    model = sf.models.Transformer(SPECS[name], mesh=mesh, sequence_parallel=False, rngs=nnx.Rngs(0))
+    # larger weights than the initialiser's: clear argmax margins
+    for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = jax.random.fold_in(jax.random.key(1), hash(path) % (1 << 30))
+        noise = 0.3 * jax.random.normal(key, value.shape, value.dtype)
+        value.set_value(jax.device_put(value[...] + noise, value[...].sharding))
+    return model, mesh
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_greedy_generation_equals_recomputing_the_sequence(name, mesh_name):
+    model, mesh = _model(name, mesh_name)
+    prompt = np.random.default_rng(0).integers(0, 64, (2, 5)).astype(np.int32)
+    new = 16 - 5 + 1 if name == "gpt" else 8  # gpt: up to the last row of its table
+    got = np.asarray(sf.generate(model, prompt, new))
+    seq = prompt
+    with jax.set_mesh(mesh):
+        for _ in range(new):
+            logits = np.asarray(model(jnp.asarray(seq)))[:, -1]
+            seq = np.concatenate([seq, logits.argmax(-1)[:, None].astype(np.int32)], axis=1)
+    np.testing.assert_array_equal(got, seq[:, 5:])
+
+
+def test_positions_beyond_the_cache_or_the_position_table_are_refused():
+    model, _ = _model("gpt", "model2")
+    prompt = np.zeros((1, 5), np.int32)
+    with pytest.raises(ValueError, match="max_positions=16"):
+        sf.generate(model, prompt, 13)  # reads position 16
+    with pytest.raises(ValueError, match="max_positions=16"):
+        sf.generate(model, np.zeros((1, 17), np.int32), 1)
+    program = generation.DecodeProgram(model, batch=1, cache_size=8)
+    _, cache = program.prefill(prompt)
+    with pytest.raises(ValueError, match=r"positions 8\.\.8 do not fit cache_size=8"):
+        program.step(np.zeros((1, 1), np.int32), cache, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        program.step(np.zeros((1, 1), np.int32), cache, -1)
+    big = generation.DecodeProgram(model, batch=1, cache_size=20)
+    _, cache = big.prefill(prompt)
+    with pytest.raises(ValueError, match="learned position table"):
+        big.step(np.zeros((1, 1), np.int32), cache, 16)
+
+
+BAD_SAMPLING = [
+    (dict(top_k=0), "top_k=0"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p"),
+]
+
+
+@pytest.mark.parametrize("bad, match", BAD_SAMPLING)
+def test_bad_sampling_options_are_named(bad, match):
+    logits = jnp.zeros((1, 4))
+    with pytest.raises(ValueError, match=match):
+        generation.sample(logits, jax.random.key(0), temperature=1.0, **bad)
+    model, _ = _model("window", "model2")
+    with pytest.raises(ValueError, match=match):
+        sf.generate(model, np.zeros((1, 3), np.int32), 2, temperature=1.0, rngs=nnx.Rngs(0), **bad)
