@@ -51,8 +51,15 @@ class TiedUnembed(nnx.Module):
     (sequence-sharded over `model_axis` with `sequence_parallel`), output
     `[B, T, V]` sharded like an untied `ColumnParallelLinear(...,
     gather_output=True)`'s: the whole vocabulary, the sequence gathered over
-    `model_axis`. Per shard the sequence is all-gathered over `model_axis`
-    (and a ZeRO-3 table over `fsdp_axis`).
+    `model_axis`. The table's rows (the vocabulary) are split over `model_axis`
+    when it divides them, so that each model shard computes its part of the
+    logits, then gathered, like the untied layer (the table is replicated over
+    `model_axis`: the split is a local slice). Outside a manual region the
+    sharding does it; inside one (a pipeline
+    stage, the training step's shard_map) the sequence is all-gathered over
+    `model_axis` (and a ZeRO-3 table over `fsdp_axis`), each model shard
+    computes the logits of its slice of the table's rows, and the logits are
+    all-gathered over `model_axis`.
     """
 
     def __init__(self, embed: nnx.Param, *, mesh, model_axis, fsdp_axis, sequence_parallel,
@@ -64,17 +71,26 @@ class TiedUnembed(nnx.Module):
 
     def __call__(self, x):
         table = self.embed[...]
-        if in_manual_region(self.mesh):
+        tp = self.mesh.shape[self.model_axis] if self.model_axis else 1
+        split = tp > 1 and self.out_features % tp == 0  # each model shard: V / tp rows
+        manual = in_manual_region(self.mesh)
+        if manual:
             if self.sequence_parallel and self.model_axis is not None:
                 x = jax.lax.all_gather(x, self.model_axis, axis=1, tiled=True)
             if table.shape[0] != self.out_features:  # a ZeRO-3 shard of the vocabulary
                 table = jax.lax.all_gather(table, self.fsdp_axis, axis=0, tiled=True)
+            if split:
+                rows = self.out_features // tp
+                start = jax.lax.axis_index(self.model_axis) * rows
+                table = jax.lax.dynamic_slice_in_dim(table, start, rows, axis=0)
         else:
-            table = place(table, self.mesh, P())
+            table = place(table, self.mesh, P(self.model_axis if split else None, None))
             x = place(x, self.mesh, self.out_spec)
         precision = "highest" if x.dtype == jnp.float32 else None
         logits = jnp.einsum("BTF,VF->BTV", x, table.astype(x.dtype), precision=precision)
-        if in_manual_region(self.mesh):
+        if manual:
+            if split:
+                logits = jax.lax.all_gather(logits, self.model_axis, axis=2, tiled=True)
             return logits
         return place(logits, self.mesh, self.out_spec)
 
