@@ -211,6 +211,10 @@ def test_bad_checkpoints_name_the_problem(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         hf.load_hf(variant("rope", rope_parameters=dict(rope_type="yarn", rope_theta=1e4)),
                    mesh=mesh)  # fmt: skip
+    with pytest.raises(ValueError, match=r"'llama3' needs \['low_freq_factor'"):
+        partial = dict(rope_type="llama3", factor=8.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=16)  # fmt: skip
+        hf.load_hf(variant("llama3", rope_parameters=partial), mesh=mesh)
     with pytest.raises(ValueError, match="heads"):  # 8 query heads over a model axis of 3
         hf.load_hf(path, mesh=jax.make_mesh((3,), ("model",), devices=jax.devices()[:3]))
     # Llama's attention_bias puts a bias on o_proj too, which the spec has no place for

@@ -114,6 +114,15 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
     qkv_bias = kind == "qwen2"
     scaling = None
     if rope["rope_type"] == "llama3":
+        fields = (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        )
+        missing = [f for f in fields if f not in rope]
+        if missing:
+            raise ValueError(f"config.json: rope type 'llama3' needs {missing} in rope_parameters")
         scaling = (
             float(rope["factor"]),
             float(rope["low_freq_factor"]),
