@@ -51,15 +51,14 @@ class TiedUnembed(nnx.Module):
     (sequence-sharded over `model_axis` with `sequence_parallel`), output
     `[B, T, V]` sharded like an untied `ColumnParallelLinear(...,
     gather_output=True)`'s: the whole vocabulary, the sequence gathered over
-    `model_axis`. The table's rows (the vocabulary) are split over `model_axis`
-    when it divides them, so that each model shard computes its part of the
-    logits, then gathered, like the untied layer (the table is replicated over
-    `model_axis`: the split is a local slice). Outside a manual region the
-    sharding does it; inside one (a pipeline
-    stage, the training step's shard_map) the sequence is all-gathered over
-    `model_axis` (and a ZeRO-3 table over `fsdp_axis`), each model shard
-    computes the logits of its slice of the table's rows, and the logits are
-    all-gathered over `model_axis`.
+    `model_axis`. When `model_axis` divides the vocabulary, each model shard
+    computes the logits of its slice of the table's rows and the logits are
+    gathered, as in the untied layer (the table is replicated over `model_axis`,
+    so the slice is local). Outside a manual region the shardings say so;
+    inside one (a pipeline stage, the training step's shard_map) the sequence
+    is all-gathered over `model_axis` (and a ZeRO-3 table over `fsdp_axis`),
+    the rows sliced by the shard's index, the logits all-gathered over
+    `model_axis`.
     """
 
     def __init__(self, embed: nnx.Param, *, mesh, model_axis, fsdp_axis, sequence_parallel,
