@@ -21,13 +21,13 @@ so that microbatches and shards combine into the exact large-batch mean.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
 from shardfuse.collectives.ring_attention import ring_positions
+from shardfuse.collectives.sharding import axes_size
 from shardfuse.kernels.vma import to_varying
 from shardfuse.layers import (
     ColumnParallelLinear,
@@ -287,7 +287,7 @@ class Transformer(nnx.Module):
             )
         split = self.blocks.blocks.io_spec()[1]  # the mesh axes the sequence is split over
         split = () if split is None else (split,) if isinstance(split, str) else tuple(split)
-        shards = int(np.prod([self.mesh.shape[a] for a in split]))
+        shards = axes_size(self.mesh, split)
         if seq_len % shards:
             raise ValueError(
                 f"sequence length {seq_len} is not divisible by {shards}, the size of the mesh "
