@@ -9,6 +9,8 @@ bounds: positions beyond the cache or a learned position table are refused, not
 computed from clamped or NaN rows.
 """
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,11 +55,11 @@ MESHES = {"model2": ((2,), ("model",)), "data2_model2": ((2, 2), ("data", "model
 def _model(name, mesh_name):
     shape, names = MESHES[mesh_name]
     mesh = jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
-    # the oracle runs the full forward at every length: no sequence split over model
+    # the oracle's full forward runs at any length: no sequence split over model
     model = sf.models.Transformer(SPECS[name], mesh=mesh, sequence_parallel=False, rngs=nnx.Rngs(0))
     # larger weights than the initialiser's: clear argmax margins
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key = jax.random.fold_in(jax.random.key(1), hash(path) % (1 << 30))
+        key = jax.random.fold_in(jax.random.key(1), zlib.crc32(str(path).encode()))
         noise = 0.3 * jax.random.normal(key, value.shape, value.dtype)
         value.set_value(jax.device_put(value[...] + noise, value[...].sharding))
     return model, mesh
@@ -70,12 +72,13 @@ def test_greedy_generation_equals_recomputing_the_sequence(name, mesh_name):
     prompt = np.random.default_rng(0).integers(0, 64, (2, 5)).astype(np.int32)
     new = 16 - 5 + 1 if name == "gpt" else 8  # gpt: up to the last row of its table
     got = np.asarray(sf.generate(model, prompt, new))
-    seq = prompt
+    # The full forward is causal, so one call on prompt + generated tokens gives the logits
+    # that recomputing the growing sequence would give at every step (one program instead
+    # of one per length): greedy decoding is right iff each token is the argmax there.
+    seq = np.concatenate([prompt, got[:, :-1]], axis=1)
     with jax.set_mesh(mesh):
-        for _ in range(new):
-            logits = np.asarray(model(jnp.asarray(seq)))[:, -1]
-            seq = np.concatenate([seq, logits.argmax(-1)[:, None].astype(np.int32)], axis=1)
-    np.testing.assert_array_equal(got, seq[:, 5:])
+        logits = np.asarray(model(jnp.asarray(seq)))
+    np.testing.assert_array_equal(got, logits[:, 4:].argmax(-1))
 
 
 def test_positions_beyond_the_cache_or_the_position_table_are_refused():
@@ -91,6 +94,11 @@ def test_positions_beyond_the_cache_or_the_position_table_are_refused():
         program.step(np.zeros((1, 1), np.int32), cache, 8)
     with pytest.raises(ValueError, match="do not fit"):
         program.step(np.zeros((1, 1), np.int32), cache, -1)
+    for bad in (dict(cache_size=0), dict(batch=0), dict(cache_size=4.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            generation.DecodeProgram(model, **{"batch": 1, "cache_size": 8, **bad})
+    with pytest.raises(ValueError, match="cache_size=0"):
+        sf.generate(model, prompt, 2, cache_size=0)  # was taken as "the default"
     big = generation.DecodeProgram(model, batch=1, cache_size=20)
     _, cache = big.prefill(prompt)
     with pytest.raises(ValueError, match="learned position table"):
@@ -103,6 +111,19 @@ BAD_SAMPLING = [
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p"),
 ]
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    """As transformers' TopKLogitsWarper: k is clamped to the vocabulary (was an XLA error)."""
+    logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]]))
+    keys = jax.random.split(jax.random.key(0), 64)
+
+    def drawn(k):
+        draws = jax.vmap(lambda key: generation.sample(logits, key, temperature=1.0, top_k=k))(keys)
+        return set(np.unique(np.asarray(draws)).tolist())
+
+    assert drawn(4) == drawn(9) == {0, 1, 2, 3}
+    assert drawn(2) == {2, 3}
 
 
 @pytest.mark.parametrize("bad, match", BAD_SAMPLING)

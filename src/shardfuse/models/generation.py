@@ -211,6 +211,9 @@ class DecodeProgram:
 
     def __init__(self, model, *, batch: int, cache_size: int, cache_dtype=None,
                  implementation=None):  # fmt: skip
+        for name, value in (("batch", batch), ("cache_size", cache_size)):
+            if not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         spec, mesh = model.spec, model.mesh
         self.params = decode_params(model)
         tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
@@ -275,8 +278,9 @@ def _check_sampling(top_k, top_p):
 def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
     """Next tokens `[B]` from logits `[B, V]`: greedy at temperature 0, else sampled.
 
-    `top_k` keeps the k most likely tokens, `top_p` the smallest set whose
-    probability reaches p (nucleus sampling), both before the temperature draw.
+    `top_k` keeps the k most likely tokens (all of them when `top_k` exceeds the
+    vocabulary, as transformers does), `top_p` the smallest set whose probability
+    reaches p (nucleus sampling), both before the temperature draw.
 
     Example:
       >>> import jax.numpy as jnp
@@ -290,7 +294,7 @@ def sample(logits, key, *, temperature: float = 0.0, top_k=None, top_p=None):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None:
-        kth = lax.top_k(logits, top_k)[0][..., -1:]
+        kth = lax.top_k(logits, min(int(top_k), logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p is not None:
         sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
@@ -355,8 +359,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
         raise ValueError(f"temperature={temperature} must be >= 0")
     if temperature > 0 and rngs is None:
         raise ValueError("temperature > 0 samples: pass rngs=nnx.Rngs(seed) (or a key)")
-    S = cache_size or T + max_new_tokens
-    if S < T + max_new_tokens:
+    S = T + max_new_tokens if cache_size is None else cache_size
+    if not isinstance(S, int | np.integer) or S < T + max_new_tokens:
         raise ValueError(f"cache_size={S} < prompt length {T} + max_new_tokens {max_new_tokens}")
     _check_sampling(top_k, top_p)
     spec = model.spec
