@@ -230,6 +230,22 @@ def test_bad_model_input():
         model(jnp.zeros((1, 2 * SEQ), jnp.int32))
 
 
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+def test_sizes_the_mesh_does_not_divide_are_named(explicit):
+    """A batch or sequence length that its mesh axes do not split evenly: named, not a raw
+    sharding error from deep inside the embedding or the blocks."""
+    mesh = _mesh((2, 2), ("data", "model"), explicit)
+    model = Transformer(LLAMA, mesh=mesh, rngs=nnx.Rngs(0))  # sequence_parallel: over model
+    with jax.set_mesh(mesh):
+        with pytest.raises(
+            ValueError, match=r"sequence length 5 is not divisible by 2.*\('model',\)"
+        ):
+            model(jnp.zeros((2, 5), jnp.int32))
+        with pytest.raises(ValueError, match=r"batch size 3 is not divisible by 2.*\('data',\)"):
+            model(jnp.zeros((3, 4), jnp.int32))
+        assert model(jnp.zeros((2, 4), jnp.int32)).shape == (2, 4, LLAMA.vocab_size)
+
+
 @pytest.mark.parametrize(
     "fields, match",
     [

@@ -279,20 +279,28 @@ class Transformer(nnx.Module):
             return jnp.arange(seq_len, dtype=jnp.int32)
         return ring_positions(seq_len, ring, self.layout).reshape(-1)
 
-    def _check_length(self, seq_len: int):
+    def _check_length(self, seq_len: int, batch: int | None = None):
         if self.pos_embed is not None and seq_len > self.spec.max_positions:
             raise ValueError(
                 f"sequence length {seq_len} exceeds spec.max_positions={self.spec.max_positions} "
                 "(the learned position table's rows)"
             )
-        split = self.blocks.blocks.io_spec()[1]  # the mesh axes the sequence is split over
-        split = () if split is None else (split,) if isinstance(split, str) else tuple(split)
+        # the mesh axes the batch and the sequence are split over
+        batch_split, split = (
+            () if a is None else (a,) if isinstance(a, str) else tuple(a)
+            for a in self.blocks.blocks.io_spec()[:2]
+        )
         shards = axes_size(self.mesh, split)
         if seq_len % shards:
             raise ValueError(
                 f"sequence length {seq_len} is not divisible by {shards}, the size of the mesh "
                 f"axes {split} the sequence is split over (sequence_parallel=True splits it "
                 "over model; sequence_parallel=False does not)"
+            )
+        if batch is not None and batch % axes_size(self.mesh, batch_split):
+            raise ValueError(
+                f"batch size {batch} is not divisible by {axes_size(self.mesh, batch_split)}, "
+                f"the size of the mesh axes {batch_split} the batch is split over"
             )
 
     def embed_tokens(self, tokens):
@@ -301,7 +309,8 @@ class Transformer(nnx.Module):
         Adds the learned position embeddings of the tokens' natural positions.
 
         Raises:
-          ValueError: with learned positions, T beyond `spec.max_positions`.
+          ValueError: with learned positions, T beyond `spec.max_positions`; outside a
+            manual region, T or B not divisible by the mesh axes that split them.
         """
         if in_manual_region(self.mesh):
             x = jnp.take(self.embed[...], tokens, axis=0)
@@ -311,7 +320,7 @@ class Transformer(nnx.Module):
             # Typed as the blocks' shard_map would type their input (the gradient of the
             # embedding is then summed over the model axis where the sequence is split).
             return to_varying(x, frozenset(self.mesh.axis_names) - {axes.PIPELINE})
-        self._check_length(tokens.shape[1])
+        self._check_length(tokens.shape[1], batch=tokens.shape[0])
         x = embed_lookup(self.embed[...], tokens, self.mesh)
         if self.pos_embed is not None:
             table = place(self.pos_embed[...], self.mesh, P())
