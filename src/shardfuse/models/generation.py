@@ -134,7 +134,8 @@ def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens
             o = attention_api.flash_attention(q, k, v, causal=True, **masks)
         else:
             lengths = jnp.full((b,), start + t, jnp.int32)
-            o = decode_attention(q, ck, cv, lengths, **masks)
+            # a cache in another dtype (`cache_dtype`) is read back in the queries' dtype
+            o = decode_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), lengths, **masks)
         o = o.reshape(b, t, heads * D) @ p["o"]
         o = lax.psum(o, MODEL) if tp > 1 else o
         if p.get("o_b") is not None:
