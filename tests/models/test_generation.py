@@ -118,6 +118,13 @@ def test_positions_beyond_the_cache_or_the_position_table_are_refused():
     for bad in (dict(cache_size=0), dict(batch=0), dict(cache_size=4.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             generation.DecodeProgram(model, **{"batch": 1, "cache_size": 8, **bad})
+    for bad_id in (64, -1):  # the embedding's NaN row decoded as token 0
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
+            sf.generate(model, np.array([[1, 2, bad_id]], np.int32), 2)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
+        program.step(np.full((1, 1), 64, np.int32), cache, 5)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\)"):
+        program.prefill(jnp.full((1, 2), 70, jnp.int32))
     with pytest.raises(ValueError, match="cache_size=0"):
         sf.generate(model, prompt, 2, cache_size=0)  # was taken as "the default"
     big = generation.DecodeProgram(model, batch=1, cache_size=20)

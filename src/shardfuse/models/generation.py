@@ -242,6 +242,7 @@ class DecodeProgram:
 
     def prefill(self, tokens):
         """`(logits [B, V] of the last prompt token, cache)` for prompts `[B, T]`."""
+        _check_ids(tokens, self.spec.vocab_size)
         return self.step(tokens, self.empty_cache(), 0, prefill=True)
 
     def step(self, tokens, cache, start, *, prefill=False):
@@ -250,8 +251,11 @@ class DecodeProgram:
         Raises:
           ValueError: (an int `start`) positions outside the cache, or beyond a learned
             position table's `spec.max_positions` rows; either would be computed from
-            clamped or NaN rows, not refused, inside the program.
+            clamped or NaN rows, not refused, inside the program. Host (numpy) token ids
+            outside the vocabulary; prefill checks device arrays too.
         """
+        if not isinstance(tokens, jax.Array):  # host ids: checked for free
+            _check_ids(tokens, self.spec.vocab_size)
         if isinstance(start, int | np.integer):
             stop = int(start) + np.shape(tokens)[1]
             if start < 0 or stop > self.cache_size:
@@ -267,6 +271,19 @@ class DecodeProgram:
         logits, k, v = _step(self.static, prefill, self.layout, self.params, self.tokens(tokens),
                              *cache, jnp.int32(start))  # fmt: skip
         return logits, (k, v)
+
+
+def _check_ids(tokens, vocab_size: int):
+    """Concrete token ids outside `[0, vocab_size)` are refused: the embedding would read a
+    NaN row (`jnp.take`'s fill), whose logits decode as token 0."""
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(
+            f"token ids must be in [0, {vocab_size}) (spec.vocab_size); got ids from "
+            f"{ids.min()} to {ids.max()}"
+        )
 
 
 def _check_sampling(top_k, top_p):
@@ -335,7 +352,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
 
     Raises:
       ValueError: bad sizes, `temperature > 0` without `rngs`, a cache too short,
-        positions beyond a learned position table, a bad `top_k` or `top_p`.
+        positions beyond a learned position table, a bad `top_k` or `top_p`, a token id
+        outside the vocabulary.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -365,6 +383,7 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
         raise ValueError(f"cache_size={S} < prompt length {T} + max_new_tokens {max_new_tokens}")
     _check_sampling(top_k, top_p)
     spec = model.spec
+    _check_ids(tokens, spec.vocab_size)
     if spec.positions == "learned" and T + max_new_tokens - 1 > spec.max_positions:
         raise ValueError(
             f"prompt length {T} + max_new_tokens {max_new_tokens} reads positions up to "
