@@ -294,3 +294,32 @@ def test_zero3_on_data_x_fsdp_regathers_in_backward_and_reduces_shards_over_data
             for dims in re.findall(r"f32\[([\d,]*)\]", result):
                 size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
                 assert size <= largest_shard, line  # never a whole kernel over data
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_abstract_state_has_the_real_shardings(zero, explicit):
+    """`nnx.eval_shape` of model + ZeroOptimizer (abstract state, for planning memory without
+    allocating it) gives each state array the sharding the real one gets. On an explicit
+    mesh the ZeRO-1 moments came out without their fsdp sharding (and ZeRO-3's replicated
+    leaves too): the traced types followed the parameters, not `out_shardings`."""
+    mesh = mesh_of("data2-fsdp4", explicit=explicit)
+
+    def build():
+        model = make_lm(mesh, zero)
+        return model, ZeroOptimizer(model, _tx(), mesh=mesh, zero=zero)
+
+    with jax.set_mesh(mesh):
+        real = nnx.state(build()[1])
+        abstract = nnx.state(nnx.eval_shape(build)[1])
+    real_leaves = jax.tree_util.tree_leaves_with_path(real)
+    abstract_leaves = jax.tree.leaves(abstract)
+    assert len(real_leaves) == len(abstract_leaves) > 4
+    fsdp_sharded = 0
+    for (path, r), a in zip(real_leaves, abstract_leaves, strict=True):
+        assert a.shape == r.shape and a.dtype == r.dtype, jax.tree_util.keystr(path)
+        if explicit:  # an Auto mesh's types carry no sharding: eval_shape says replicated
+            full = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))  # noqa: E731
+            assert full(a) == full(r), jax.tree_util.keystr(path)
+            fsdp_sharded += "fsdp" in str(a.sharding.spec)
+    assert fsdp_sharded > 0 or not explicit or zero == 0

@@ -232,7 +232,17 @@ def optimizer_state_program(model, tx, *, mesh, zero: int = 1, fsdp_axis=axes.FS
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return jax.jit(tx.init, out_shardings=out_shardings), params
+
+    def init(params):
+        # Each state array placed on its spec inside the program as well, so that the
+        # traced types carry the ZeRO sharding: under `nnx.eval_shape` (abstract state,
+        # memory planning) an explicit mesh's output types followed the parameters'
+        # shardings, not `out_shardings` (ZeRO-1 moments came out unsharded over fsdp).
+        return jax.tree.map(
+            lambda x, sharding: place(x, mesh, sharding.spec), tx.init(params), out_shardings
+        )
+
+    return jax.jit(init, out_shardings=out_shardings), params
 
 
 def init(make_model, *, tx=None, mesh=None, zero: int = 0, fsdp_axis=axes.FSDP):
