@@ -162,6 +162,12 @@ def test_bad_input_named_before_tracing():
         pipe.forward(x)
     with pytest.raises(TypeError, match="floating-point activations"):
         pipe.forward(jnp.ones((4, 4, 8), jnp.int32))
+    # a sequence split (io_spec) that does not divide T: named, not a raw reshard error
+    mesh2 = jax.make_mesh((2, 2), ("pipeline", "model"), devices=jax.devices()[:4])
+    stack2 = Stack(ResidualMLP, 4, mesh=mesh2, layer_axis="pipeline", rngs=nnx.Rngs(0))
+    pipe2 = Pipeline(stack2, mesh=mesh2, num_microbatches=2, io_spec=jax.P(None, "model"))
+    with pytest.raises(ValueError, match=r"sequence length x.shape\[1\]=5 must be divisible by"):
+        pipe2.forward(jnp.ones((4, 5, 8)))
     with pytest.raises(ValueError, match=r"targets has shape \(4, 5\)"):
         pipe.loss(
             jnp.ones((4, 4, 8)),

@@ -181,6 +181,9 @@ class Pipeline(nnx.Module):
             self.mesh,
             batch_axes,
         )
+        if x.ndim >= 2 and len(self.io_spec) >= 2:  # the blocks' sequence split
+            check_divisible("the sequence length x.shape[1]", x.shape[1],
+                            self.mesh, self.io_spec[1])  # fmt: skip
         for name, value in (("targets", targets), ("weights", weights)):
             if value is not None and tuple(value.shape) != tuple(x.shape[: value.ndim]):
                 raise ValueError(
