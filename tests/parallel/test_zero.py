@@ -315,11 +315,14 @@ def test_abstract_state_has_the_real_shardings(zero, explicit):
     real_leaves = jax.tree_util.tree_leaves_with_path(real)
     abstract_leaves = jax.tree.leaves(abstract)
     assert len(real_leaves) == len(abstract_leaves) > 4
+
+    def full(x):  # the spec with one entry per dimension (P() and P(None) are the same)
+        return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
     fsdp_sharded = 0
     for (path, r), a in zip(real_leaves, abstract_leaves, strict=True):
         assert a.shape == r.shape and a.dtype == r.dtype, jax.tree_util.keystr(path)
         if explicit:  # an Auto mesh's types carry no sharding: eval_shape says replicated
-            full = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))  # noqa: E731
             assert full(a) == full(r), jax.tree_util.keystr(path)
             fsdp_sharded += "fsdp" in str(a.sharding.spec)
     assert fsdp_sharded > 0 or not explicit or zero == 0

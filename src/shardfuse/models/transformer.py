@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
 from shardfuse.collectives.ring_attention import ring_positions
-from shardfuse.collectives.sharding import axes_size
+from shardfuse.collectives.sharding import axes_size, entry_axes
 from shardfuse.kernels.vma import to_varying
 from shardfuse.layers import (
     ColumnParallelLinear,
@@ -279,17 +279,14 @@ class Transformer(nnx.Module):
             return jnp.arange(seq_len, dtype=jnp.int32)
         return ring_positions(seq_len, ring, self.layout).reshape(-1)
 
-    def _check_length(self, seq_len: int, batch: int | None = None):
+    def _check_sizes(self, seq_len: int, batch: int | None = None):
         if self.pos_embed is not None and seq_len > self.spec.max_positions:
             raise ValueError(
                 f"sequence length {seq_len} exceeds spec.max_positions={self.spec.max_positions} "
                 "(the learned position table's rows)"
             )
         # the mesh axes the batch and the sequence are split over
-        batch_split, split = (
-            () if a is None else (a,) if isinstance(a, str) else tuple(a)
-            for a in self.blocks.blocks.io_spec()[:2]
-        )
+        batch_split, split = map(entry_axes, self.blocks.blocks.io_spec()[:2])
         shards = axes_size(self.mesh, split)
         if seq_len % shards:
             raise ValueError(
@@ -297,10 +294,11 @@ class Transformer(nnx.Module):
                 f"axes {split} the sequence is split over (sequence_parallel=True splits it "
                 "over model; sequence_parallel=False does not)"
             )
-        if batch is not None and batch % axes_size(self.mesh, batch_split):
+        batch_shards = axes_size(self.mesh, batch_split)
+        if batch is not None and batch % batch_shards:
             raise ValueError(
-                f"batch size {batch} is not divisible by {axes_size(self.mesh, batch_split)}, "
-                f"the size of the mesh axes {batch_split} the batch is split over"
+                f"batch size {batch} is not divisible by {batch_shards}, the size of the mesh "
+                f"axes {batch_split} the batch is split over"
             )
 
     def embed_tokens(self, tokens):
@@ -320,7 +318,7 @@ class Transformer(nnx.Module):
             # Typed as the blocks' shard_map would type their input (the gradient of the
             # embedding is then summed over the model axis where the sequence is split).
             return to_varying(x, frozenset(self.mesh.axis_names) - {axes.PIPELINE})
-        self._check_length(tokens.shape[1], batch=tokens.shape[0])
+        self._check_sizes(tokens.shape[1], batch=tokens.shape[0])
         x = embed_lookup(self.embed[...], tokens, self.mesh)
         if self.pos_embed is not None:
             table = place(self.pos_embed[...], self.mesh, P())
@@ -331,7 +329,7 @@ class Transformer(nnx.Module):
     def _local_position_rows(self, local_len: int):
         """Per shard: position embedding rows `[t, F]` of this sequence shard's tokens."""
         ring = self.mesh.shape[self.sequence_axis] if self.sequence_axis else 1
-        self._check_length(local_len * ring)
+        self._check_sizes(local_len * ring)
         positions = self.positions(local_len * ring)
         if ring > 1:
             start = jax.lax.axis_index(self.sequence_axis) * local_len
