@@ -20,7 +20,9 @@ differentiated (it is an output then, not temp memory).
 | 1f1b | 562,256 | 565,328 | +0.5% | 579,664 | 634,960 | +9.5% |
 | gpipe | 578,640 | 680,016 | +17.5% | 596,048 | 749,648 | +25.8% |
 
-compile time 1f1b: 4.0 s (m=8), 3.2 s (m=32) (loaded machine: noisy).
+compile time 1f1b: 4.0 s (m=8), 3.2 s (m=32) (loaded machine: noisy); the
+test asserts the program size behind it: 1,785 and 1,796 optimized HLO
+instructions (jax 0.10.2; 1,743 and 1,754 on jax 0.12).
 
 Backward from recomputed forward (`residuals="recompute"`, the default) vs
 stored VJP residuals (`residuals="stored"`), p=4, microbatch 2, temp bytes
@@ -79,7 +81,7 @@ remat-"full" stacks, or wide stages with memory to spare.
 """
 
 import functools
-import time
+import re
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +113,7 @@ def _mesh():
 
 @functools.cache
 def _compiled(schedule, m, residuals="recompute"):
-    """(compiled training step, compile seconds) for `schedule` with m microbatches."""
+    """The compiled training step for `schedule` with m microbatches."""
     mesh = _mesh()
     stack = Stack(Wide, STAGES, mesh=mesh, layer_axis="pipeline", rngs=nnx.Rngs(0))
     head = nnx.Linear(FEATURES, 8, rngs=nnx.Rngs(1))
@@ -125,14 +127,20 @@ def _compiled(schedule, m, residuals="recompute"):
         loss = lambda pipe, head, x: pipe.loss(x, targets, head=head)  # noqa: E731
         return nnx.value_and_grad(loss, argnums=(0, 1, 2))(pipe, head, x)
 
-    lowered = nnx.jit(step).lower(pipe, head, x, targets)
-    start = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, time.perf_counter() - start
+    return nnx.jit(step).lower(pipe, head, x, targets).compile()
+
+
+def _instructions(schedule, m):
+    """Instructions in the optimized HLO of the compiled step."""
+    text = _compiled(schedule, m).as_text()
+    return sum(1 for line in text.splitlines() if _INSTRUCTION.match(line))
+
+
+_INSTRUCTION = re.compile(r"\s+(ROOT )?%?[\w.\-]+ = ")
 
 
 def _temp(schedule, m, residuals="recompute"):
-    return _compiled(schedule, m, residuals)[0].memory_analysis().temp_size_in_bytes
+    return _compiled(schedule, m, residuals).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
@@ -140,8 +148,12 @@ def test_1f1b_memory_and_compile_time_flat_in_m():
     # x is differentiated here: its gradient is an output, not temp memory
     small, large = _temp("1f1b", 8), _temp("1f1b", 32)
     assert large < 1.03 * small, (small, large)
-    seconds_small, seconds_large = _compiled("1f1b", 8)[1], _compiled("1f1b", 32)[1]
-    assert seconds_large < 1.5 * seconds_small, (seconds_small, seconds_large)
+    # compile time follows the program's size; wall seconds of a sub-second
+    # compile are noise on a shared machine (CI once read 0.05 s vs 0.10 s), so
+    # the claim is made on the optimized HLO: the ticks are a scan, not unrolled
+    # (m=8: 1,785 instructions, m=32: 1,796 on jax 0.10.2; unrolled would be ~4x)
+    small, large = _instructions("1f1b", 8), _instructions("1f1b", 32)
+    assert large < 1.05 * small, (small, large)
 
 
 @pytest.mark.slow
@@ -161,7 +173,7 @@ def test_gpipe_memory_grows_with_m():
 
 def test_activations_move_by_collective_permute_only():
     m = 8
-    counts = hlo_collectives.count(_compiled("1f1b", m)[0].as_text(), _mesh())
+    counts = hlo_collectives.count(_compiled("1f1b", m).as_text(), _mesh())
     table = lockstep_table("1f1b", STAGES, m)
     ticks = table.num_ticks
     sends = int(table.active()[:, 0].sum() + table.active()[:, 2].sum())
