@@ -62,9 +62,8 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
   // Packed float32 operands: per query head Q * scale and dO [Tp, Dp]; per kv head
   // K [Sp, Dp], and K, V transposed per block [nk, Dp, BKV].
   const size_t q_head = static_cast<size_t>(Tp) * Dp, kv_head = static_cast<size_t>(Sp) * Dp;
-  std::vector<float> qs(q_head * p.B * p.H, 0.0f), dos(q_head * p.B * p.H, 0.0f);
-  std::vector<float> kn(kv_head * p.B * p.K, 0.0f), kt(kv_head * p.B * p.K, 0.0f);
-  std::vector<float> vt(kv_head * p.B * p.K, 0.0f);
+  Scratch qs(q_head * p.B * p.H), dos(q_head * p.B * p.H);
+  Scratch kn(kv_head * p.B * p.K), kt(kv_head * p.B * p.K), vt(kv_head * p.B * p.K);
   parallel_for(p.B * p.H, [&](int item, int) {
     const int b = item / p.H, h = item % p.H;
     const size_t base = static_cast<size_t>(b) * p.T * p.H * p.D;
@@ -102,7 +101,7 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
   const size_t dq_floats = q_head * p.B * p.H;
   const int groups = dq_groups(items, threads, dq_floats);
   const auto plan = schedule(cost, groups);
-  std::vector<std::vector<float>> dq_group(groups);
+  std::vector<Scratch> dq_group(groups);
   std::atomic<int> next_group{0};
 
   run_threads(threads, [&](int) {
@@ -112,8 +111,8 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
     std::vector<float> q_clean, k_clean;
     std::vector<uint8_t> mask(BQ * BKV);
     for (int group = next_group.fetch_add(1); group < groups; group = next_group.fetch_add(1)) {
-      std::vector<float>& dq_acc = dq_group[group];
-      dq_acc.assign(dq_floats, 0.0f);
+      Scratch& dq_acc = dq_group[group];
+      dq_acc.acquire(dq_floats);
       for (int item : plan[group]) {
         const int j = item % nk, kvh = (item / nk) % p.K, b = item / (nk * p.K);
         const size_t kv_index = static_cast<size_t>(b) * p.K + kvh;
@@ -209,7 +208,7 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
       for (int d = 0; d < p.D; ++d) {
         float sum = 0.0f;
         for (int g = 0; g < groups; ++g)
-          sum += dq_group[g][q_head * head + static_cast<size_t>(t) * Dp + d];
+          sum += dq_group[g].data()[q_head * head + static_cast<size_t>(t) * Dp + d];
         dst[d] = p.scale * sum;
       }
     }

@@ -16,7 +16,7 @@ namespace {
 template <int BKV>
 struct PackedKV {
   int nk, Dp;
-  std::vector<float> kt, v;
+  Scratch kt, v;
   const float* kt_block(int b, int kvh, int j, int K) const {
     return kt.data() + ((static_cast<size_t>(b) * K + kvh) * nk + j) * Dp * BKV;
   }
@@ -31,8 +31,8 @@ PackedKV<BKV> pack_kv(const Problem& p, const void* k, const void* v, bool bf16)
   packed.nk = (p.S + BKV - 1) / BKV;
   packed.Dp = p.Dp();
   const size_t per_head = static_cast<size_t>(packed.nk) * BKV * packed.Dp;
-  packed.kt.assign(per_head * p.B * p.K, 0.0f);
-  packed.v.assign(per_head * p.B * p.K, 0.0f);
+  packed.kt.acquire(per_head * p.B * p.K);
+  packed.v.acquire(per_head * p.B * p.K);
   parallel_for(p.B * p.K, [&](int item, int) {
     const int b = item / p.K, kvh = item % p.K;
     float* kt = packed.kt.data() + per_head * item;

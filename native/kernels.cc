@@ -65,6 +65,57 @@ void parallel_for(int n, const std::function<void(int, int)>& fn) {
 
 namespace {
 
+struct ScratchPool {
+  std::mutex mutex;
+  std::vector<std::vector<float>> free;  // sorted by capacity, smallest first
+  size_t kept_bytes = 0;
+};
+
+ScratchPool& scratch_pool() {
+  static ScratchPool* pool = new ScratchPool;  // never destroyed: usable at exit
+  return *pool;
+}
+
+size_t bytes_of(const std::vector<float>& buf) { return buf.capacity() * sizeof(float); }
+
+}  // namespace
+
+void Scratch::acquire(size_t n) {
+  release();
+  {
+    ScratchPool& pool = scratch_pool();
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    auto fit = std::find_if(pool.free.begin(), pool.free.end(),
+                            [n](const std::vector<float>& buf) { return buf.capacity() >= n; });
+    if (fit != pool.free.end()) {
+      pool.kept_bytes -= bytes_of(*fit);
+      buf_ = std::move(*fit);
+      pool.free.erase(fit);
+    }
+  }
+  buf_.assign(n, 0.0f);  // within capacity: no allocation, no fresh pages
+}
+
+void Scratch::release() {
+  if (buf_.capacity() == 0) return;
+  std::vector<float> buf = std::move(buf_);
+  buf_ = std::vector<float>();
+  if (bytes_of(buf) > kScratchKeepBytes) return;
+  ScratchPool& pool = scratch_pool();
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  auto at = std::find_if(pool.free.begin(), pool.free.end(), [&](const std::vector<float>& b) {
+    return b.capacity() >= buf.capacity();
+  });
+  pool.kept_bytes += bytes_of(buf);
+  pool.free.insert(at, std::move(buf));
+  while (pool.kept_bytes > kScratchKeepBytes) {  // drop the smallest first
+    pool.kept_bytes -= bytes_of(pool.free.front());
+    pool.free.erase(pool.free.begin());
+  }
+}
+
+namespace {
+
 struct Range {
   int64_t lo = std::numeric_limits<int64_t>::max();
   int64_t hi = std::numeric_limits<int64_t>::min();
