@@ -5,7 +5,10 @@ The model and step are those of `examples/plan_and_train.py`: the trainer of
 of `sf.layers.ParallelTransformerBlock`s in an `sf.layers.Stack` with the
 plan's remat policy, ZeRO through the layers and `sf.parallel.ZeroOptimizer`,
 AdamW, gradient accumulation or `sf.parallel.Pipeline` over the plan's
-microbatches) configured from a plan (`from_plan`). For every configuration
+microbatches) configured from a plan (`from_plan`), compiled from abstract
+parameters and optimizer state (`shardfuse.train.step_memory`: the same bytes as
+the real trainer's step, a test below checks, without building the arrays; about
+1 s less per configuration). For every configuration
 of the grid (mesh shapes over pipeline, data, fsdp, sequence and model;
 ZeRO 0-3; remat policies; accumulation and pipeline microbatches; pipeline
 schedules) the planner's predicted memory per device (`Plan.memory_bytes`,
@@ -102,17 +105,25 @@ def _compiled_bytes(plan):
     `native_cpu` keeps its tiles in its own buffers outside XLA's accounting (DEFAULT's
     compiled bytes 4.64 MB against 5.41 MB with xla), which the planner does not model.
     """
-    from shardfuse.kernels.attention import api
-    from shardfuse.train import Trainer, from_plan
+    m = _memory_analysis(plan, abstract=True)
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
+
+def _memory_analysis(plan, abstract):
+    """The plan's training step's `memory_analysis()`: from abstract state
+    (`shardfuse.train.step_memory`, no parameters allocated) or a real `Trainer`."""
+    from shardfuse.kernels.attention import api
+    from shardfuse.train import Trainer, from_plan, step_memory
+
+    config = from_plan(example.config(), plan)
     saved = api.PREFERENCE["cpu"]
     api.PREFERENCE["cpu"] = ("xla",)
     try:
-        trainer = Trainer(from_plan(example.config(), plan), log=lambda line: None)
-        m = trainer.memory_analysis()
+        if abstract:
+            return step_memory(config)
+        return Trainer(config, log=lambda line: None).memory_analysis()
     finally:
         api.PREFERENCE["cpu"] = saved
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
 
 _RESULTS = {}  # case -> (predicted, compiled), shared by the grid and the ranking test
@@ -144,6 +155,16 @@ def _spearman(a, b):
 
 def test_one_configuration_within_tolerance():
     _check(DEFAULT)
+
+
+@pytest.mark.parametrize("case", [DEFAULT, ((2, 2, 2, 1, 1), 3, "full", 2, "1f1b", 1)])
+def test_abstract_step_memory_is_the_trainers(case):
+    """`step_memory` (abstract state: what the grid compiles) and the real `Trainer`'s
+    compiled step agree byte for byte, on data parallelism and on pipeline x ZeRO-3."""
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+    plan = _plan(case)
+    abstract, real = (_memory_analysis(plan, abstract=a) for a in (True, False))
+    assert [getattr(abstract, f) for f in fields] == [getattr(real, f) for f in fields]
 
 
 # Known misses (first run of the whole slow suite in CI, 2026-11-25): the planner

@@ -39,6 +39,7 @@ from shardfuse.train.trainer import (
     plan_for,
     planned,
     run,
+    step_memory,
 )
 
 __all__ = [
@@ -56,4 +57,5 @@ __all__ = [
     "plan_for",
     "planned",
     "run",
+    "step_memory",
 ]

@@ -21,6 +21,7 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import AxisType
@@ -202,6 +203,77 @@ def _peak_flops(config: TrainConfig) -> float | None:
     return flops.peak_flops_per_s(chip, COMPUTE_DTYPE)
 
 
+def _mesh(config: TrainConfig):
+    shape = config.mesh_shape(jax.device_count())
+    if config.spread_processes:
+        return jax.sharding.Mesh(
+            distributed.spread_devices(shape), AXES, axis_types=(AxisType.Explicit,) * 5
+        )
+    return jax.make_mesh(shape, AXES)
+
+
+def _with_checkpoint_spec(config: TrainConfig) -> TrainConfig:
+    """`config` with `init_from`'s architecture as its model (unchanged without one)."""
+    if not config.init_from:
+        return config
+    from shardfuse.models import hf
+
+    source = pathlib.Path(config.init_from)
+    if not (source / "config.json").is_file():
+        raise ValueError(
+            f"init_from={config.init_from!r} is not a Hugging Face checkpoint directory "
+            "(no config.json)"
+        )
+    spec = hf.spec_from_hf_config(
+        json.loads((source / "config.json").read_text()), name=source.name or "hf"
+    )
+    return dataclasses.replace(config, model=spec)
+
+
+def _parallelize(config: TrainConfig, mesh, init=None):
+    return parallelize(
+        config.model,
+        config.run_options(),
+        mesh,
+        optimizer=optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
+        rngs=nnx.Rngs(config.seed),
+        init=init,
+    )
+
+
+def step_memory(config: TrainConfig):
+    """The compiled training step's `memory_analysis()` per device, allocating nothing.
+
+    The step `Trainer(config)` would run, compiled from the abstract model and
+    optimizer state (`nnx.eval_shape`: shapes, dtypes and shardings, no arrays):
+    what a run of `config` needs per device (arguments + outputs + temp) before
+    any parameter exists, e.g. to check a plan on the devices at hand. An
+    `init_from` checkpoint gives the spec; its weights are not read.
+
+    Example:
+      >>> from shardfuse.models import ModelSpec
+      >>> from shardfuse.train import TrainConfig, step_memory
+      >>> config = TrainConfig(mesh={"data": 8}, model=ModelSpec.tiny(num_layers=1))
+      >>> step_memory(config).argument_size_in_bytes > 0
+      True
+    """
+    config = _with_checkpoint_spec(config)
+    mesh = _mesh(config)
+    built = {}
+
+    def build():
+        built["run"] = run = _parallelize(config, mesh)
+        return run.model, run.optimizer
+
+    model, optimizer = nnx.eval_shape(build)
+    run = built["run"]
+    rows = jax.ShapeDtypeStruct(
+        (config.global_batch, config.seq_len + 1), jnp.int32, sharding=run.batch_sharding
+    )
+    with jax.set_mesh(mesh):
+        return run.step.lower(model, optimizer, rows).compile().memory_analysis()
+
+
 class Trainer:
     """One training run: mesh, model, optimizer, data, checkpoints (see the module docstring).
 
@@ -217,36 +289,14 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, log=print):
         self.config, self._log = config, log
-        shape = config.mesh_shape(jax.device_count())
-        if config.spread_processes:
-            self.mesh = jax.sharding.Mesh(
-                distributed.spread_devices(shape), AXES, axis_types=(AxisType.Explicit,) * 5
-            )
-        else:
-            self.mesh = jax.make_mesh(shape, AXES)
+        self.mesh = _mesh(config)
+        self.config = config = _with_checkpoint_spec(config)
         init = None
-        if config.init_from:  # the checkpoint's architecture replaces config.model
+        if config.init_from:
             from shardfuse.models import hf
 
-            source = pathlib.Path(config.init_from)
-            if not (source / "config.json").is_file():
-                raise ValueError(
-                    f"init_from={config.init_from!r} is not a Hugging Face checkpoint directory "
-                    "(no config.json)"
-                )
-            spec = hf.spec_from_hf_config(
-                json.loads((source / "config.json").read_text()), name=source.name or "hf"
-            )
-            self.config = config = dataclasses.replace(config, model=spec)
             init = functools.partial(hf.load_hf, config.init_from)
-        self.parallelized = parallelize(
-            config.model,
-            config.run_options(),
-            self.mesh,
-            optimizer=optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
-            rngs=nnx.Rngs(config.seed),
-            init=init,
-        )
+        self.parallelized = _parallelize(config, self.mesh, init=init)
         self.model, self.optimizer = self.parallelized.model, self.parallelized.optimizer
         self.stream = _stream(config)
         self.step = 0
