@@ -411,13 +411,32 @@ class Stack(nnx.Module):
                 is_leaf=_sharding.is_variable,
             )
         if self.stage_layers is not None:  # the real layers' rows, in order
-            real = np.flatnonzero(np.asarray(_layer_rows(self.num_layers, self.stage_layers)) >= 0)
+            real = np.flatnonzero(np.asarray(self.layer_rows()) >= 0)
             state = jax.tree.map(
                 lambda v: (v[...] if _sharding.is_variable(v) else v)[real],
                 state,
                 is_leaf=_sharding.is_variable,
             )
         return self.apply_layers(state, x, **kwargs)
+
+    def layer_rows(self) -> list:
+        """The layer each row of the stacked parameters holds, -1 for a padding row.
+
+        Rows are layers in order unless `stage_layers` pads the lighter stages
+        (`sf.parallel.Checkpointer` saves the layers in order through this, so a
+        checkpoint restores onto any stage layout).
+
+        Example:
+          >>> import jax
+          >>> from flax import nnx
+          >>> from shardfuse.layers import Stack
+          >>> mesh = jax.make_mesh((2,), ("pipeline",))
+          >>> stack = Stack(lambda rngs: nnx.Linear(4, 4, rngs=rngs), 3, mesh=mesh,
+          ...               layer_axis="pipeline", stage_layers=(2, 1), rngs=nnx.Rngs(0))
+          >>> stack.layer_rows()
+          [0, 1, 2, -1]
+        """
+        return _layer_rows(self.num_layers, self.stage_layers)
 
     def apply_stage_layers(self, state, x, **kwargs):
         """Per shard, in a pipeline stage: its rows of the stacked `state` applied in order.

@@ -6,7 +6,11 @@ position (a JSON dict the caller chooses, e.g. the index of the next batch).
 Restoring reads each array directly into the sharding the *current* model and
 optimizer have: build them on the new mesh (same hyperparameters), then call
 `restore`. A different mesh shape, axis set or process count is fine; orbax
-reads only the pieces each process's devices need.
+reads only the pieces each process's devices need. A `Stack` with uneven
+pipeline stages (`stage_layers`: zero rows pad the lighter stages) is saved one
+row per layer, in order, and padded again on restore to the stages of the model
+restored into, so a checkpoint moves between any stage layouts (pipeline 4 with
+stages (3, 3, 2, 2) to pipeline 3 with (4, 3, 3), or to no pipeline).
 
 Writes are atomic (orbax writes into a temporary directory and renames it
 when every process has finished), so a run killed mid-save resumes from the
@@ -18,10 +22,20 @@ it owns), so no two processes write the same file.
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.layers.stack import Stack
 
 __all__ = ["Checkpointer"]
+
+# Meta key of checkpoints whose stacked layers are saved one row per layer, in order
+# (checkpoints written before it hold a padded stack's rows as they were).
+_LAYERS_IN_ORDER = "stacked_layers_in_order"
 
 
 def _state_dict(model, optimizer) -> dict:
@@ -35,6 +49,87 @@ def _state_dict(model, optimizer) -> dict:
 def _abstract(tree):
     """ShapeDtypeStructs with the shardings of `tree`'s arrays (the restore target)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _padded_stacks(model) -> dict:
+    """`{(key path of a padded Stack in model's state, leaf key paths under it): row map}`
+    for every `Stack` whose rows are not its layers in order (uneven pipeline stages)."""
+    stacks = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Stack):
+            rows = node.layer_rows()
+            if rows != list(range(node.num_layers)):
+                stacks[tuple(str(k) for k in path)] = rows
+    return stacks
+
+
+def _row_map(key_path, leaf, stacks):
+    """The row map of `leaf` if it is a padded stack's parameter, or mirrors one (optimizer
+    moments hold the parameter's path after their own keys: `opt_state/0/mu/blocks/...`)."""
+    keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
+    for stack, rows in stacks.items():
+        n = len(stack)
+        for start in range(len(keys) - n):
+            if keys[start : start + n] == stack and getattr(leaf, "shape", ())[:1] == (len(rows),):
+                return rows
+    return None
+
+
+def _unpadded_spec(x):
+    """x's sharding with the layer axis whole: (mesh, spec)."""
+    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    return x.sharding.mesh, P(None, *spec[1:])
+
+
+def _layers_in_order(state, stacks):
+    """`state` with each padded stack's leaves as `[num_layers, ...]`, layers in order."""
+    if not stacks:
+        return state
+
+    def one(key_path, x):
+        rows = _row_map(key_path, x, stacks)
+        if rows is None:
+            return x
+        mesh, spec = _unpadded_spec(x)
+        order = np.array([rows.index(layer) for layer in range(max(rows) + 1)])
+        whole = jax.device_put(x, NamedSharding(mesh, spec))
+        return jax.jit(lambda w: w[order], out_shardings=NamedSharding(mesh, spec))(whole)
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def _in_order_target(target, stacks):
+    """The restore target of a checkpoint saved layers-in-order, for padded `target` leaves."""
+
+    def one(key_path, x):
+        rows = _row_map(key_path, x, stacks)
+        if rows is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        mesh, spec = _unpadded_spec(x)
+        shape = (max(rows) + 1, *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, target)
+
+
+def _padded(restored, target, stacks):
+    """Restored layers-in-order leaves back into the padded rows (zeros) of `target`'s."""
+
+    def one(key_path, x, like):
+        rows = _row_map(key_path, like, stacks)
+        if rows is None:
+            return x
+        take = np.array([max(layer, 0) for layer in rows])
+        real = np.array([layer >= 0 for layer in rows]).reshape((-1,) + (1,) * (x.ndim - 1))
+        mesh, spec = _unpadded_spec(like)
+
+        def pad(w):
+            return jnp.where(real, w[take], jnp.zeros((), w.dtype))
+
+        padded = jax.jit(pad, out_shardings=NamedSharding(mesh, spec))(x)
+        return jax.device_put(padded, like.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, restored, target)
 
 
 class Checkpointer:
@@ -107,9 +202,10 @@ class Checkpointer:
             return False
         if step in self._manager.all_steps():
             return False
-        meta = {"step": int(step), "data_position": data_position or {}}
+        meta = {"step": int(step), "data_position": data_position or {}, _LAYERS_IN_ORDER: True}
+        state = _layers_in_order(_state_dict(model, optimizer), _padded_stacks(model))
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(_state_dict(model, optimizer)),
+            state=ocp.args.StandardSave(state),
             meta=ocp.args.JsonSave(meta),
         )
         return bool(self._manager.save(int(step), args=args, force=True))
@@ -135,18 +231,25 @@ class Checkpointer:
                 f"{self.directory} (steps there: {sorted(steps)})"
             )
         target = _state_dict(model, optimizer)
+        stacks = _padded_stacks(model)
+        saved_meta = self._manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        )
+        if not saved_meta["meta"].get(_LAYERS_IN_ORDER):
+            stacks = {}  # an older checkpoint: its stacks' rows as they were saved
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target)),
+                state=ocp.args.StandardRestore(_in_order_target(target, stacks)),
                 meta=ocp.args.JsonRestore(),
             ),
         )
+        arrays = _padded(restored["state"], target, stacks)
         for name, node in (("model", model), ("optimizer", optimizer)):
             if node is None:
                 continue
             state = nnx.state(node)
-            nnx.replace_by_pure_dict(state, restored["state"][name])
+            nnx.replace_by_pure_dict(state, arrays[name])
             nnx.update(node, state)
         meta = dict(restored["meta"])
         return {"step": int(meta["step"]), "data_position": meta.get("data_position", {})}
