@@ -49,10 +49,15 @@ _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 
 
 def _rope_parameters(config: dict) -> dict:
-    """A config's RoPE fields: old (`rope_theta`, `rope_scaling`) or new (`rope_parameters`)."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
-    params = {**scaling, **params}
+    """A config's RoPE fields: old (`rope_theta`, `rope_scaling`) or new (`rope_parameters`).
+
+    As transformers reads them (`convert_rope_params_to_dict`): a non-empty
+    `rope_scaling` replaces `rope_parameters` whole (transformers 5 writes a default
+    `rope_parameters` into every config it saves, and model cards have users add a
+    `rope_scaling` beside it), and `rope_theta` comes from the chosen dict, else the
+    top-level field, else 10000.
+    """
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = kind
@@ -88,7 +93,7 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
     act = config.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; supported: silu")
-    if config.get("mlp_bias"):
+    if kind == "llama" and config.get("mlp_bias"):  # Mistral's and Qwen2's MLPs ignore it
         raise ValueError("config.json: mlp_bias=True is not supported (biases in the MLP)")
     rope = _rope_parameters(config)
     if rope["rope_type"] not in ("default", "llama3"):
@@ -100,10 +105,21 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     window = None
-    if kind == "mistral" and config.get("sliding_window"):
-        window = int(config["sliding_window"])
+    # Mistral's window defaults to 4096 where config.json has no such key (MistralConfig).
+    if kind == "mistral" and config.get("sliding_window", 4096):
+        window = int(config.get("sliding_window", 4096))
     if kind == "qwen2" and config.get("use_sliding_window") and config.get("sliding_window"):
-        raise ValueError("config.json: use_sliding_window=True (Qwen2) is not supported")
+        # Qwen2 slides on layers max_window_layers.. (or where layer_types says so).
+        layers = config["num_hidden_layers"]
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(layers)
+        ]
+        if "sliding_attention" in types:
+            raise ValueError(
+                "config.json: use_sliding_window=True (Qwen2) with sliding layers is not "
+                "supported (a window on some layers only)"
+            )
     # q/k/v biases: always on Qwen2, never on Mistral; Llama's `attention_bias` puts a
     # bias on o_proj too, which the spec cannot hold (transformers' modeling files).
     if kind == "llama" and config.get("attention_bias"):
@@ -120,6 +136,8 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
             "high_freq_factor",
             "original_max_position_embeddings",
         )
+        if "max_position_embeddings" in config:  # transformers' default for it
+            rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
         missing = [f for f in fields if f not in rope]
         if missing:
             raise ValueError(f"config.json: rope type 'llama3' needs {missing} in rope_parameters")
@@ -354,13 +372,34 @@ def _check_all_used(source, maps, state, spec):
         layers = range(shapes[p][0]) if m.stacked else [None]
         used.update(n.format(layer=layer) for n in m.names for layer in layers)
     unused = [n for n in source.names() if n not in used and not _NOT_PARAMETERS.search(n)]
-    if spec.tied_embeddings:
-        unused = [n for n in unused if n != "lm_head.weight"]
+    if spec.tied_embeddings and "lm_head.weight" in unused:
+        _check_tied_head(source)
+        unused.remove("lm_head.weight")
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise ValueError(
             f"the checkpoint holds tensors that model {spec.name!r} has no parameter for: "
             f"{shown}; loading without them would compute another model"
+        )
+
+
+def _check_tied_head(source, rows_per_read: int = 4096):
+    """ValueError where config.json ties the embeddings but the checkpoint's `lm_head.weight`
+    is not `embed_tokens.weight`: transformers then keeps the head untied (its
+    `tie_weights` warns), so tying it would compute another model. Read in row blocks."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    shape = source.info(head)[0]
+    same = shape == source.info(embed)[0]
+    for start in range(0, shape[0] if same else 0, rows_per_read):
+        block = (slice(start, start + rows_per_read),)
+        if not np.array_equal(source.read(head, block), source.read(embed, block)):
+            same = False
+            break
+    if not same:
+        raise ValueError(
+            "config.json has tie_word_embeddings=true, but the checkpoint's lm_head.weight "
+            "differs from model.embed_tokens.weight (transformers uses it untied): set "
+            "tie_word_embeddings to false in config.json to load the head it holds"
         )
 
 
