@@ -170,6 +170,15 @@ def test_bad_inputs_name_the_argument():
         RunOptions(schedule="nope")
     with pytest.raises(ValueError, match="microbatches="):
         RunOptions(microbatches=0)
+    # named at parallelize, as RunOptions spells them (the step's trace named the
+    # Pipeline's num_microbatches, or "stages=4 must be an int from 1 to the 3 layers")
+    pipeline = _mesh({"pipeline": 2, "data": 4})
+    named = r"RunOptions\(schedule='1f1b', microbatches=1.*microbatches=1 must be >= the"
+    with pytest.raises(ValueError, match=named):
+        parallelize(SPEC, RunOptions(), pipeline)
+    with pytest.raises(ValueError, match="spec.num_layers=3 is fewer than the mesh's 4 pipeline"):
+        parallelize(SPEC.replace(num_layers=3), RunOptions(microbatches=4),
+                    _mesh({"pipeline": 4, "data": 2}))  # fmt: skip
 
 
 def test_docstring_examples_run():

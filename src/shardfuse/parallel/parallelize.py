@@ -39,7 +39,7 @@ from shardfuse.models.transformer import Transformer
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.pipeline.balance import balance_stages
-from shardfuse.parallel.pipeline.schedule import SCHEDULES
+from shardfuse.parallel.pipeline.schedule import SCHEDULES, check_schedule
 from shardfuse.parallel.zero import ZeroOptimizer
 
 
@@ -212,6 +212,20 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
     # 2. pipeline stages (uneven layer counts balanced)
     stages = _size(mesh, axes.PIPELINE)
     pipelined = stages > 1
+    if pipelined:
+        if spec.num_layers < stages:
+            raise ValueError(
+                f"spec.num_layers={spec.num_layers} is fewer than the mesh's {stages} pipeline "
+                "stages (each stage needs a layer): a smaller pipeline axis, or more layers"
+            )
+        try:
+            check_schedule(options.schedule, stages, options.microbatches, options.virtual_stages)
+        except ValueError as e:  # named as the options spell them
+            raise ValueError(
+                f"RunOptions(schedule={options.schedule!r}, microbatches={options.microbatches}, "
+                f"virtual_stages={options.virtual_stages}) on a pipeline axis of {stages}: "
+                f"{str(e).replace('num_microbatches', 'microbatches')}"
+            ) from None
     stage_layers = None
     if pipelined and spec.num_layers % (stages * options.virtual_stages):
         if options.virtual_stages > 1:

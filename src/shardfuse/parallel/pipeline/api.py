@@ -176,7 +176,7 @@ class Pipeline(nnx.Module):
             )
         batch_axes = self.io_spec[0] if len(self.io_spec) else None
         check_divisible(
-            f"the microbatch size x.shape[0] / num_microbatches = {x.shape[0] // m}",
+            "the microbatch size x.shape[0] / num_microbatches",
             x.shape[0] // m,
             self.mesh,
             batch_axes,
