@@ -52,8 +52,8 @@ def _abstract(tree):
 
 
 def _padded_stacks(model) -> dict:
-    """`{(key path of a padded Stack in model's state, leaf key paths under it): row map}`
-    for every `Stack` whose rows are not its layers in order (uneven pipeline stages)."""
+    """`{key path of a Stack in model: the layer of each row (-1: padding)}` for every
+    `Stack` whose rows are not its layers in order (uneven pipeline stages)."""
     stacks = {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Stack):
