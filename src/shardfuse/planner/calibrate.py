@@ -254,9 +254,12 @@ def measure_cpu(devices: int | None = None, *, cores: int | None = None, sizes=P
         times that do not grow with the size in three tries, each with twice the
         transfers and two more repeats (`fit_link`).
 
-    Example:
+    Example (4 MiB against 64 KiB transfers: the copy's share stands well above the
+    run-to-run noise even on a loaded host; 16 KiB against 1 MiB once measured no
+    growth at all three tries while another process loaded both cores)::
+
       >>> from shardfuse.planner.calibrate import cpu_cluster, measure_cpu
-      >>> measured = measure_cpu(2, cores=1, repeats=5)
+      >>> measured = measure_cpu(2, cores=1, sizes=(1 << 16, 1 << 22), repeats=5)
       >>> cpu_cluster(2, cores=1, **measured).num_devices
       2
     """
