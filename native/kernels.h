@@ -204,7 +204,6 @@ class Scratch {
   void acquire(size_t n);
   float* data() { return buf_.data(); }
   const float* data() const { return buf_.data(); }
-  size_t size() const { return buf_.size(); }
 
  private:
   void release();

@@ -105,9 +105,8 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     window = None
-    # Mistral's window defaults to 4096 where config.json has no such key (MistralConfig).
-    if kind == "mistral" and config.get("sliding_window", 4096):
-        window = int(config.get("sliding_window", 4096))
+    if kind == "mistral":  # 4096 where config.json has no such key (MistralConfig's default)
+        window = int(config.get("sliding_window", 4096) or 0) or None
     if kind == "qwen2" and config.get("use_sliding_window") and config.get("sliding_window"):
         # Qwen2 slides on layers max_window_layers.. (or where layer_types says so).
         layers = config["num_hidden_layers"]
