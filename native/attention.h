@@ -79,10 +79,14 @@ inline TileMask<BQ, BKV> tile_mask(const Problem& p, int b, int t0, int rows, in
 void attention_forward(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
                        void* out, float* lse);
 
-// From lse (its -inf replaced by 0) and delta = rowsum(d_out * out) - d_lse, both float32
-// [B, H, T]: float32 dq [B, T, H, D], dk and dv [B, S, K, D]. d_out is in the inputs' dtype.
+// The forward's out and its cotangent d_out [B, T, H, D] (each float32, or bfloat16 where
+// its flag says so), lse and its cotangent d_lse (float32 [B, H, T]; lse -inf where a row
+// sees nothing): float32 dq [B, T, H, D], dk and dv [B, S, K, D]. The row statistics
+// delta = rowsum(d_out * out) - d_lse are computed here, beside the packing of d_out
+// (as an XLA op before the call they were a single-threaded dot: 7% of the step).
 void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
-                        const void* d_out, bool bf16, const float* lse, const float* delta,
-                        float* dq, float* dk, float* dv);
+                        bool bf16, const void* d_out, bool d_out_bf16, const void* out,
+                        bool out_bf16, const float* lse, const float* d_lse, float* dq, float* dk,
+                        float* dv);
 
 }  // namespace shardfuse

@@ -52,24 +52,40 @@ int dq_groups(int items, int threads, size_t dq_floats) {
 }
 
 template <int BQ, int BKV>
-void backward_tiles(const Problem& p, const void* q, const void* k, const void* v,
-                    const void* d_out, bool bf16, const float* lse, const float* delta, float* dq,
-                    float* dk, float* dv) {
+void backward_tiles(const Problem& p, const void* q, const void* k, const void* v, bool bf16,
+                    const void* d_out, bool d_out_bf16, const void* out, bool out_bf16,
+                    const float* lse_in, const float* d_lse, float* dq, float* dk, float* dv) {
   const int nq = (p.T + BQ - 1) / BQ, nk = (p.S + BKV - 1) / BKV;
   const int Dp = p.Dp(), G = p.G(), Tp = nq * BQ, Sp = nk * BKV;
   const std::vector<Tile> tiles = classify_tiles(p, BQ, BKV);
 
   // Packed float32 operands: per query head Q * scale and dO [Tp, Dp]; per kv head
-  // K [Sp, Dp], and K, V transposed per block [nk, Dp, BKV].
+  // K [Sp, Dp], and K, V transposed per block [nk, Dp, BKV]. Per query row: lse (-inf, a
+  // row that sees nothing, as 0: exp(s - lse) stays finite where the mask zeroes p anyway)
+  // and delta = rowsum(dO * O) - d_lse.
   const size_t q_head = static_cast<size_t>(Tp) * Dp, kv_head = static_cast<size_t>(Sp) * Dp;
   Scratch qs(q_head * p.B * p.H), dos(q_head * p.B * p.H);
   Scratch kn(kv_head * p.B * p.K), kt(kv_head * p.B * p.K), vt(kv_head * p.B * p.K);
+  const size_t q_rows = static_cast<size_t>(p.B) * p.H * p.T;
+  Scratch lse_rows(q_rows), delta_rows(q_rows);
   parallel_for(p.B * p.H, [&](int item, int) {
     const int b = item / p.H, h = item % p.H;
     const size_t base = static_cast<size_t>(b) * p.T * p.H * p.D;
     pack_rows(q, bf16, p.T, p.H, h, p.D, Dp, p.scale, base, qs.data() + q_head * item);
-    pack_rows(d_out, bf16, p.T, p.H, h, p.D, Dp, 1.0f, base, dos.data() + q_head * item);
+    float* do_head = dos.data() + q_head * item;
+    pack_rows(d_out, d_out_bf16, p.T, p.H, h, p.D, Dp, 1.0f, base, do_head);
+    const size_t row0 = static_cast<size_t>(item) * p.T;
+    for (int t = 0; t < p.T; ++t) {
+      const size_t src = base + (static_cast<size_t>(t) * p.H + h) * p.D;
+      float sum = 0.0f;
+      for (int d = 0; d < p.D; ++d) sum += do_head[t * Dp + d] * load_element(out, src + d, out_bf16);
+      delta_rows.data()[row0 + t] = sum - d_lse[row0 + t];
+      const float l = lse_in[row0 + t];
+      lse_rows.data()[row0 + t] = std::isfinite(l) ? l : 0.0f;
+    }
   });
+  const float* lse = lse_rows.data();
+  const float* delta = delta_rows.data();
   parallel_for(p.B * p.K, [&](int item, int) {
     const int b = item / p.K, kvh = item % p.K;
     const size_t base = static_cast<size_t>(b) * p.S * p.K * p.D;
@@ -218,12 +234,12 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
 }  // namespace
 
 void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
-                        const void* d_out, bool bf16, const float* lse, const float* delta,
-                        float* dq, float* dk, float* dv) {
-  if (use_full_tiles(p))
-    backward_tiles<kBlockQFull, kBlockKVFull>(p, q, k, v, d_out, bf16, lse, delta, dq, dk, dv);
-  else
-    backward_tiles<kBlockQ, kBlockKV>(p, q, k, v, d_out, bf16, lse, delta, dq, dk, dv);
+                        bool bf16, const void* d_out, bool d_out_bf16, const void* out,
+                        bool out_bf16, const float* lse, const float* d_lse, float* dq, float* dk,
+                        float* dv) {
+  auto run = use_full_tiles(p) ? backward_tiles<kBlockQFull, kBlockKVFull>
+                               : backward_tiles<kBlockQ, kBlockKV>;
+  run(p, q, k, v, bf16, d_out, d_out_bf16, out, out_bf16, lse, d_lse, dq, dk, dv);
 }
 
 }  // namespace shardfuse

@@ -34,7 +34,7 @@ typedef float VecU __attribute__((vector_size(kLanes * 4), aligned(4), may_alias
 
 inline Vec load(const float* p) { return *reinterpret_cast<const VecU*>(p); }
 inline void store(float* p, Vec x) { *reinterpret_cast<VecU*>(p) = x; }
-inline Vec splat(float x) { return Vec{} + x; }
+inline Vec splat(float x) { return -Vec{} + x; }  // x + -0.0 is x: one broadcast
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -115,6 +115,7 @@ inline void micro_kernel(int Kd, const float* a, long a_row, long a_col, const f
   Vec acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = ACC ? load(c + m * ldc + v * kLanes) : Vec{};
+  if (Kd < 1) __builtin_unreachable();  // gemm's callers: Kd >= 1
   for (int k = 0; k < Kd; ++k) {
     Vec bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = load(b + k * ldb + v * kLanes);

@@ -91,28 +91,40 @@ ffi::Error Forward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   });
 }
 
+// Whether x is float32 (false) or bfloat16 (true); anything else is an error.
+bool is_bf16(const ffi::AnyBuffer& x, bool* ok) {
+  *ok = x.element_type() == ffi::F32 || x.element_type() == ffi::BF16;
+  return x.element_type() == ffi::BF16;
+}
+
 ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_pos,
                     ffi::Buffer<ffi::S32> q_seg, ffi::Buffer<ffi::S32> kv_seg,
-                    ffi::AnyBuffer d_out, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
-                    ffi::Result<ffi::Buffer<ffi::F32>> dq, ffi::Result<ffi::Buffer<ffi::F32>> dk,
-                    ffi::Result<ffi::Buffer<ffi::F32>> dv, bool causal, int64_t window_left,
-                    int64_t window_right, float softcap, float scale, bool has_segments) {
+                    ffi::AnyBuffer d_out, ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse,
+                    ffi::Buffer<ffi::F32> d_lse, ffi::Result<ffi::Buffer<ffi::F32>> dq,
+                    ffi::Result<ffi::Buffer<ffi::F32>> dk, ffi::Result<ffi::Buffer<ffi::F32>> dv,
+                    bool causal, int64_t window_left, int64_t window_right, float softcap,
+                    float scale, bool has_segments) {
   Problem p;
   bool bf16;
   ffi::Error error = make_problem(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, window_left,
                                   window_right, softcap, scale, has_segments, &p, &bf16);
   if (error.failure()) return error;
+  bool d_out_ok, out_ok;
+  const bool d_out_bf16 = is_bf16(d_out, &d_out_ok), out_bf16 = is_bf16(out, &out_ok);
+  if (!d_out_ok || !out_ok)
+    return ffi::Error::InvalidArgument("out and d_out must be float32 or bfloat16");
   const size_t rows = static_cast<size_t>(p.B) * p.H * p.T;
-  if (d_out.element_type() != q.element_type() || d_out.element_count() != q.element_count() ||
-      lse.element_count() != rows || delta.element_count() != rows ||
+  if (d_out.element_count() != q.element_count() || out.element_count() != q.element_count() ||
+      lse.element_count() != rows || d_lse.element_count() != rows ||
       dq->element_count() != q.element_count() || dk->element_count() != k.element_count() ||
       dv->element_count() != v.element_count())
     return ffi::Error::InvalidArgument("backward operands do not match q, k, v");
   return guarded([&] {
-    attention_backward(p, q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                       d_out.untyped_data(), bf16, lse.typed_data(), delta.typed_data(),
-                       dq->typed_data(), dk->typed_data(), dv->typed_data());
+    attention_backward(p, q.untyped_data(), k.untyped_data(), v.untyped_data(), bf16,
+                       d_out.untyped_data(), d_out_bf16, out.untyped_data(), out_bf16,
+                       lse.typed_data(), d_lse.typed_data(), dq->typed_data(), dk->typed_data(),
+                       dv->typed_data());
   });
 }
 
@@ -148,6 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseAttentionBackward, shardfuse::Backward,
                                                   .Arg<ffi::Buffer<ffi::S32>>()
                                                   .Arg<ffi::Buffer<ffi::S32>>()
                                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                                  .Arg<ffi::AnyBuffer>()
                                                   .Arg<ffi::AnyBuffer>()
                                                   .Arg<ffi::Buffer<ffi::F32>>()
                                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -187,7 +187,7 @@ std::mutex print_mutex;
 void run_case(const Case& c) {
   const Problem& p = c.p;
   const size_t rows = static_cast<size_t>(p.B) * p.H * p.T;
-  std::vector<float> out32, lse(rows), delta(rows), dq(c.q.size()), dk(c.k.size()),
+  std::vector<float> out32, lse(rows), dq(c.q.size()), dk(c.k.size()),
       dv(c.v.size());
   std::vector<uint16_t> q16, k16, v16, do16, out16;
   const void *q, *k, *v, *d_out;
@@ -204,22 +204,15 @@ void run_case(const Case& c) {
   std::vector<float> out_f(c.q.size());
   for (size_t i = 0; i < out_f.size(); ++i)
     out_f[i] = c.bf16 ? shardfuse::bf16_to_f32(out16[i]) : out32[i];
-  // delta = rowsum(d_out * out) (no lse cotangent), lse's -inf replaced by 0, as in Python.
-  std::vector<float> lse_in(lse);
-  for (int b = 0; b < p.B; ++b)
-    for (int h = 0; h < p.H; ++h)
-      for (int t = 0; t < p.T; ++t) {
-        const size_t row = (static_cast<size_t>(b) * p.H + h) * p.T + t;
-        double sum = 0;
-        for (int d = 0; d < p.D; ++d) {
-          const size_t i = ((static_cast<size_t>(b) * p.T + t) * p.H + h) * p.D + d;
-          sum += static_cast<double>(c.d_out[i]) * out_f[i];
-        }
-        delta[row] = static_cast<float>(sum);
-        if (lse_in[row] == -INFINITY) lse_in[row] = 0.0f;
-      }
-  shardfuse::attention_backward(p, q, k, v, d_out, c.bf16, lse_in.data(), delta.data(),
-                                dq.data(), dk.data(), dv.data());
+  // No lse cotangent; the kernel forms delta = rowsum(d_out * out) and cleans lse's -inf
+  // itself. A bfloat16 problem passes out as float32 every other case (out and d_out each
+  // carry their own dtype, as a ring's float32 merged output does).
+  const std::vector<float> d_lse(rows, 0.0f);
+  const bool out_as_f32 = c.bf16 && (p.T + p.S) % 2 == 0;
+  shardfuse::attention_backward(p, q, k, v, c.bf16, d_out, c.bf16,
+                                out_as_f32 ? static_cast<const void*>(out_f.data()) : out,
+                                c.bf16 && !out_as_f32, lse.data(), d_lse.data(), dq.data(),
+                                dk.data(), dv.data());
   const Reference ref = reference(c);
   std::vector<double> lse_ref(ref.lse);
   std::vector<float> lse_cmp(lse);
