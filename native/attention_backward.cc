@@ -63,11 +63,14 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
   // K [Sp, Dp], and K, V transposed per block [nk, Dp, BKV]. Per query row: lse (-inf, a
   // row that sees nothing, as 0: exp(s - lse) stays finite where the mask zeroes p anyway)
   // and delta = rowsum(dO * O) - d_lse.
+  // Without padding the packing writes every element: no zeroing first.
   const size_t q_head = static_cast<size_t>(Tp) * Dp, kv_head = static_cast<size_t>(Sp) * Dp;
-  Scratch qs(q_head * p.B * p.H), dos(q_head * p.B * p.H);
-  Scratch kn(kv_head * p.B * p.K), kt(kv_head * p.B * p.K), vt(kv_head * p.B * p.K);
+  const bool padded = Dp != p.D || Tp != p.T || Sp != p.S;
+  Scratch qs(q_head * p.B * p.H, padded), dos(q_head * p.B * p.H, padded);
+  Scratch kn(kv_head * p.B * p.K, padded), kt(kv_head * p.B * p.K, padded);
+  Scratch vt(kv_head * p.B * p.K, padded);
   const size_t q_rows = static_cast<size_t>(p.B) * p.H * p.T;
-  Scratch lse_rows(q_rows), delta_rows(q_rows);
+  Scratch lse_rows(q_rows, false), delta_rows(q_rows, false);
   parallel_for(p.B * p.H, [&](int item, int) {
     const int b = item / p.H, h = item % p.H;
     const size_t base = static_cast<size_t>(b) * p.T * p.H * p.D;
@@ -117,7 +120,10 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
   const size_t dq_floats = q_head * p.B * p.H;
   const int groups = dq_groups(items, threads, dq_floats);
   const auto plan = schedule(cost, groups);
+  // Each group's dQ buffer is not zeroed: the group's first product into a tile of it
+  // writes (gemm<false>), later ones add; `touched` says which tiles hold a sum.
   std::vector<Scratch> dq_group(groups);
+  std::vector<std::vector<uint8_t>> touched(groups);
   std::atomic<int> next_group{0};
 
   run_threads(threads, [&](int) {
@@ -128,7 +134,9 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
     std::vector<uint8_t> mask(BQ * BKV);
     for (int group = next_group.fetch_add(1); group < groups; group = next_group.fetch_add(1)) {
       Scratch& dq_acc = dq_group[group];
-      dq_acc.acquire(dq_floats);
+      dq_acc.acquire(dq_floats, false);
+      std::vector<uint8_t>& dq_touched = touched[group];
+      dq_touched.assign(static_cast<size_t>(p.B) * p.H * nq, 0);
       for (int item : plan[group]) {
         const int j = item % nk, kvh = (item / nk) % p.K, b = item / (nk * p.K);
         const size_t kv_index = static_cast<size_t>(b) * p.K + kvh;
@@ -203,7 +211,12 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
             }
             gemm<true>(BKV, Dp, rows, dpr, 1, BKV, q_i, Dp, dk_blk.data(), Dp);
             float* dq_i = dq_acc.data() + q_head * head + static_cast<size_t>(t0) * Dp;
-            gemm<true>(rows, Dp, BKV, dpr, BKV, 1, k_src, Dp, dq_i, Dp);
+            uint8_t& dq_held = dq_touched[head * nq + i];
+            if (dq_held)
+              gemm<true>(rows, Dp, BKV, dpr, BKV, 1, k_src, Dp, dq_i, Dp);
+            else
+              gemm<false>(rows, Dp, BKV, dpr, BKV, 1, k_src, Dp, dq_i, Dp);
+            dq_held = 1;
           }
         }
         const int s0 = j * BKV, cols = std::min(BKV, p.S - s0);
@@ -216,17 +229,19 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
     }
   });
 
-  // dQ = scale * sum over groups (in group order) of their dS K.
+  // dQ = scale * sum over groups (in group order) of their dS K, vectorised over D.
   parallel_for(p.B * p.H, [&](int head, int) {
     const int b = head / p.H, h = head % p.H;
+    std::vector<float> sum(Dp);
     for (int t = 0; t < p.T; ++t) {
-      float* dst = dq + ((static_cast<size_t>(b) * p.T + t) * p.H + h) * p.D;
-      for (int d = 0; d < p.D; ++d) {
-        float sum = 0.0f;
-        for (int g = 0; g < groups; ++g)
-          sum += dq_group[g].data()[q_head * head + static_cast<size_t>(t) * Dp + d];
-        dst[d] = p.scale * sum;
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int g = 0; g < groups; ++g) {
+        if (!touched[g][static_cast<size_t>(head) * nq + t / BQ]) continue;
+        const float* src = dq_group[g].data() + q_head * head + static_cast<size_t>(t) * Dp;
+        for (int d = 0; d < Dp; d += kLanes) store(sum.data() + d, load(sum.data() + d) + load(src + d));
       }
+      float* dst = dq + ((static_cast<size_t>(b) * p.T + t) * p.H + h) * p.D;
+      for (int d = 0; d < p.D; ++d) dst[d] = p.scale * sum[d];
     }
   });
 }

@@ -80,7 +80,7 @@ size_t bytes_of(const std::vector<float>& buf) { return buf.capacity() * sizeof(
 
 }  // namespace
 
-void Scratch::acquire(size_t n) {
+void Scratch::acquire(size_t n, bool zero) {
   release();
   {
     ScratchPool& pool = scratch_pool();
@@ -93,7 +93,12 @@ void Scratch::acquire(size_t n) {
       pool.free.erase(fit);
     }
   }
-  buf_.assign(n, 0.0f);  // within capacity: no allocation, no fresh pages
+  // Within capacity: no allocation, no fresh pages (resize writes only elements past the
+  // buffer's previous size).
+  if (zero)
+    buf_.assign(n, 0.0f);
+  else
+    buf_.resize(n);
 }
 
 void Scratch::release() {

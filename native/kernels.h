@@ -78,16 +78,30 @@ inline Vec vtanh(Vec x) {
   return ax < splat(0.0625f) ? series : big;
 }
 
+// x with its lanes rotated by w (lane i takes lane i + w mod kLanes).
+template <int W>
+inline Vec rotate(Vec x) {
+  IVec lanes;
+  for (int i = 0; i < kLanes; ++i) lanes[i] = (i + W) % kLanes;
+  return __builtin_shuffle(x, lanes);
+}
+
+// Horizontal max and sum as trees of log2(kLanes) rotations (a chain of kLanes scalar
+// steps was 1% of the forward: one per row per tile, each waiting on the one before).
 inline float hmax(Vec x) {
-  float m = x[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, x[i]);
-  return m;
+  if constexpr (kLanes >= 16) x = x > rotate<8>(x) ? x : rotate<8>(x);
+  if constexpr (kLanes >= 8) x = x > rotate<4>(x) ? x : rotate<4>(x);
+  x = x > rotate<2>(x) ? x : rotate<2>(x);
+  x = x > rotate<1>(x) ? x : rotate<1>(x);
+  return x[0];
 }
 
 inline float hsum(Vec x) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += x[i];
-  return s;
+  if constexpr (kLanes >= 16) x += rotate<8>(x);
+  if constexpr (kLanes >= 8) x += rotate<4>(x);
+  x += rotate<2>(x);
+  x += rotate<1>(x);
+  return x[0];
 }
 
 // bfloat16 <-> float32 (round to nearest even; NaN stays NaN).
@@ -115,7 +129,7 @@ inline void micro_kernel(int Kd, const float* a, long a_row, long a_col, const f
   Vec acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = ACC ? load(c + m * ldc + v * kLanes) : Vec{};
-  if (Kd < 1) __builtin_unreachable();  // gemm's callers: Kd >= 1
+  if (Kd < 1) __builtin_unreachable();  // gemm handles Kd < 1 (without it, GCC spills acc)
   for (int k = 0; k < Kd; ++k) {
     Vec bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = load(b + k * ldb + v * kLanes);
@@ -167,6 +181,11 @@ inline void rest_rows(int rest, int N, int Kd, const float* a, long a_row, long 
 template <bool ACC>
 inline void gemm(int M, int N, int Kd, const float* a, long a_row, long a_col, const float* b,
                  long ldb, float* c, long ldc) {
+  if (Kd < 1) {  // an empty sum (the micro-kernels assume at least one term)
+    if (!ACC)
+      for (int m = 0; m < M; ++m) std::fill_n(c + m * ldc, N, 0.0f);
+    return;
+  }
   int m = 0;
   for (; m + kRows <= M; m += kRows)
     row_panel<kRows, ACC>(N, Kd, a + m * a_row, a_row, a_col, b, ldb, c + m * ldc, ldc);
@@ -184,7 +203,7 @@ void parallel_for(int n, const std::function<void(int, int)>& fn);
 // Runs fn(thread) on each of `threads` threads (thread 0 is the caller).
 void run_threads(int threads, const std::function<void(int)>& fn);
 
-// n zeroed float32s of scratch, reused across calls. A large buffer allocated afresh on
+// n float32s of scratch (zeroed unless asked not to be), reused across calls. A large buffer allocated afresh on
 // every call costs a page fault per 4 KiB page as it is first written (measured: the
 // backward of GQA 8:2 D128 at 2048 tokens touched 14k fresh pages per call, 6% of its
 // time). A Scratch takes the smallest big-enough buffer from a process-wide pool (or
@@ -195,14 +214,15 @@ class Scratch {
   static constexpr size_t kScratchKeepBytes = size_t{256} << 20;
 
   Scratch() = default;
-  explicit Scratch(size_t n) { acquire(n); }
+  explicit Scratch(size_t n, bool zero = true) { acquire(n, zero); }
   ~Scratch() { release(); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   Scratch(Scratch&& other) noexcept : buf_(std::move(other.buf_)) {}
 
-  // n zeroed floats; a buffer held before goes back to the pool first.
-  void acquire(size_t n);
+  // n floats, zeroed if `zero` (else what a reused buffer held: for a caller that writes
+  // every element it reads); a buffer held before goes back to the pool first.
+  void acquire(size_t n, bool zero = true);
   float* data() { return buf_.data(); }
   const float* data() const { return buf_.data(); }
 
