@@ -115,4 +115,7 @@ def test_killed_run_resumes_where_it_stopped(tmp_path):
     resumed = _losses(log)
     assert len(resumed) == 2  # the resumed run logs its own steps
     want = _in_process({"data": 2, "model": 4}, steps=target)
-    np.testing.assert_allclose(resumed, want[-2:], rtol=0, atol=1e-6)
+    # The runs compile apart: here with the suite's fast-compile XLA flags, there without
+    # (_env drops XLA_FLAGS); after six steps the losses agree to a few float32 ulps
+    # (1.2e-6 at 3.57 seen once in the full suite with the native CPU attention).
+    np.testing.assert_allclose(resumed, want[-2:], rtol=1e-6, atol=1e-6)

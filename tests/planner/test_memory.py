@@ -100,10 +100,12 @@ def _plan(case):
 def _compiled_bytes(plan):
     """arguments + outputs + temp of the compiled training step, per device.
 
-    Attention runs the `xla` kernel (CPU's default), whose backward tiles (XLA
-    temporaries) the planner models (`planner.memory.attention_tiles`). The opt-in
-    `native_cpu` keeps its tiles in its own buffers outside XLA's accounting (DEFAULT's
-    compiled bytes 4.64 MB against 5.41 MB with xla), which the planner does not model.
+    Attention runs the `xla` kernel, whose backward tiles (XLA temporaries) the planner
+    models (`planner.memory.attention_tiles`): the trainer's step calls attention on
+    operands XLA partitions over the mesh, where CPU's default `native_cpu` declines (it
+    runs per device, inside shard_map). `native_cpu` keeps its tiles in its own buffers
+    outside XLA's accounting (DEFAULT's compiled bytes 4.64 MB against 5.41 MB with xla),
+    which the planner does not model.
     """
     m = _memory_analysis(plan, abstract=True)
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

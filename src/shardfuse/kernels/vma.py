@@ -22,6 +22,27 @@ def varying_axes(x) -> frozenset:
     return frozenset(vma) if vma is not None else frozenset()
 
 
+def partitioned_axes(x) -> tuple[str, ...]:
+    """The mesh axes (size > 1) of `x`'s mesh that XLA partitions, not `shard_map` (Auto or
+    Explicit, not Manual): where a custom call without a partitioning rule would have its
+    operands gathered onto every device. Empty for a value on one device or inside a
+    `shard_map` over all of its mesh's axes.
+
+    Example:
+      >>> partitioned_axes(jax.numpy.ones(4))
+      ()
+    """
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        return ()
+    manual = jax.sharding.AxisType.Manual
+    return tuple(
+        name
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+        if size > 1 and kind != manual
+    )
+
+
 def to_varying(x, axes: frozenset):
     """`x` cast to vary over `axes` as well (no-op when it already does)."""
     missing = tuple(sorted(axes - varying_axes(x)))

@@ -150,7 +150,7 @@ def _per_shard(n, layout, check_vma, implementation, **kwargs):
     [
         pytest.param("xla", False, marks=pytest.mark.slow),  # the global wrapper's path
         ("reference", True),  # the reference block backward, clean under vma checks
-        # the C++ CPU kernels (opt-in, where built) as the per-step blocks
+        # the C++ CPU kernels (CPU's default, where built) as the per-step blocks
         pytest.param("native_cpu", True, marks=NEEDS_NATIVE),
     ],
 )

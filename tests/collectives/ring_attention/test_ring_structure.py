@@ -177,7 +177,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
 def test_memory_is_flat_in_ring_size(implementation):
     """Per-device compiled temp memory of forward + backward at fixed local length, N = 2, 4, 8.
 
-    native_cpu (opt-in, where built): N = 2 needs about one local-q-sized buffer
+    native_cpu (CPU's default, where built): N = 2 needs about one local-q-sized buffer
     less than N = 4 and 8, which are equal (measured: 540 KB against 678 KB), so
     flatness is checked from N = 4 on, and N = 2 must not need more.
     """

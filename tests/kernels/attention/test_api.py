@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse.kernels import registry
 from shardfuse.kernels.attention import api
 
 Q = jnp.zeros((2, 16, 4, 8), jnp.float32)
@@ -98,13 +99,15 @@ def test_no_keys_means_every_row_masked():
     assert np.all(np.asarray(grad) == 0)
 
 
-def test_default_implementation_on_cpu_is_xla(monkeypatch):
-    """CPU's preference: xla (native_cpu is opt-in, docs/kernels.md says why)."""
+def test_default_implementation_on_cpu_is_native_then_xla(monkeypatch):
+    """CPU's preference: the C++ kernels where built, else xla (docs/kernels.md)."""
+    assert api.PREFERENCE["cpu"] == ("native_cpu", "xla")
     calls = []
     real = api.load_implementation
     monkeypatch.setattr(api, "load_implementation", lambda name: calls.append(name) or real(name))
     _call(causal=True)
-    assert calls == ["xla"]
+    built = registry.native_cpu_status("cpu")[0]
+    assert calls == (["native_cpu"] if built else ["native_cpu", "xla"])
 
 
 def test_dispatch_falls_back_and_reports_every_reason(monkeypatch):

@@ -3,10 +3,10 @@
 The shared body (`test_attention_backends.py`, backend `native_cpu`) checks values,
 gradients, masked rows, NaN poisoning and determinism when the extension is built.
 Here: without the extension (or switched off at build time) the backend says why and
-dispatch falls back to `xla`; with it, opting in (`implementation="native_cpu"` or
-`("native_cpu", "xla")`) runs it (the CPU default stays xla), the large unmasked
-tiles match the reference, and a malformed call to the custom call itself is an error,
-never a crash.
+dispatch falls back to `xla`; with it, it is CPU's default (`implementation=None`, as
+`("native_cpu", "xla")`), operands XLA partitions outside shard_map go to `xla` (inside
+shard_map the kernels run per device), the large unmasked tiles match the reference, and
+a malformed call to the custom call itself is an error, never a crash.
 """
 
 import functools
@@ -32,12 +32,12 @@ def _inputs(dtype=jnp.float32, T=40, S=56, H=4, K=2, D=32):
     return q, k, v
 
 
-def test_native_cpu_is_registered_and_opt_in_on_cpu():
+def test_native_cpu_is_registered_and_cpu_s_default():
     attention = registry.get("attention")
     assert "native_cpu" in attention.names
-    assert attention.preference["cpu"] == ("xla",)
+    assert attention.preference["cpu"] == ("native_cpu", "xla")
     # the ring's per-step kernels follow the attention op's preference
-    assert "native_cpu" not in registry.get("ring_attention").candidates(None)
+    assert registry.get("ring_attention").candidates(None)[0] == "native_cpu"
 
 
 def test_without_the_extension_status_says_why_and_dispatch_falls_back(monkeypatch):
@@ -72,20 +72,70 @@ needs_native = pytest.mark.skipif(
 )
 
 
-@needs_native
-@pytest.mark.parametrize("implementation", ["native_cpu", ("native_cpu", "xla")])
-def test_opt_in_runs_native(monkeypatch, implementation):
-    """Opted in, the C++ kernels run where they are built."""
+def _counting_native(monkeypatch):
+    """A list that grows by one for each native forward traced."""
     calls = []
     forward = native_cpu.forward
 
     def counting(*args, **kwargs):
+        out = forward(*args, **kwargs)  # raises (and is not counted) where it declines
         calls.append(1)
-        return forward(*args, **kwargs)
+        return out
 
     monkeypatch.setattr(native_cpu, "forward", counting)
     flash = native_cpu.protocol.differentiable(counting, native_cpu.backward)
     monkeypatch.setattr(native_cpu, "_flash", flash)
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_partitioned_operands_go_to_xla_and_shard_map_runs_native(monkeypatch, axis_type):
+    """The custom calls have no partitioning rule: on operands XLA partitions (a batch
+    sharded over an Auto or Explicit mesh axis, outside shard_map) XLA would gather them
+    onto every device (Auto) or refuse (Explicit). There the default runs `xla`, keeping
+    the batch sharding, and `implementation="native_cpu"` alone says why it cannot run;
+    inside shard_map the kernels run per device, with values and gradients as one device's."""
+    kind = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(kind[axis_type],), devices=jax.devices()[:2])
+    q, k, v = _inputs(T=24, S=24)
+    spec = jax.sharding.PartitionSpec("data")
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    qs, ks, vs = (jax.device_put(x, sharding) for x in (q, k, v))
+    want = sf.attention_reference(q, k, v, causal=True)
+    calls = _counting_native(monkeypatch)
+    with jax.set_mesh(mesh):
+        if axis_type == "auto":  # (the xla backend's Explicit batch sharding: not this test's)
+            out = jax.jit(lambda q, k, v: sf.flash_attention(q, k, v, causal=True))(qs, ks, vs)
+            assert not calls and out.sharding.is_equivalent_to(sharding, out.ndim)
+            np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+        with pytest.raises(NotImplementedError, match=r"partitioned over mesh axes \['data'\]"):
+            jax.jit(
+                lambda q, k, v: sf.flash_attention(q, k, v, implementation="native_cpu")
+            )(qs, ks, vs)  # fmt: skip
+
+        def per_device(q, k, v):
+            return sf.flash_attention(q, k, v, causal=True)
+
+        local = jax.shard_map(per_device, in_specs=spec, out_specs=spec)
+        out, grads = jax.jit(
+            jax.value_and_grad(lambda q, k, v: (local(q, k, v) ** 2).sum(), argnums=(0, 1, 2))
+        )(qs, ks, vs)  # fmt: skip
+    assert calls, "inside shard_map the default did not run native_cpu"
+    ref, ref_grads = jax.value_and_grad(
+        lambda q, k, v: (sf.attention_reference(q, k, v, causal=True) ** 2).sum(), argnums=(0, 1, 2)
+    )(q, k, v)  # fmt: skip
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    for name, a, e in zip("qkv", grads, ref_grads, strict=True):
+        assert a.sharding.is_equivalent_to(sharding, a.ndim), (name, a.sharding)
+        np.testing.assert_allclose(a, e, atol=2e-5, rtol=2e-5, err_msg=f"d{name}")
+
+
+@needs_native
+@pytest.mark.parametrize("implementation", [None, "native_cpu", ("native_cpu", "xla")])
+def test_default_and_named_run_native(monkeypatch, implementation):
+    """By default (None) or by name, the C++ kernels run where they are built."""
+    calls = _counting_native(monkeypatch)
     q, k, v = _inputs()
     sf.flash_attention(q, k, v, implementation=implementation)
     assert calls, f"implementation={implementation!r} on CPU did not run native_cpu"
@@ -145,27 +195,66 @@ def test_matches_xla_under_vmap_and_jit_grad():
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_large_unmasked_tiles_match_the_reference(softcap):
     """Unmasked problems with T >= 256 and S >= 1024 run 128 x 256 tiles (`use_full_tiles` in
-    native/attention.h), which the shared body's small cases never reach: odd lengths pad
-    both tile axes; values, lse and gradients against the reference."""
-    q, k, v = (x[:1] for x in _inputs(T=263, S=1031, H=4, K=2, D=24))
-    d_out = jax.random.normal(jax.random.key(3), q.shape)
+    native/attention.h), which the shared body's small cases never reach. Odd lengths pad
+    both tile axes; whole tiles and D a multiple of the vector width skip the zeroing of the
+    packed operands and reuse the pooled buffers the padded problem left (so stale values
+    must never be read). Values, lse and gradients (a nonzero lse cotangent included) against
+    the reference."""
 
-    def run(implementation, q, k, v, d_out):
+    def run(implementation, q, k, v, d_out, d_lse):
         def attend(q, k, v):
             return sf.flash_attention(
                 q, k, v, logit_softcap=softcap, return_lse=True, implementation=implementation
             )
 
         (out, lse), vjp = jax.vjp(attend, q, k, v)
-        return (out, lse, *vjp((d_out, jnp.zeros_like(lse))))
+        return (out, lse, *vjp((d_out, d_lse)))
 
-    actual, expected = (
-        jax.jit(functools.partial(run, name))(q, k, v, d_out)
-        for name in ("native_cpu", "reference")
-    )
-    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected, strict=True):
-        tol = 1e-5 if name in ("out", "lse") else 2e-5
-        np.testing.assert_allclose(a, e, atol=tol, rtol=tol, err_msg=name)
+    for T, S, D in ((263, 1031, 24), (256, 1024, 32)):  # padded, then whole tiles
+        q, k, v = (x[:1] for x in _inputs(T=T, S=S, H=4, K=2, D=D))
+        d_out = jax.random.normal(jax.random.key(3), q.shape)
+        d_lse = jax.random.normal(jax.random.key(4), (1, 4, T))
+        actual, expected = (
+            jax.jit(functools.partial(run, name))(q, k, v, d_out, d_lse)
+            for name in ("native_cpu", "reference")
+        )
+        for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected, strict=True):
+            tol = 1e-5 if name in ("out", "lse") else 2e-5
+            np.testing.assert_allclose(a, e, atol=tol, rtol=tol, err_msg=f"{name} T={T}")
+
+
+@needs_native
+def test_backward_reads_out_and_d_out_in_their_own_dtype():
+    """The kernel forms delta = rowsum(d_out * out) - d_lse itself, reading out and d_out each
+    in its own dtype: a ring passes its float32 merged output beside bfloat16 q, k, v. The
+    gradients match the same backward given both in float32 (to float32 rounding)."""
+    from shardfuse.kernels.attention import base, native_cpu
+
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(T=40, S=72, H=4, K=2, D=32))
+    T, S = q.shape[1], k.shape[1]
+    config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=32**-0.5)
+    pos_q, pos_kv = jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32)
+    seg = None  # no segment ids
+    out, lse = native_cpu.forward(config, q, k, v, pos_q, pos_kv, seg, seg)
+    out32 = out.astype(jnp.float32) + 1e-3 * jax.random.normal(jax.random.key(5), out.shape)
+    d_out = jax.random.normal(jax.random.key(6), out.shape)
+    d_lse = jax.random.normal(jax.random.key(7), lse.shape)
+
+    def grads(out, d_out):
+        return native_cpu.backward(
+            config, q, k, v, pos_q, pos_kv, seg, seg, out, lse, d_out, d_lse
+        )  # fmt: skip
+
+    mixed = grads(out32, d_out.astype(jnp.bfloat16))
+    # The same numbers, every operand float32 (q, k, v too, so that one kernel path runs).
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    want = native_cpu.backward(
+        config, q32, k32, v32, pos_q, pos_kv, seg, seg, out32,
+        lse, d_out.astype(jnp.bfloat16).astype(jnp.float32), d_lse,
+    )  # fmt: skip
+    for name, a, e in zip(("dq", "dk", "dv"), mixed, want, strict=True):
+        assert a.dtype == jnp.float32, name
+        np.testing.assert_allclose(a, e, atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 # Run in a fresh process: 8 CPU devices, 64 kernel threads each, and an address-space limit

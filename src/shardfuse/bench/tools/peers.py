@@ -5,8 +5,8 @@ rounds kept, so that load on a shared machine hits them all alike), both the
 wall time and the process CPU time (all threads: the work done, which other
 processes' load does not inflate, but which also counts threads that spin):
 
-- `shardfuse`: `sf.flash_attention` with `implementation=("native_cpu", "xla")`: the C++
-  CPU kernels where the extension is built (opt-in), else `xla`;
+- `shardfuse`: `sf.flash_attention` as a user calls it (`implementation=None`, CPU's
+  default: the C++ kernels where the extension is built, else `xla`);
 - `shardfuse.xla`: the portable blockwise JAX backend;
 - `tokamax.xla`, `tokamax.xla_chunked`: `tokamax.dot_product_attention`
   (`pip install -e ".[peers]"`; skipped with a note without it);
@@ -46,9 +46,7 @@ MODES = ("fwd", "fwd+bwd")
 def contenders():
     """`{name: attention(q, k, v, causal) -> out}`, and `{name: why not}` for those absent."""
     table = {
-        "shardfuse": lambda q, k, v, causal: sf.flash_attention(
-            q, k, v, causal=causal, implementation=("native_cpu", "xla")
-        ),
+        "shardfuse": lambda q, k, v, causal: sf.flash_attention(q, k, v, causal=causal),
         "shardfuse.xla": lambda q, k, v, causal: sf.flash_attention(
             q, k, v, causal=causal, implementation="xla"
         ),

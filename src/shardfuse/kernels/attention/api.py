@@ -53,11 +53,11 @@ ATTENTION = registry.register(
             registry.native_cpu_status,
         ),
     ],
-    # What `implementation=None` tries, best first, per platform. native_cpu stays opt-in
-    # (implementation="native_cpu" or ("native_cpu", "xla")): it misses its peers on full
-    # GQA D128 forward+backward (issue 29), and one unexplained worker abort in the slow
-    # suite with it as the default (2026-11-25, not reproduced) is reason enough to wait.
-    preference=registry.kernel_preference(),
+    # What `implementation=None` tries, best first, per platform. On CPU the C++ kernels
+    # where built (1.5-4.4x their peers on every case of docs/kernels.md's table), else, and
+    # for what they do not run (float16, head dims over 512, operands XLA partitions
+    # outside shard_map), xla.
+    preference=registry.kernel_preference(cpu=("native_cpu", "xla")),
 )
 IMPLEMENTATIONS = ATTENTION.names
 PREFERENCE = ATTENTION.preference  # the registry's own dict: tests patch it in place

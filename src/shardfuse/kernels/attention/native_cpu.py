@@ -9,13 +9,15 @@ backward recomputes `p = exp(s - lse)` per tile and accumulates dK/dV per key
 block (GQA: the G query heads sharing a kv head in one work item) and dQ per
 thread, reduced in a fixed order (deterministic). Tiles no query sees are
 skipped, tiles every query sees run unmasked. Threads: every core
-(`SHARDFUSE_NATIVE_THREADS` to change). The kernels ignore `BlockSizes`. Opt-in:
-`implementation="native_cpu"` (or `("native_cpu", "xla")`, which falls back where it
-refuses); ring attention's per-step blocks take the same names.
+(`SHARDFUSE_NATIVE_THREADS` to change). The kernels ignore `BlockSizes`. CPU's default
+(`implementation=None` tries `("native_cpu", "xla")`); ring attention's per-step blocks
+follow the same preference.
 
 float32 and bfloat16 inputs, float32 accumulation and lse; any head dim up to
-512. Anything else (float16, another platform, a build without the extension)
-raises NotImplementedError, so that dispatch falls back to `xla`.
+512; operands on one device or inside `shard_map` (the custom calls have no partitioning
+rule: XLA would gather operands it partitions onto every device). Anything else (float16,
+another platform, a build without the extension, a batch XLA shards outside
+`shard_map`) raises NotImplementedError, so that dispatch falls back to `xla`.
 
 The extension `shardfuse._native` is built by the top-level CMakeLists.txt when
 the package is installed (skip it with `SHARDFUSE_NATIVE=0`); `status` says why
@@ -94,9 +96,19 @@ def status(platform: str) -> tuple[bool, str]:
     return True, f"C++ kernels built for {info['isa']}, {info['threads']} threads"
 
 
-def _check(config, q):
+def _check(config, q, *others):
     """NotImplementedError for valid inputs these kernels do not run."""
     _extension()
+    for x in (q, *others):
+        if axes := vma.partitioned_axes(x):
+            # The custom calls have no partitioning rule: XLA would gather the operands
+            # onto every device and repeat the whole problem on each (or refuse an
+            # Explicit sharding). Per device, inside shard_map, they run as they are.
+            raise NotImplementedError(
+                "implementation 'native_cpu' runs per device (inside shard_map, or on one "
+                f"device); its operands are partitioned over mesh axes {list(axes)} "
+                "outside shard_map"
+            )
     if jax.default_backend() != "cpu":
         raise NotImplementedError(
             f"implementation 'native_cpu' runs on CPU; the backend is {jax.default_backend()!r}"
@@ -147,7 +159,7 @@ def _result(shape, dtype, like):
 
 def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """`(out [B, T, H, D] in q's dtype, lse float32 [B, H, T])`; see `protocol.AttentionBackend`."""
-    _check(config, q)
+    _check(config, q, k, v)
     q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, H, _ = q.shape
     attributes, q_seg, kv_seg = _static(config, q, q_seg, kv_seg)
@@ -161,7 +173,7 @@ def backward(
     config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse, *, grad_dtype=jnp.float32
 ):
     """`(dq, dk, dv)` in `grad_dtype` from the (possibly global) `out` and `lse`."""
-    _check(config, q)
+    _check(config, q, k, v, d_out)
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse = vma.match_varying(
         q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse, d_out, d_lse
     )
