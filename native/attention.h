@@ -83,7 +83,7 @@ void attention_forward(const Problem& p, const void* q, const void* k, const voi
 // its flag says so), lse and its cotangent d_lse (float32 [B, H, T]; lse -inf where a row
 // sees nothing): float32 dq [B, T, H, D], dk and dv [B, S, K, D]. The row statistics
 // delta = rowsum(d_out * out) - d_lse are computed here, beside the packing of d_out
-// (as an XLA op before the call they were a single-threaded dot: 7% of the step).
+// (as an XLA op before the call they were a single-threaded dot: 6% of the step).
 void attention_backward(const Problem& p, const void* q, const void* k, const void* v,
                         bool bf16, const void* d_out, bool d_out_bf16, const void* out,
                         bool out_bf16, const float* lse, const float* d_lse, float* dq, float* dk,

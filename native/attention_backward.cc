@@ -81,7 +81,8 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
     for (int t = 0; t < p.T; ++t) {
       const size_t src = base + (static_cast<size_t>(t) * p.H + h) * p.D;
       float sum = 0.0f;
-      for (int d = 0; d < p.D; ++d) sum += do_head[t * Dp + d] * load_element(out, src + d, out_bf16);
+      for (int d = 0; d < p.D; ++d)
+        sum += do_head[t * Dp + d] * load_element(out, src + d, out_bf16);
       delta_rows.data()[row0 + t] = sum - d_lse[row0 + t];
       const float l = lse_in[row0 + t];
       lse_rows.data()[row0 + t] = std::isfinite(l) ? l : 0.0f;
@@ -238,7 +239,8 @@ void backward_tiles(const Problem& p, const void* q, const void* k, const void* 
       for (int g = 0; g < groups; ++g) {
         if (!touched[g][static_cast<size_t>(head) * nq + t / BQ]) continue;
         const float* src = dq_group[g].data() + q_head * head + static_cast<size_t>(t) * Dp;
-        for (int d = 0; d < Dp; d += kLanes) store(sum.data() + d, load(sum.data() + d) + load(src + d));
+        for (int d = 0; d < Dp; d += kLanes)
+          store(sum.data() + d, load(sum.data() + d) + load(src + d));
       }
       float* dst = dq + ((static_cast<size_t>(b) * p.T + t) * p.H + h) * p.D;
       for (int d = 0; d < p.D; ++d) dst[d] = p.scale * sum[d];

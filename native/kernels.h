@@ -203,12 +203,12 @@ void parallel_for(int n, const std::function<void(int, int)>& fn);
 // Runs fn(thread) on each of `threads` threads (thread 0 is the caller).
 void run_threads(int threads, const std::function<void(int)>& fn);
 
-// n float32s of scratch (zeroed unless asked not to be), reused across calls. A large buffer allocated afresh on
-// every call costs a page fault per 4 KiB page as it is first written (measured: the
-// backward of GQA 8:2 D128 at 2048 tokens touched 14k fresh pages per call, 6% of its
-// time). A Scratch takes the smallest big-enough buffer from a process-wide pool (or
-// allocates one) and gives it back when it dies; the pool keeps at most
-// kScratchKeepBytes, dropping its smallest buffers first. Thread-safe.
+// n float32s of scratch (zeroed unless asked not to be), reused across calls. A large
+// buffer allocated afresh on every call costs a page fault per 4 KiB page as it is first
+// written (measured: the backward of GQA 8:2 D128 at 2048 tokens touched 14k fresh pages
+// per call, 6% of its time). A Scratch takes the smallest big-enough buffer from a
+// process-wide pool (or allocates one) and gives it back when it dies; the pool keeps at
+// most kScratchKeepBytes, dropping its smallest buffers first. Thread-safe.
 class Scratch {
  public:
   static constexpr size_t kScratchKeepBytes = size_t{256} << 20;
