@@ -73,7 +73,10 @@ def backward_row_stats(out, lse, d_out, d_lse, *, precision=None):
       ([[[0.0, 1.0]]], [[[4.0, 4.0]]])
     """
     f32 = jnp.float32
-    delta = jnp.einsum("BTHD,BTHD->BHT", d_out.astype(f32), out.astype(f32), precision=precision)
+    # Summed to [B, T, H], then transposed: on XLA:CPU the einsum straight to [B, H, T] (or
+    # a jnp.sum over D) ran single-threaded at 23 ms for [1, 2048, 8, 128]; this, 0.4 ms.
+    delta = jnp.einsum("BTHD,BTHD->BTH", d_out.astype(f32), out.astype(f32), precision=precision)
+    delta = jnp.swapaxes(delta, 1, 2)
     return jnp.where(jnp.isfinite(lse), lse, 0.0), delta - d_lse.astype(f32)
 
 
