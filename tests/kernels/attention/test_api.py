@@ -1,5 +1,7 @@
 """Dispatch and validation of `sf.flash_attention`: bad inputs fail clearly, before tracing."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,3 +191,57 @@ def test_one_list_of_attention_options_for_every_entry_point():
     full, causal = _call(q, q, q), _call(q, q, q, causal=True)
     assert np.isfinite(np.asarray(full)).all() and not np.allclose(full, causal)
     assert doctest.testmod(base, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+@pytest.mark.parametrize(
+    "q_spec, lse_spec",
+    [
+        (("data",), ("data", None, None)),  # batch
+        (("data", None, "model"), ("data", "model", None)),  # batch and heads
+        ((None, "data"), (None, None, "data")),  # sequence
+    ],
+)
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_operands_sharded_on_a_mesh_outside_shard_map(axis_type, q_spec, lse_spec, implementation):
+    """Sharded as users shard them, on Explicit and Auto meshes, outside shard_map, under
+    jit and eagerly (mesh set): values and gradients as on one device, outputs sharded as q
+    (lse as q's batch, heads and sequence). On an Explicit mesh the kernels run with its
+    axes Auto (`jax.sharding.auto_axes`: a reshape of an Explicit-sharded dimension must
+    name its output sharding); the default falls back from native_cpu, which runs per
+    device only, to xla."""
+    kind = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(kind[axis_type],) * 2)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 32, 4, 16))
+    k, v = (jax.random.normal(key, (2, 32, 2, 16)) for key in keys[1:])
+    P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    qs, ks, vs = (jax.device_put(x, NS(mesh, P(*q_spec))) for x in (q, k, v))
+
+    def attend(q, k, v):
+        return sf.flash_attention(
+            q, k, v, causal=True, return_lse=True, implementation=implementation
+        )  # fmt: skip
+
+    def loss(attend, q, k, v):
+        out, lse = attend(q, k, v)
+        return (out**2).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    def reference(q, k, v):
+        return sf.attention_reference(q, k, v, causal=True, return_lse=True)
+
+    want = reference(q, k, v)
+    want_grads = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    grad = jax.grad(functools.partial(loss, attend), argnums=(0, 1, 2))
+    with jax.set_mesh(mesh):
+        for run, run_grad in ((attend, grad), (jax.jit(attend), jax.jit(grad))):
+            (out, lse), grads = run(qs, ks, vs), run_grad(qs, ks, vs)
+            # (On Auto axes XLA's propagation places the outputs: a sequence-sharded q
+            # comes back replicated; ring attention is the sequence-parallel path.)
+            if axis_type == "explicit" or q_spec[1:2] != ("data",):
+                for x, spec in ((out, q_spec), (lse, lse_spec), *((g, q_spec) for g in grads)):
+                    assert x.sharding.is_equivalent_to(NS(mesh, P(*spec)), x.ndim), x.sharding
+            np.testing.assert_allclose(out, want[0], atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(lse, want[1], atol=1e-5, rtol=1e-5)
+            for name, a, e in zip("qkv", grads, want_grads, strict=True):
+                np.testing.assert_allclose(a, e, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")

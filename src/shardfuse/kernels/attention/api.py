@@ -8,6 +8,8 @@ dtype, head dim, platform) hands over to the next one. Ring attention runs
 the same backends per ring step.
 """
 
+import jax
+
 from shardfuse.kernels import registry
 from shardfuse.kernels.attention import base
 
@@ -110,8 +112,9 @@ def flash_attention(
       logit_softcap: cap the scaled logits with `softcap * tanh(x / softcap)`.
       scale: logit scale; default `1 / sqrt(D)`.
       return_lse: also return the float32 log-sum-exp `[B, H, T]`.
-      implementation: None (the platform's preference: pallas_tpu on TPU,
-        triton on GPU, else xla, each falling back to xla), one of "reference", "xla",
+      implementation: None (the platform's preference: pallas_tpu on TPU, triton on
+        GPU, native_cpu on CPU where built, else xla, each falling back to xla), one of
+        "reference", "xla",
         "pallas_tpu", "triton", "native_cpu", or a sequence of them tried in
         order (each NotImplementedError hands over to the next).
       block_sizes: optional `BlockSizes(block_q, block_kv)` for the tiled paths.
@@ -144,12 +147,39 @@ def flash_attention(
         return base.empty_result(q, return_lse)
     q_pos, kv_pos = base.default_positions(T, S, q_positions, kv_positions)
 
-    def call(name):
-        fn = load_implementation(name)
-        return fn(config, q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
+    arrays = (q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
 
-    out, lse = ATTENTION.run(implementation, call)
+    def dispatch(*arrays):
+        return ATTENTION.run(
+            implementation, lambda name: load_implementation(name)(config, *arrays)
+        )
+
+    explicit = _explicit_axes(q)
+    if explicit:
+        # Typed on an Explicit mesh outside shard_map, every reshape of a sharded dim must
+        # name its output sharding: the kernels run with those axes Auto, and the results
+        # come back typed as q (out [B, T, H, D]; lse [B, H, T] as q's B, H and T).
+        sharding = jax.typeof(q).sharding
+        B, T, H, D = (*sharding.spec, None, None, None, None)[:4]
+        P = jax.sharding.PartitionSpec
+        shardings = (
+            jax.sharding.NamedSharding(sharding.mesh, P(B, T, H, D)),
+            jax.sharding.NamedSharding(sharding.mesh, P(B, H, T)),
+        )
+        run = jax.sharding.auto_axes(dispatch, axes=explicit, out_sharding=shardings)
+        out, lse = run(*arrays)
+    else:
+        out, lse = dispatch(*arrays)
     return (out, lse) if return_lse else out
+
+
+def _explicit_axes(x) -> tuple[str, ...]:
+    """The Explicit axes of `x`'s mesh (none outside a mesh or inside a full shard_map)."""
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        return ()
+    kind = jax.sharding.AxisType.Explicit
+    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == kind)
 
 
 def attention_reference(q, k, v, **options):
