@@ -32,15 +32,8 @@ def partitioned_axes(x) -> tuple[str, ...]:
       >>> partitioned_axes(jax.numpy.ones(4))
       ()
     """
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    if mesh is None or not mesh.axis_names:
-        return ()
-    manual = jax.sharding.AxisType.Manual
-    return tuple(
-        name
-        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
-        if size > 1 and kind != manual
-    )
+    mesh = jax.typeof(x).sharding.mesh
+    return tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
 
 
 def to_varying(x, axes: frozenset):

@@ -154,32 +154,22 @@ def flash_attention(
             implementation, lambda name: load_implementation(name)(config, *arrays)
         )
 
-    explicit = _explicit_axes(q)
-    if explicit:
+    sharding = jax.typeof(q).sharding
+    if sharding.mesh.explicit_axes:
         # Typed on an Explicit mesh outside shard_map, every reshape of a sharded dim must
         # name its output sharding: the kernels run with those axes Auto, and the results
         # come back typed as q (out [B, T, H, D]; lse [B, H, T] as q's B, H and T).
-        sharding = jax.typeof(q).sharding
         B, T, H, D = (*sharding.spec, None, None, None, None)[:4]
         P = jax.sharding.PartitionSpec
         shardings = (
             jax.sharding.NamedSharding(sharding.mesh, P(B, T, H, D)),
             jax.sharding.NamedSharding(sharding.mesh, P(B, H, T)),
         )
-        run = jax.sharding.auto_axes(dispatch, axes=explicit, out_sharding=shardings)
-        out, lse = run(*arrays)
+        axes = sharding.mesh.explicit_axes
+        out, lse = jax.sharding.auto_axes(dispatch, axes=axes, out_sharding=shardings)(*arrays)
     else:
         out, lse = dispatch(*arrays)
     return (out, lse) if return_lse else out
-
-
-def _explicit_axes(x) -> tuple[str, ...]:
-    """The Explicit axes of `x`'s mesh (none outside a mesh or inside a full shard_map)."""
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    if mesh is None or not mesh.axis_names:
-        return ()
-    kind = jax.sharding.AxisType.Explicit
-    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == kind)
 
 
 def attention_reference(q, k, v, **options):

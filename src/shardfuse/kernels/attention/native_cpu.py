@@ -181,8 +181,7 @@ def backward(
     # d_lse, lse's -inf as 0) while it packs d_out: as an XLA einsum before the call, it ran
     # as a single-threaded dot, 6% of a GQA D128 2048-token step. out and d_out keep their
     # own dtype (a ring's merged out is float32) where the kernel reads it.
-    native = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    out, d_out = (x if x.dtype in native else x.astype(jnp.float32) for x in (out, d_out))
+    out, d_out = (x if x.dtype in _DTYPES else x.astype(jnp.float32) for x in (out, d_out))
     attributes, q_seg, kv_seg = _static(config, q, q_seg, kv_seg)
     out_types = tuple(_result(x.shape, jnp.float32, q) for x in (q, k, v))
     call = jax.ffi.ffi_call(_BACKWARD, out_types, vmap_method="sequential")
