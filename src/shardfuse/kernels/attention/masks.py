@@ -136,3 +136,92 @@ def block_visibility(config, q_range, kv_range, q_seg_range=None, kv_seg_range=N
 def _all(conditions, *likes):
     shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in (*likes, *conditions)))
     return functools.reduce(operator.and_, conditions, jnp.ones(shape, jnp.bool_))
+
+
+def _block_stats(values, block):
+    """Per-block `(min, max)` over real entries of `values [..., L]`, and whether it is whole."""
+    length = values.shape[-1]
+    n = -(-length // block)
+    pad = [(0, 0)] * (values.ndim - 1) + [(0, n * block - length)]
+    values = jnp.pad(values, pad).reshape(*values.shape[:-1], n, block)
+    real = (jnp.arange(n * block) < length).reshape(n, block)
+    return value_range(values, real), jnp.all(real, axis=-1)
+
+
+def block_table(config, q_pos, kv_pos, q_seg, kv_seg, block_q, block_kv):
+    """bool `[B | 1, nq, nk]`: may any query see any key (visible); do all see all (full).
+
+    `block_visibility` on blocks of `block_q` queries and `block_kv` keys (the
+    last ones padded; a block with padding is never full). Position ranges are
+    `[1, nq, 1]` against `[1, 1, nk]`, segment-id ranges `[B, nq, 1]` against
+    `[B, 1, nk]`, so the leading axis is B only with segment ids.
+
+    Example:
+      >>> from shardfuse.kernels.attention.base import AttentionConfig
+      >>> config = AttentionConfig(causal=True, window=None, logit_softcap=None, scale=1.0)
+      >>> pos = jnp.arange(8)
+      >>> visible, full = block_table(config, pos, pos, None, None, 4, 4)
+      >>> visible[0].astype(int).tolist(), full[0].astype(int).tolist()
+      ([[1, 0], [1, 1]], [[0, 0], [1, 0]])
+    """
+    q_range, q_whole = _block_stats(q_pos, block_q)
+    kv_range, kv_whole = _block_stats(kv_pos, block_kv)
+    q_range = [x[None, :, None] for x in q_range]
+    kv_range = [x[None, None] for x in kv_range]
+    seg_ranges = ()
+    if q_seg is not None:
+        qs, _ = _block_stats(q_seg, block_q)  # [B, nq]
+        ks, _ = _block_stats(kv_seg, block_kv)  # [B, nk]
+        seg_ranges = ([x[:, :, None] for x in qs], [x[:, None] for x in ks])
+    visible, full = block_visibility(config, q_range, kv_range, *seg_ranges)
+    return visible, full & (q_whole[:, None] & kv_whole[None, :])[None]
+
+
+def visit_ranges(visible, full, batch):
+    """int32 `[B, n_outer, 4]`: `(lo, full_lo, full_hi, hi)` over the inner blocks of each row.
+
+    `[lo, hi)` spans every visible inner block; `[full_lo, full_hi)` is the
+    first run of fully visible ones (empty, at lo, if there is none). A kernel
+    walking a row visits `[lo, hi)` and evaluates the mask outside the full run.
+    Pass `block_table`'s arrays (transposed for key-major kernels).
+
+    Example:
+      >>> visible = jnp.array([[[True, True, True, False]]])
+      >>> full = jnp.array([[[False, True, False, False]]])
+      >>> visit_ranges(visible, full, 1).tolist()
+      [[[0, 1, 2, 3]]]
+    """
+    visible = jnp.broadcast_to(visible, (batch, *visible.shape[1:]))
+    full = jnp.broadcast_to(full, visible.shape) & visible
+    n = visible.shape[-1]
+    index = jnp.arange(n)
+    any_visible = jnp.any(visible, axis=-1)
+    lo = jnp.where(any_visible, jnp.argmax(visible, axis=-1), 0)
+    hi = jnp.where(any_visible, n - jnp.argmax(visible[..., ::-1], axis=-1), 0)
+    any_full = jnp.any(full, axis=-1)
+    full_lo = jnp.where(any_full, jnp.argmax(full, axis=-1), lo)
+    run = full | (index < full_lo[..., None])
+    full_hi = jnp.where(any_full, jnp.sum(jnp.cumprod(run.astype(jnp.int32), axis=-1), -1), lo)
+    return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+def visibility_flags(config, q_pos, kv_pos, q_seg=None, kv_seg=None):
+    """`(sees [B | 1, T], seen [B | 1, S])`: does each query see some key, is each key seen.
+
+    Exact (the elementwise rule, reduced), for kernels that must keep NaN in
+    rows or keys nobody uses away from their matmuls. Without masks every pair
+    is visible and no work is done.
+
+    Example:
+      >>> from shardfuse.kernels.attention.base import AttentionConfig
+      >>> config = AttentionConfig(causal=True, window=None, logit_softcap=None, scale=1.0)
+      >>> sees, seen = visibility_flags(config, jnp.arange(2), jnp.arange(3))
+      >>> sees.tolist(), seen.tolist()
+      ([[True, True]], [[True, True, False]])
+    """
+    T, S = q_pos.shape[-1], kv_pos.shape[-1]
+    if not config.causal and config.window is None and q_seg is None:
+        return jnp.ones((1, T), jnp.bool_), jnp.ones((1, S), jnp.bool_)
+    mask = visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg)  # [T, S] or [B, T, S]
+    mask = mask.reshape(-1, T, S)
+    return jnp.any(mask, axis=2), jnp.any(mask, axis=1)

@@ -10,7 +10,7 @@ atomics, so results are deterministic. The kernels are in `triton_kernels.py`,
 their tile sizes and launch options in `triton_configs.py`.
 
 This wrapper computes, in JAX, which blocks each program visits
-(`ranges [B, n_outer, 4] = (lo, full_lo, full_hi, hi)`): blocks that no query
+(`masks.visit_ranges`: `[B, n_outer, 4] = (lo, full_lo, full_hi, hi)`): blocks that no query
 of a block can see (causal, window, disjoint segment ids, padding) are never
 loaded, and fully visible blocks run without a mask. Positions need not be
 monotone: the ranges are conservative and the element mask decides.
@@ -52,55 +52,6 @@ def kernel_config(config, tuned, T, S):
     return triton_configs.AttentionKernelConfig(block_m, block_n, tuned.num_warps, tuned.num_stages)
 
 
-def _block_stats(values, block):
-    """Per-block `(min, max)` over real entries of `values [..., L]`, and whether it is whole."""
-    length = values.shape[-1]
-    n = -(-length // block)
-    pad = [(0, 0)] * (values.ndim - 1) + [(0, n * block - length)]
-    values = jnp.pad(values, pad).reshape(*values.shape[:-1], n, block)
-    real = (jnp.arange(n * block) < length).reshape(n, block)
-    return masks.value_range(values, real), jnp.all(real, axis=-1)
-
-
-def _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n):
-    """bool `[B | 1, nq, nk]`: may any query see any key (visible); do all see all (full).
-
-    The block-range rule of masks.py; ranges as `[1, nq, 1]` against `[1, 1, nk]`,
-    segment-id ranges `[B, nq, 1]` against `[B, 1, nk]`.
-    """
-    q_range, q_whole = _block_stats(q_pos, block_m)
-    kv_range, kv_whole = _block_stats(kv_pos, block_n)
-    q_range = [x[None, :, None] for x in q_range]
-    kv_range = [x[None, None] for x in kv_range]
-    seg_ranges = ()
-    if q_seg is not None:
-        qs, _ = _block_stats(q_seg, block_m)  # [B, nq]
-        ks, _ = _block_stats(kv_seg, block_n)  # [B, nk]
-        seg_ranges = ([x[:, :, None] for x in qs], [x[:, None] for x in ks])
-    visible, full = masks.block_visibility(config, q_range, kv_range, *seg_ranges)
-    return visible, full & (q_whole[:, None] & kv_whole[None, :])[None]
-
-
-def _ranges(visible, full, batch):
-    """int32 `[B, n_outer, 4]`: `(lo, full_lo, full_hi, hi)` over the inner blocks of each row.
-
-    `[lo, hi)` spans every visible inner block; `[full_lo, full_hi)` is the
-    first run of fully visible ones (empty, at lo, if there is none).
-    """
-    visible = jnp.broadcast_to(visible, (batch, *visible.shape[1:]))
-    full = jnp.broadcast_to(full, visible.shape) & visible
-    n = visible.shape[-1]
-    index = jnp.arange(n)
-    any_visible = jnp.any(visible, axis=-1)
-    lo = jnp.where(any_visible, jnp.argmax(visible, axis=-1), 0)
-    hi = jnp.where(any_visible, n - jnp.argmax(visible[..., ::-1], axis=-1), 0)
-    any_full = jnp.any(full, axis=-1)
-    full_lo = jnp.where(any_full, jnp.argmax(full, axis=-1), lo)
-    run = full | (index < full_lo[..., None])
-    full_hi = jnp.where(any_full, jnp.sum(jnp.cumprod(run.astype(jnp.int32), axis=-1), -1), lo)
-    return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
-
-
 def kernel_options(config, dtype, has_segments: bool):
     """The kernels' shared `tl.constexpr` options."""
     left, right = config.window if config.window is not None else (None, None)
@@ -134,8 +85,10 @@ def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, launcher=None):
     S, K = k.shape[1], k.shape[2]
     configs = triton_configs.default_configs(launcher.compute_capability, D, q.dtype)
     tile = kernel_config(config, configs.forward, T, S)
-    visible, full = _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n)
-    ranges = _ranges(visible, full, B)  # [B, nq, 4] over key blocks
+    visible, full = masks.block_table(
+        config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n
+    )
+    ranges = masks.visit_ranges(visible, full, B)  # [B, nq, 4] over key blocks
     q_seg_arg, kv_seg_arg = _segments(q_seg, kv_seg)
     out, lse = launcher(
         "attention_forward_kernel",
@@ -189,8 +142,11 @@ def backward(
     inputs = [q, k, v, q_pos, kv_pos, q_seg_arg, kv_seg_arg]
 
     tile = kernel_config(config, configs.dkdv, T, S)
-    visible, full = _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n)
-    ranges = _ranges(visible.transpose(0, 2, 1), full.transpose(0, 2, 1), B)  # [B, nk, 4]
+    visible, full = masks.block_table(
+        config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n
+    )
+    # [B, nk, 4] over query blocks
+    ranges = masks.visit_ranges(visible.transpose(0, 2, 1), full.transpose(0, 2, 1), B)
     dk, dv = launcher(
         "attention_backward_dkdv_kernel",
         [*inputs, ranges, d_out, lse, delta],
@@ -201,8 +157,10 @@ def backward(
     )
 
     tile = kernel_config(config, configs.dq, T, S)
-    visible, full = _block_masks(config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n)
-    ranges = _ranges(visible, full, B)  # [B, nq, 4]
+    visible, full = masks.block_table(
+        config, q_pos, kv_pos, q_seg, kv_seg, tile.block_m, tile.block_n
+    )
+    ranges = masks.visit_ranges(visible, full, B)  # [B, nq, 4]
     (dq,) = launcher(
         "attention_backward_dq_kernel",
         [*inputs, ranges, d_out, lse, delta],
