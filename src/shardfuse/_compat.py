@@ -20,6 +20,14 @@ The differences:
   (`ft_in`, unpacked into consts, carry and xs). `scan_operand_counts` reads either.
 - Pallas remote DMAs and semaphore signals: newer JAX deprecates `device_id_type`;
   mesh coordinates are the default everywhere, so the kernels pass none (no helper).
+- Pallas Mosaic GPU's `plgpu.load`: older JAX takes the index as a required
+  argument, the newest takes a ref alone (index it with `.at`). `mosaic_gpu_load`
+  calls either.
+- Mosaic GPU interpret mode (`InterpretGPUParams`): jax 0.10's interpreter has no
+  rule for `plgpu.layout_cast` and deadlocks on warp-specialized kernels (a
+  producer warpgroup and two consumers waiting on each other's barriers, seen
+  on 0.10.2); 0.11 runs them. `mosaic_gpu_interpret_params` returns the params
+  from 0.11 on and says why not before. Not probe-able: a version check.
 """
 
 import dataclasses
@@ -27,7 +35,14 @@ import functools
 
 import jax
 
-__all__ = ["JAX_VERSION", "race_detector_params", "races_found", "scan_operand_counts"]
+__all__ = [
+    "JAX_VERSION",
+    "mosaic_gpu_interpret_params",
+    "mosaic_gpu_load",
+    "race_detector_params",
+    "races_found",
+    "scan_operand_counts",
+]
 
 JAX_VERSION: tuple[int, ...] = tuple(jax.__version_info__)
 
@@ -86,3 +101,43 @@ def scan_operand_counts(params) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+@functools.cache
+def _mosaic_gpu_load_takes_index() -> bool:
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return "idx" in inspect.signature(plgpu.load).parameters
+
+
+def mosaic_gpu_load(ref, index, *, layout):
+    """`ref[index]` read into registers in `layout` (`plgpu.load`), on every supported JAX.
+
+    Only inside a Pallas Mosaic GPU kernel body; `index` a tuple of `pl.ds` / ints.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if _mosaic_gpu_load_takes_index():
+        return plgpu.load(ref, index, layout=layout, optimized=False)
+    return plgpu.load(ref.at[index], layout=layout, optimized=False)
+
+
+MOSAIC_GPU_INTERPRET_MIN_JAX = (0, 11)
+
+
+def mosaic_gpu_interpret_params(**kwargs):
+    """`InterpretGPUParams(**kwargs)`: Mosaic GPU interpret mode, where it runs our kernels.
+
+    Raises:
+      NotImplementedError: JAX older than 0.11 (see the module docstring).
+    """
+    if JAX_VERSION[:2] < MOSAIC_GPU_INTERPRET_MIN_JAX:
+        raise NotImplementedError(
+            f"Mosaic GPU interpret mode needs jax >= 0.11 (jax {jax.__version__}'s interpreter "
+            "deadlocks on warp-specialized kernels); on a GPU the kernels compile"
+        )
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(**kwargs)

@@ -24,7 +24,9 @@ def info(print_report: bool = True) -> dict:
       "backend", "devices" (list of str), "implementations"
       (`{op: {name: (usable, why)}}`), "descriptions" (`{op: {name: text}}`,
       the op's own text under `""`) and "preference" (`{op: names}`, what
-      `implementation=None` tries here, in order), for every registered op.
+      `implementation=None` tries here, in order), for every registered op, and
+      "rules" (`{op: text}`) for ops whose choice here depends on the case (attention on
+      an NVIDIA GPU: the fastest backend measured for the case).
 
     Example:
       >>> import shardfuse as sf
@@ -53,6 +55,7 @@ def info(print_report: bool = True) -> dict:
             for name, op in ops.items()
         },
         "preference": {name: op.candidates(None) for name, op in ops.items()},
+        "rules": {name: op.rule_text(backend) for name, op in ops.items() if op.rule_text(backend)},
     }
     if print_report:
         _print(report)
@@ -85,3 +88,5 @@ def _print(report):
             table.add_row(f"  {name}", usable, order, descriptions[name], why)
         table.add_section()
     console.print(table)
+    for op, rule in report.get("rules", {}).items():
+        console.print(f"{op}, implementation=None: {rule}")

@@ -230,6 +230,24 @@ def detect(device_kind: str) -> Device | None:
     return None
 
 
+def compute_capability(device=None) -> int:
+    """The CUDA compute capability of `device` (default: JAX's first) as an int, e.g. 90 for
+    an H100; 0 for a device that reports none (a CPU, a TPU).
+
+    Example:
+      >>> compute_capability()  # on this CPU
+      0
+    """
+    import jax
+
+    device = device or jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return 0
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    return 10 * major + minor
+
+
 def current_device() -> Device | None:
     """The `Device` of `jax.devices()[0]`, or None where the table has no entry (CPU).
 

@@ -64,6 +64,20 @@ def triton_status(platform: str) -> Status:
     return True, f"sm_{capability}: triton and jax-triton available"
 
 
+def mosaic_gpu_status(platform: str) -> Status:
+    """Pallas Mosaic GPU kernels: compiled on an sm_90+ GPU, Mosaic GPU interpret mode on CPU."""
+    from shardfuse.kernels.attention.mosaic_gpu import status
+
+    return status(platform)
+
+
+def cudnn_status(platform: str) -> Status:
+    """cuDNN's flash attention through jax.nn: NVIDIA GPUs only."""
+    from shardfuse.kernels.attention.cudnn import status
+
+    return status(platform)
+
+
 def native_cpu_status(platform: str) -> Status:
     """The C++ CPU kernels: the extension built and loadable (else the build's reason), on CPU."""
     from shardfuse.kernels.attention.native_cpu import status
@@ -105,6 +119,8 @@ class Backend:
       function: the function's name in `module`.
       description: one line for `shardfuse info`: what this backend is.
       status: `platform -> (can_run_here, why)`; default `runs_anywhere`.
+      call_keywords: facts of the call the function takes as keywords beyond the op's
+        common signature (the attention op's cudnn takes `need_lse`).
     """
 
     name: str
@@ -112,6 +128,7 @@ class Backend:
     function: str
     description: str
     status: Callable[[str], Status] = runs_anywhere
+    call_keywords: tuple[str, ...] = ()
 
     def load(self, function: str | None = None) -> Callable:
         """The backend's function (or another `function` of its module).
@@ -154,6 +171,13 @@ class Op:
     backends: dict[str, Backend]
     preference: dict[str, tuple[str, ...]]
     default: tuple[str, ...] = ("xla",)
+    rule: Callable[[str], str | None] | None = None
+
+    def rule_text(self, platform: str | None = None) -> str | None:
+        """Where `implementation=None` depends on the case here: the rule, in words."""
+        if self.rule is None:
+            return None
+        return self.rule(platform or jax.default_backend())
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -215,13 +239,15 @@ class Op:
             raise self._unknown(name, name)
         return self.backends[name].load(function)
 
-    def run(self, implementation, call: Callable[[str], object]):
+    def run(self, implementation, call: Callable[[str], object], *, order=None):
         """`call(name)` for each candidate of `implementation` until one runs.
 
         Args:
           implementation: None, a name or a sequence of names (see `candidates`).
           call: `name -> result`; loads and runs one backend, raising
             NotImplementedError when it cannot handle this input.
+          order: for `implementation=None`, the names to try instead of the
+            platform's static preference (an op whose best backend depends on the case).
 
         Raises:
           NotImplementedError: a single named backend's own error; otherwise
@@ -238,6 +264,8 @@ class Op:
           'xla'
         """
         names = self.candidates(implementation)
+        if implementation is None and order is not None:
+            names = tuple(order)
         if isinstance(implementation, str):
             return call(names[0])
         reasons = []
@@ -270,6 +298,7 @@ def register(
     backends: Sequence[Backend],
     preference: dict[str, tuple[str, ...]],
     default: tuple[str, ...] = ("xla",),
+    rule: Callable[[str], str | None] | None = None,
 ) -> Op:
     """Declares op `name` and its backends; returns the `Op` (registering again replaces it).
 
@@ -279,6 +308,8 @@ def register(
       backends: its `Backend`s, in the order `shardfuse info` lists them.
       preference: `{platform: names}` that `implementation=None` tries, best first.
       default: what `implementation=None` tries on a platform not in `preference`.
+      rule: `platform -> text or None`: where the op picks its backend per case
+        (`Op.run(order=...)`), the rule in words, for `shardfuse info`.
 
     Raises:
       ValueError: a preference or default naming an undeclared backend.
@@ -300,7 +331,7 @@ def register(
             raise ValueError(
                 f"{name}: preference for {platform!r} names {unknown}, not in {list(table)}"
             )
-    op = Op(name, description, table, dict(preference), tuple(default))
+    op = Op(name, description, table, dict(preference), tuple(default), rule)
     _OPS[name] = op
     return op
 

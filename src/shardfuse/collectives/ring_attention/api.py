@@ -46,6 +46,8 @@ def _register():
             backend.status,
         )
         for name, backend in attention.backends.items()
+        # A backend that may return no lse (cudnn) cannot run ring steps: they merge lse.
+        if "need_lse" not in backend.call_keywords
     ]
     fused = registry.Backend(
         FUSED,

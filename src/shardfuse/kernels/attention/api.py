@@ -8,6 +8,8 @@ dtype, head dim, platform) hands over to the next one. Ring attention runs
 the same backends per ring step.
 """
 
+import dataclasses
+
 import jax
 
 from shardfuse.kernels import registry
@@ -48,6 +50,21 @@ ATTENTION = registry.register(
             registry.triton_status,
         ),
         registry.Backend(
+            "mosaic_gpu",
+            _MODULE + "mosaic_gpu",
+            "flash_attention",
+            "Pallas Mosaic GPU kernels for sm_90+ (warp-specialized, TMA, wgmma), fwd and bwd",
+            registry.mosaic_gpu_status,
+        ),
+        registry.Backend(
+            "cudnn",
+            _MODULE + "cudnn",
+            "flash_attention",
+            "cuDNN flash attention via jax.nn (no lse, segment ids or softcap)",
+            registry.cudnn_status,
+            call_keywords=("need_lse",),
+        ),
+        registry.Backend(
             "native_cpu",
             _MODULE + "native_cpu",
             "flash_attention",
@@ -60,9 +77,20 @@ ATTENTION = registry.register(
     # for what they do not run (float16, head dims over 512, operands XLA partitions
     # outside shard_map), xla.
     preference=registry.kernel_preference(cpu=("native_cpu", "xla")),
+    # On NVIDIA GPUs the order depends on the case: the fastest measured backend first
+    # (gpu_dispatch.py, from the GPU bench's committed table).
+    rule=lambda platform: _gpu_rule(platform),
 )
 IMPLEMENTATIONS = ATTENTION.names
 PREFERENCE = ATTENTION.preference  # the registry's own dict: tests patch it in place
+
+
+def _gpu_rule(platform):
+    if platform not in ("gpu", "cuda"):
+        return None
+    from shardfuse.kernels.attention import gpu_dispatch
+
+    return gpu_dispatch.describe(platform)
 
 
 def load_implementation(name: str):
@@ -112,10 +140,11 @@ def flash_attention(
       logit_softcap: cap the scaled logits with `softcap * tanh(x / softcap)`.
       scale: logit scale; default `1 / sqrt(D)`.
       return_lse: also return the float32 log-sum-exp `[B, H, T]`.
-      implementation: None (the platform's preference: pallas_tpu on TPU, triton on
-        GPU, native_cpu on CPU where built, else xla, each falling back to xla), one of
-        "reference", "xla",
-        "pallas_tpu", "triton", "native_cpu", or a sequence of them tried in
+      implementation: None (the platform's preference: pallas_tpu on TPU; on an NVIDIA
+        GPU the fastest backend measured for the case (head dim, dtype, mask, length;
+        `shardfuse info` prints the rule); native_cpu on CPU where built, else xla; each
+        falling back to the next and to xla), one of "reference", "xla", "pallas_tpu",
+        "triton", "mosaic_gpu", "cudnn", "native_cpu", or a sequence of them tried in
         order (each NotImplementedError hands over to the next).
       block_sizes: optional `BlockSizes(block_q, block_kv)` for the tiled paths.
 
@@ -146,13 +175,22 @@ def flash_attention(
     if B == 0 or T == 0 or S == 0:
         return base.empty_result(q, return_lse)
     q_pos, kv_pos = base.default_positions(T, S, q_positions, kv_positions)
+    if q_positions is None and kv_positions is None:
+        config = dataclasses.replace(config, default_positions=True)
+    facts = {"need_lse": return_lse}
 
     arrays = (q, k, v, q_pos, kv_pos, q_segment_ids, kv_segment_ids)
+    order = None
+    if implementation is None and jax.default_backend() in ("gpu", "cuda"):
+        order = gpu_preference(config, q, k, q_segment_ids)
 
-    def dispatch(*arrays):
-        return ATTENTION.run(
-            implementation, lambda name: load_implementation(name)(config, *arrays)
-        )
+    def call(name, arrays):
+        keywords = {key: facts[key] for key in ATTENTION.backends[name].call_keywords}
+        out, lse = load_implementation(name)(config, *arrays, **keywords)
+        return (out, lse) if return_lse else out
+
+    def dispatch(*arrays):  # under auto_axes: these arrays, not the caller's
+        return ATTENTION.run(implementation, lambda name: call(name, arrays), order=order)
 
     sharding = jax.typeof(q).sharding
     if sharding.mesh.explicit_axes:
@@ -165,11 +203,18 @@ def flash_attention(
             jax.sharding.NamedSharding(sharding.mesh, P(B, T, H, D)),
             jax.sharding.NamedSharding(sharding.mesh, P(B, H, T)),
         )
+        shardings = shardings if return_lse else shardings[0]
         axes = sharding.mesh.explicit_axes
-        out, lse = jax.sharding.auto_axes(dispatch, axes=axes, out_sharding=shardings)(*arrays)
-    else:
-        out, lse = dispatch(*arrays)
-    return (out, lse) if return_lse else out
+        return jax.sharding.auto_axes(dispatch, axes=axes, out_sharding=shardings)(*arrays)
+    return dispatch(*arrays)
+
+
+def gpu_preference(config, q, k, q_seg) -> tuple[str, ...]:
+    """What `implementation=None` tries on this GPU for these inputs (`gpu_dispatch`)."""
+    from shardfuse.hardware import compute_capability
+    from shardfuse.kernels.attention import gpu_dispatch
+
+    return gpu_dispatch.preference(config, q, k, q_seg, compute_capability())
 
 
 def attention_reference(q, k, v, **options):

@@ -46,13 +46,19 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Static (hashable) attention options after validation and defaulting."""
+    """Static (hashable) attention options after validation and defaulting.
+
+    `default_positions` is a fact of the call, not an option: True when neither
+    `q_positions` nor `kv_positions` was given (the bottom-right aligned aranges),
+    which backends that cannot take positions (cudnn) need to know statically.
+    """
 
     causal: bool
     window: Window | None
     logit_softcap: float | None
     scale: float
     block_sizes: BlockSizes = BlockSizes()
+    default_positions: bool = False
 
 
 def _shape_error(name, value, expected):
