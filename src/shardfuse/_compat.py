@@ -20,9 +20,9 @@ The differences:
   (`ft_in`, unpacked into consts, carry and xs). `scan_operand_counts` reads either.
 - Pallas remote DMAs and semaphore signals: newer JAX deprecates `device_id_type`;
   mesh coordinates are the default everywhere, so the kernels pass none (no helper).
-- Pallas Mosaic GPU's `plgpu.load`: older JAX takes the index as a required
-  argument, the newest takes a ref alone (index it with `.at`). `mosaic_gpu_load`
-  calls either.
+- Pallas Mosaic GPU's `plgpu.load`: jax 0.10 takes the index as a required
+  argument, 0.11 deprecates it (index the ref with `.at`), 0.12 takes a ref alone.
+  `mosaic_gpu_load` calls whichever the installed JAX wants.
 - Mosaic GPU interpret mode (`InterpretGPUParams`): jax 0.10's interpreter has no
   rule for `plgpu.layout_cast` and deadlocks on warp-specialized kernels (a
   producer warpgroup and two consumers waiting on each other's barriers, seen
@@ -109,7 +109,8 @@ def _mosaic_gpu_load_takes_index() -> bool:
 
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return "idx" in inspect.signature(plgpu.load).parameters
+    parameter = inspect.signature(plgpu.load).parameters.get("idx")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def mosaic_gpu_load(ref, index, *, layout):

@@ -268,7 +268,79 @@ NATIVE_CPU = NativeCpu(
     deterministic=("causal_segments_97x113", "bf16_causal_gqa_300"),
 )
 
-BACKENDS = (XLA, PALLAS_TPU, TRITON_INTERPRET, TRITON_GPU, NATIVE_CPU)
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpu(Backend):
+    """Pallas Mosaic GPU kernels: compiled on an sm_90+ GPU, or in Mosaic GPU interpret mode on
+    CPU (`InterpretGPUParams`; jax >= 0.11, whose interpreter runs warp-specialized kernels)."""
+
+    interpreted: bool = False
+
+    def supports_head_dim(self, head_dim, dtype):
+        return head_dim <= 256
+
+    def supports_block_sizes(self, block):
+        return block[0] == 64 and block[1] in (64, 128)
+
+    def require(self):
+        super().require()
+        if self.interpreted:
+            from shardfuse import _compat
+
+            try:
+                _compat.mosaic_gpu_interpret_params()
+            except NotImplementedError as e:
+                pytest.skip(str(e))
+
+    def calling(self):
+        if not self.interpreted:
+            return contextlib.nullcontext()
+        from shardfuse import _compat
+        from shardfuse.kernels.attention import mosaic_gpu
+
+        return mosaic_gpu.interpret_mode(_compat.mosaic_gpu_interpret_params())
+
+
+MOSAIC_GPU_INTERPRET = MosaicGpu(
+    "mosaic_gpu_interpret",
+    "mosaic_gpu",
+    interpreted=True,
+    dtypes=("bfloat16", "float16"),
+    default=(
+        "f16_causal_65",
+        "bf16_window_softcap_segments_gqa8_2",
+        "bf16_shuffled_causal_gqa_130",
+    ),
+    slow=(
+        "bf16_causal_d256",
+        "bf16_causal_d128_130x257",
+        "f16_window_softcap_segments_d128_100x200",
+        "bf16_two_sided_window_d256_70x150",
+        "bf16_kv_block_64_gqa_200",
+        "bf16_segments_softcap_257",
+    ),
+    poisoned=("bf16_window_softcap_segments_gqa8_2",),
+    deterministic=("f16_causal_65",),
+    marks=(pytest.mark.timeout(600),),
+)
+
+MOSAIC_GPU = MosaicGpu(
+    "mosaic_gpu",
+    "mosaic_gpu",
+    dtypes=("bfloat16", "float16"),
+    default=tuple(CASE),  # every case its flags allow: a GPU is fast
+    poisoned=(
+        "bf16_window_softcap_segments_gqa8_2",
+        "f16_window_softcap_segments_d128_100x200",
+        "bf16_two_sided_window_d256_70x150",
+    ),
+    deterministic=("bf16_causal_gqa_300", "bf16_two_sided_window_d256_70x150"),
+    marks=(pytest.mark.gpu,),
+)
+
+BACKENDS = (
+    XLA, PALLAS_TPU, TRITON_INTERPRET, TRITON_GPU, NATIVE_CPU, MOSAIC_GPU_INTERPRET, MOSAIC_GPU
+)  # fmt: skip
 
 BY_NAME = {backend.name: backend for backend in (REFERENCE, *BACKENDS)}
 

@@ -115,6 +115,15 @@ CASES = (
          block=(128, 128)),
     Case("bf16_segments_softcap_257", B=2, T=257, S=257, K=1, D=128, segments=True,
          softcap=20.0, dtype="bfloat16"),
+    # -- 64-row warpgroup tiles (sized for the Mosaic GPU interpreter) -----------------------
+    Case("bf16_shuffled_causal_gqa_130", T=130, S=130, H=4, K=2, D=64, causal=True,
+         shuffled=True, dtype="bfloat16"),
+    Case("f16_window_softcap_segments_d128_100x200", B=2, T=100, S=200, H=2, K=1, D=128,
+         window=(32, 8), softcap=10.0, segments=True, dtype="float16"),
+    Case("bf16_two_sided_window_d256_70x150", T=70, S=150, H=2, K=1, D=256, window=(20, 30),
+         dtype="bfloat16"),
+    Case("bf16_kv_block_64_gqa_200", T=200, S=200, H=4, K=1, D=128, causal=True, block=(64, 64),
+         dtype="bfloat16"),
 )  # fmt: skip
 
 CASE = {case.name: case for case in CASES}

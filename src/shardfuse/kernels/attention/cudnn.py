@@ -35,19 +35,24 @@ def status(platform: str):
     )
 
 
-def refusal(config: base.AttentionConfig, q, k, q_seg, *, need_lse: bool) -> str | None:
-    """Why cuDNN cannot run this call (None: it can)."""
+def refusal(config: base.AttentionConfig, q, k, q_seg, *, need_lse: bool, capability: int):
+    """Why cuDNN cannot run this call on a GPU of `capability` (e.g. 90), or None: it can.
+
+    Example:
+      >>> config = base.AttentionConfig(causal=True, window=None, logit_softcap=None, scale=1.0)
+      >>> q = k = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+      >>> print(refusal(config, q, k, None, need_lse=True, capability=90))
+      implementation 'cudnn' returns no float32 lse (return_lse=True, ring attention)
+      >>> print(refusal(config, q, k, None, need_lse=False, capability=90))  # explicit positions
+      implementation 'cudnn' aligns its causal mask top-left: ...
+    """
     B, T, H, D = q.shape
     S = k.shape[1]
-    if jax.default_backend() not in ("gpu", "cuda"):
-        return (
-            f"implementation 'cudnn' needs an NVIDIA GPU; the backend is {jax.default_backend()!r}"
-        )
     if need_lse:
         return "implementation 'cudnn' returns no float32 lse (return_lse=True, ring attention)"
     if jnp.dtype(q.dtype) not in _DTYPES:
         return f"implementation 'cudnn' runs bfloat16 and float16; got {q.dtype}"
-    max_head_dim = 256 if hardware.compute_capability() >= 90 else 128
+    max_head_dim = 256 if capability >= 90 else 128
     if D % 8 or D > max_head_dim:
         return (
             f"implementation 'cudnn' takes head dims that are multiples of 8 up to "
@@ -85,7 +90,13 @@ def flash_attention(config: base.AttentionConfig, q, k, v, q_pos, kv_pos, q_seg,
       >>> q = k = v = jax.numpy.ones((1, 256, 4, 64), jax.numpy.bfloat16)
       >>> out = sf.flash_attention(q, k, v, causal=True, implementation="cudnn")  # doctest: +SKIP
     """
-    reason = refusal(config, q, k, q_seg, need_lse=need_lse)
+    if jax.default_backend() not in ("gpu", "cuda"):
+        raise NotImplementedError(
+            f"implementation 'cudnn' needs an NVIDIA GPU; the backend is {jax.default_backend()!r}"
+        )
+    reason = refusal(
+        config, q, k, q_seg, need_lse=need_lse, capability=hardware.compute_capability()
+    )
     if reason is not None:
         raise NotImplementedError(reason)
     window = None

@@ -54,8 +54,9 @@ _SETTING = contextvars.ContextVar("shardfuse_mosaic_gpu_interpret", default=None
 class MosaicGpuTiles:
     """Tile rows of the three kernels (per consumer warpgroup) and their ring depths.
 
-    A CTA holds two consumers: the forward and dQ kernels cover `2 * block_q`
-    query rows, the dK/dV kernel `2 * dkdv_block_kv` key rows.
+    A CTA holds two consumers (the backward's: `backward_consumers`): the forward and
+    dQ kernels cover `2 * block_q` query rows, the dK/dV kernel `2 * dkdv_block_kv` key
+    rows.
     """
 
     block_q: int = 64
@@ -66,15 +67,16 @@ class MosaicGpuTiles:
     dkdv_block_q: int = 64
     dkdv_block_kv: int = 64
     backward_stages: int = 2
+    backward_consumers: int = 2  # consumer warpgroups of the backward kernels' CTAs
     split_dkdv: bool = False  # dK and dV in two launches (their accumulators do not fit one)
 
     @property
     def q_multiple(self) -> int:
-        return _lcm(2 * self.block_q, 2 * self.dq_block_q, self.dkdv_block_q)
+        return _lcm(2 * self.block_q, self.backward_consumers * self.dq_block_q, self.dkdv_block_q)
 
     @property
     def kv_multiple(self) -> int:
-        return _lcm(self.block_kv, self.dq_block_kv, 2 * self.dkdv_block_kv)
+        return _lcm(self.block_kv, self.dq_block_kv, self.backward_consumers * self.dkdv_block_kv)
 
 
 def _lcm(*values):
@@ -90,16 +92,16 @@ def _gcd(a, b):
     return a
 
 
-# By padded head dim; registers per consumer (the float32 accumulators of a 64-row tile
-# and its scores) and shared memory (227 KiB per CTA) bound them. Candidates are timed
-# by `python -m shardfuse.bench.tools.gpu_attention --tune` on a GPU.
+# By padded head dim. Bounds: registers per consumer (the float32 accumulators of its
+# 64-row tile and its scores), shared memory (227 KiB per CTA), and wgmma's contraction
+# (a multiple of 64 elements of a 16-bit dtype: key tiles for P V and dS K, query tiles
+# for P^T dO and dS^T Q). Above head dim 128 the dK and dV accumulators do not fit one
+# consumer together (two launches), and at 256 a backward CTA holds one consumer.
 TILES = {
     64: MosaicGpuTiles(),
     128: MosaicGpuTiles(),
-    192: MosaicGpuTiles(block_kv=64, dq_block_kv=64, dkdv_block_q=32, split_dkdv=True),
-    256: MosaicGpuTiles(
-        block_kv=64, dq_block_kv=32, dkdv_block_q=32, dkdv_block_kv=64, split_dkdv=True
-    ),
+    192: MosaicGpuTiles(block_kv=64, dq_block_kv=64, split_dkdv=True),
+    256: MosaicGpuTiles(block_kv=64, dq_block_kv=64, backward_consumers=1, split_dkdv=True),
 }
 
 
@@ -297,16 +299,23 @@ def _backward(
     sees, seen = masks.visibility_flags(config, q_pos, kv_pos, q_seg, kv_seg)
     q, k, v = _zero_rows(q, sees), _zero_rows(k, seen), _zero_rows(v, seen)
     table = functools.partial(masks.block_table, config, q_pos, kv_pos, q_seg, kv_seg)
-    dkdv_visible, dkdv_full = table(tiles.dkdv_block_q, 2 * tiles.dkdv_block_kv)
+    dkdv_visible, dkdv_full = table(
+        tiles.dkdv_block_q, tiles.backward_consumers * tiles.dkdv_block_kv
+    )
     dkdv_ranges = masks.visit_ranges(dkdv_visible.swapaxes(1, 2), dkdv_full.swapaxes(1, 2), B)
-    dq_ranges = masks.visit_ranges(*table(2 * tiles.dq_block_q, tiles.dq_block_kv), B)
+    dq_ranges = masks.visit_ranges(
+        *table(tiles.backward_consumers * tiles.dq_block_q, tiles.dq_block_kv), B
+    )
     args = (
         pad.queries(q), pad.keys(k), pad.keys(v), pad.queries(d_out.astype(q.dtype)),
         pad.queries(lse * LOG2E), pad.queries(delta),
         _pad(q_pos, 0, pad.T), _pad(kv_pos, 0, pad.S),
         _pad(q_seg, 1, pad.T), _pad(kv_seg, 1, pad.S),
     )  # fmt: skip
-    common = dict(config=config, length_kv=S, grad_dtype=grad_dtype, interpret=interpret)
+    common = dict(
+        config=config, length_kv=S, grad_dtype=grad_dtype, consumers=tiles.backward_consumers,
+        interpret=interpret,
+    )  # fmt: skip
     dkdv = functools.partial(
         backward_kernels.dkdv, *args, dkdv_ranges, block_q=tiles.dkdv_block_q,
         block_kv=tiles.dkdv_block_kv, stages=tiles.backward_stages, **common,

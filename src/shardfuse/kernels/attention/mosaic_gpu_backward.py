@@ -48,7 +48,8 @@ def _dkdv_kernel(
     q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_pos_ref, kv_pos_ref, q_seg_ref,
     kv_seg_ref, ranges_ref,
     *refs,
-    config, block_q, block_kv, stages, group, length_kv, segments, compute, interpret,
+    config, block_q, block_kv, stages, group, length_kv, segments, compute, consumers,
+    interpret,
 ):  # fmt: skip
     outs, refs = refs[: len(compute)], refs[len(compute) :]
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, free = refs
@@ -64,10 +65,10 @@ def _dkdv_kernel(
     D = k_smem.shape[-1]
     dtype = k_smem.dtype
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        kv_start = tile * (CONSUMERS * block_kv) + wg * block_kv
+        kv_start = tile * (consumers * block_kv) + wg * block_kv
         rows = (batch, pl.ds(kv_start, block_kv), kv_head)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_tile, kv_ready.at[wg])
@@ -128,7 +129,7 @@ def _dkdv_kernel(
             tiles.store(grads[name], out_ref.at[rows], stage, interpret=interpret)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
+    @pl.when(wg == consumers)
     def producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
@@ -151,7 +152,7 @@ def _dq_kernel(
     kv_seg_ref, ranges_ref,
     dq_ref,
     q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, free,
-    *, config, block_q, block_kv, stages, group, length_kv, segments, interpret,
+    *, config, block_q, block_kv, stages, group, length_kv, segments, consumers, interpret,
 ):  # fmt: skip
     head = lax.axis_index("heads")
     tile = lax.axis_index("q_tiles")
@@ -164,10 +165,10 @@ def _dq_kernel(
     D = q_smem.shape[-1]
     dtype = q_smem.dtype
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q_start = tile * (CONSUMERS * block_q) + wg * block_q
+        q_start = tile * (consumers * block_q) + wg * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_tile, q_ready.at[wg])
@@ -210,7 +211,7 @@ def _dq_kernel(
         tiles.store(dq * config.scale, dq_ref.at[rows], stage, interpret=interpret)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
+    @pl.when(wg == consumers)
     def producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.array(group, head.dtype))
@@ -224,14 +225,14 @@ def _dq_kernel(
         tiles.stream(load, hi - lo, stages, (free,))
 
 
-def _call(kernel, grid, names, out_type, scratch, interpret, *args):
+def _call(kernel, grid, names, out_type, scratch, consumers, interpret, *args):
     return plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=scratch,
         grid=grid,
         grid_names=names,
-        num_threads=CONSUMERS + 1,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else {"interpret": interpret}),
@@ -241,7 +242,7 @@ def _call(kernel, grid, names, out_type, scratch, interpret, *args):
 def dkdv(
     q, k, v, d_out, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, ranges,
     *, config, block_q, block_kv, stages, length_kv, grad_dtype, compute=("dk", "dv"),
-    interpret=None,
+    consumers=CONSUMERS, interpret=None,
 ):  # fmt: skip
     """`dk, dv [B, S, K, D]` in `grad_dtype` (those of `compute`) on padded inputs.
 
@@ -250,7 +251,7 @@ def dkdv(
     float32 `[B, H, T]` (lse in base 2, -inf read as 0).
     """
     B, T, H, D = q.shape
-    S, K = k.shape[1], k.shape[2]
+    K = k.shape[2]
     kernel = functools.partial(
         _dkdv_kernel,
         config=config,
@@ -261,31 +262,33 @@ def dkdv(
         length_kv=length_kv,
         segments=q_seg is not None,
         compute=tuple(compute),
+        consumers=consumers,
         interpret=interpret is not None,
     )
     if q_seg is None:
         q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
     scratch = (
-        tiles.swizzled((CONSUMERS, block_kv, D), k.dtype),
-        tiles.swizzled((CONSUMERS, block_kv, D), v.dtype),
+        tiles.swizzled((consumers, block_kv, D), k.dtype),
+        tiles.swizzled((consumers, block_kv, D), v.dtype),
         tiles.swizzled((stages, block_q, D), q.dtype),
         tiles.swizzled((stages, block_q, D), d_out.dtype),
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.float32),
-        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),  # K and V rows
+        plgpu.Barrier(num_arrivals=2, num_barriers=consumers),  # K and V rows
         plgpu.Barrier(num_arrivals=4, num_barriers=stages),  # q, dO, lse, delta
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # slot free
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # slot free
     )
     out_type = tuple(jax.ShapeDtypeStruct(k.shape, grad_dtype) for _ in compute)
-    grid = (K, S // (CONSUMERS * block_kv), B)
+    grid = (K, ranges.shape[1], B)  # key tiles holding real keys (padding may add more)
     args = (q, k, v, d_out, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, ranges)
-    return _call(kernel, grid, ("kv_heads", "kv_tiles", "batch"), out_type, scratch, interpret,
-                 *args)  # fmt: skip
+    names = ("kv_heads", "kv_tiles", "batch")
+    return _call(kernel, grid, names, out_type, scratch, consumers, interpret, *args)
 
 
 def dq(
     q, k, v, d_out, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, ranges,
-    *, config, block_q, block_kv, stages, length_kv, grad_dtype, interpret=None,
+    *, config, block_q, block_kv, stages, length_kv, grad_dtype, consumers=CONSUMERS,
+    interpret=None,
 ):  # fmt: skip
     """`dq [B, T, H, D]` in `grad_dtype` on padded inputs; `ranges` as the forward's."""
     B, T, H, D = q.shape
@@ -299,21 +302,23 @@ def dq(
         group=H // K,
         length_kv=length_kv,
         segments=q_seg is not None,
+        consumers=consumers,
         interpret=interpret is not None,
     )
     if q_seg is None:
         q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
     scratch = (
-        tiles.swizzled((CONSUMERS, block_q, D), q.dtype),
-        tiles.swizzled((CONSUMERS, block_q, D), d_out.dtype),
+        tiles.swizzled((consumers, block_q, D), q.dtype),
+        tiles.swizzled((consumers, block_q, D), d_out.dtype),
         tiles.swizzled((stages, block_kv, D), k.dtype),
         tiles.swizzled((stages, block_kv, D), v.dtype),
-        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),  # q and dO rows
+        plgpu.Barrier(num_arrivals=2, num_barriers=consumers),  # q and dO rows
         plgpu.Barrier(num_barriers=stages),  # k
         plgpu.Barrier(num_barriers=stages),  # v
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # slot free
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),  # slot free
     )
     out_type = jax.ShapeDtypeStruct(q.shape, grad_dtype)
-    grid = (H, T // (CONSUMERS * block_q), B)
+    grid = (H, ranges.shape[1], B)  # query tiles holding real queries
     args = (q, k, v, d_out, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, ranges)
-    return _call(kernel, grid, ("heads", "q_tiles", "batch"), out_type, scratch, interpret, *args)
+    names = ("heads", "q_tiles", "batch")
+    return _call(kernel, grid, names, out_type, scratch, consumers, interpret, *args)

@@ -164,7 +164,7 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, *, config, block_q, b
     """
     B, T, H, D = q.shape
     K = k.shape[2]
-    tiles_q = T // (CONSUMERS * block_q)
+    tiles_q = ranges.shape[1]  # query tiles holding real queries (padding may add more)
     kernel = functools.partial(
         _kernel,
         config=config,
