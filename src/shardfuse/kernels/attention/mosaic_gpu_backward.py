@@ -90,9 +90,9 @@ def _dkdv_kernel(
             plgpu.barrier_wait(ready.at[slot])
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             scores = tiles.mma(k_tile, q_tile.transpose((1, 0)), shape, interpret=interpret)
-            t, tanh = tiles.logits_log2(config, scores)
+            x, c, tanh = tiles.logits_log2(config, scores)
             lse = tiles.vector(lse_smem.at[slot], 0, block_q, tiles.COL, interpret=interpret)
-            p = jnp.exp2(t - lax.broadcast_in_dim(lse, shape, [1]))
+            p = jnp.exp2(x * c - lax.broadcast_in_dim(lse, shape, [1]))
             if masked:
                 visible = tiles.tile_mask(
                     config, mask_refs, batch, i * block_q, kv_start, shape, transposed=True
@@ -155,7 +155,7 @@ def _dq_kernel(
     *, config, block_q, block_kv, stages, group, length_kv, segments, consumers, interpret,
 ):  # fmt: skip
     head = lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
+    tile = tiles.heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     lo = ranges_ref[batch, tile, 0]
@@ -189,8 +189,8 @@ def _dq_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             scores = tiles.mma(q_tile, k_tile.transpose((1, 0)), shape, interpret=interpret)
-            t, tanh = tiles.logits_log2(config, scores)
-            p = jnp.exp2(t - lax.broadcast_in_dim(lse, shape, [0]))
+            x, c, tanh = tiles.logits_log2(config, scores)
+            p = jnp.exp2(x * c - lax.broadcast_in_dim(lse, shape, [0]))
             if masked:
                 visible = tiles.tile_mask(config, mask_refs, batch, q_start, j * block_kv, shape)
                 p = jnp.where(visible, p, 0.0)

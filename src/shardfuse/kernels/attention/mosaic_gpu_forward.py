@@ -48,7 +48,7 @@ def _kernel(
     *, config, block_q, block_kv, stages, group, length_kv, segments, interpret,
 ):  # fmt: skip
     head = lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
+    tile = tiles.heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
     lo = ranges_ref[batch, tile, 0]
@@ -95,16 +95,16 @@ def _kernel(
 
             s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            t, _ = tiles.logits_log2(config, s)
+            x, c, _ = tiles.logits_log2(config, s)  # base-2 logits x * c, c > 0
             if masked:
                 visible = tiles.tile_mask(
                     config, mask_refs, batch, q_start, j * block_kv, (block_q, block_kv)
                 )
-                t = jnp.where(visible, t, -jnp.inf)
-            m_new = jnp.maximum(row_max, t.max(axis=1))
+                x = jnp.where(visible, x, -jnp.inf)
+            m_new = jnp.maximum(row_max, x.max(axis=1) * c)
             m_use = tiles.safe_max(m_new) if masked else m_new
             alpha = jnp.exp2(row_max - m_use)
-            p = jnp.exp2(t - lax.broadcast_in_dim(m_use, t.shape, [0]))
+            p = jnp.exp2(x * c - lax.broadcast_in_dim(m_use, x.shape, [0]))  # one FMA each
             row_sum = row_sum * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p = p.astype(v_smem.dtype)

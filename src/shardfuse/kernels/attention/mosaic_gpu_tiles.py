@@ -145,13 +145,26 @@ def tile_mask(config, refs: MaskRefs, batch, q_start, kv_start, shape, *, transp
 
 
 def logits_log2(config, s):
-    """Scores `s` (float32, `q . k`) as base-2 logits: `cap(scale * s) * log2(e)`, and the
-    factor `d logits / d s` needs under a softcap (`1 - tanh^2`; None without one)."""
+    """Scores `s` (float32 `q . k`) as base-2 logits `x * c`: `(x, c, tanh)`.
+
+    `cap(scale * s) * log2(e) = x * c` with `c > 0` a Python float, so that a
+    kernel takes row maxima on `x` (scaled once per row, not per element) and forms
+    `exp2(x * c - m)` as one fused multiply-add per element. Without a softcap
+    `x = s`; with one, `x = tanh(scale * s / cap)`, which the backward needs too
+    (`d logits / d s = scale * (1 - tanh^2)`; `tanh` is None without a softcap).
+    """
     if config.logit_softcap is None:
-        return s * (config.scale * LOG2E), None
+        c = config.scale * LOG2E
+        return (s, c, None) if c > 0 else (s * c, 1.0, None)
     cap = config.logit_softcap
     t = jnp.tanh(s * (config.scale / cap))
-    return t * (cap * LOG2E), t
+    return t, cap * LOG2E, t
+
+
+def heavy_first(tile, tiles, config):
+    """The query tile a CTA takes: under a causal mask the last (most keys) first, so the
+    longest CTAs start first and the short ones fill the tail (FlashAttention-3's order)."""
+    return tiles - 1 - tile if config.causal else tile
 
 
 def safe_max(m):
