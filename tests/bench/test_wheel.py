@@ -45,6 +45,8 @@ def test_wheel_contains_the_suites(tmp_path):
         "shardfuse/bench/suites/pytest.ini",
         "shardfuse/bench/tools/peers.py",
         "shardfuse/bench/tools/triton_compile_stats.py",
+        "shardfuse/bench/tools/gpu_attention.py",
+        "shardfuse/kernels/attention/gpu_dispatch.json",  # implementation=None on GPUs reads it
         "shardfuse/bench/cli.py",
     }
     assert expected <= names, sorted(expected - names)

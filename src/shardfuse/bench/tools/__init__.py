@@ -6,7 +6,8 @@ Run each as `python -m shardfuse.bench.tools.NAME`:
 - `peers`: the default CPU attention against tokamax and `jax.nn`, with a matmul roofline;
 - `attention_cpu_timing`: CPU time of attention, xla vs reference vs `jax.nn`;
 - `attention_memory`: compiled temp memory of attention forward+backward as S grows;
-- `triton_attention`: the Triton flash attention against cuDNN and XLA on an NVIDIA GPU;
+- `gpu_attention`: shardfuse's default and GPU attention backends against cuDNN (jax.nn),
+  jax's attention_mgpu and tokamax on an NVIDIA GPU; writes the GPU dispatch table;
 - `triton_compile_stats`: registers, spills and shared memory of the Triton kernels for
   sm_80/sm_90, compiled without a GPU (writes `bench/results/triton_compile_stats.md`).
 """
