@@ -57,10 +57,8 @@ def _dkdv_kernel(
     tile = lax.axis_index("kv_tiles")
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    lo = ranges_ref[batch, tile, 0]
-    full_lo = ranges_ref[batch, tile, 1]
-    full_hi = ranges_ref[batch, tile, 2]
-    hi = ranges_ref[batch, tile, 3]
+    bounds = tiles.block_range(ranges_ref, batch, tile)
+    lo, _, _, hi = bounds
     blocks = hi - lo  # query blocks per head; the walk is group * blocks steps
     D = k_smem.shape[-1]
     dtype = k_smem.dtype
@@ -115,11 +113,7 @@ def _dkdv_kernel(
         # The walk: for each head of the group, the masked head of the range, the full run,
         # the masked tail (block indices relative to lo, steps counted over the heads).
         def head_walk(g, grads):
-            base = g * blocks - lo
-            masked, unmasked = (functools.partial(step, masked=b) for b in (True, False))
-            grads = lax.fori_loop(base + lo, base + full_lo, masked, grads)
-            grads = lax.fori_loop(base + full_lo, base + full_hi, unmasked, grads)
-            return lax.fori_loop(base + full_hi, base + hi, masked, grads)
+            return tiles.walk(step, bounds, grads, offset=g * blocks - lo)
 
         dk, dv = lax.fori_loop(0, group, head_walk, (zeros, zeros))
         grads = {"dk": dk * config.scale, "dv": dv}
@@ -158,10 +152,8 @@ def _dq_kernel(
     tile = tiles.heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    lo = ranges_ref[batch, tile, 0]
-    full_lo = ranges_ref[batch, tile, 1]
-    full_hi = ranges_ref[batch, tile, 2]
-    hi = ranges_ref[batch, tile, 3]
+    bounds = tiles.block_range(ranges_ref, batch, tile)
+    lo, _, _, hi = bounds
     D = q_smem.shape[-1]
     dtype = q_smem.dtype
 
@@ -203,10 +195,7 @@ def _dq_kernel(
             plgpu.barrier_arrive(free.at[slot])
             return dq
 
-        masked, unmasked = (functools.partial(step, masked=b) for b in (True, False))
-        dq = lax.fori_loop(lo, full_lo, masked, dq)
-        dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
-        dq = lax.fori_loop(full_hi, hi, masked, dq)
+        dq = tiles.walk(step, bounds, dq)
         stage = q_tile if dq_ref.dtype == dtype else None
         tiles.store(dq * config.scale, dq_ref.at[rows], stage, interpret=interpret)
         plgpu.wait_smem_to_gmem(0)

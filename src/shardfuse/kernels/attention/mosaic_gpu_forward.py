@@ -18,7 +18,7 @@ with Pallas Mosaic GPU primitives:
   positions and segment ids (`mosaic_gpu_tiles.tile_mask`).
 
 Which key blocks a tile visits comes from the wrapper's block table
-(`ranges [B, n_tiles, 4] = (lo, full_lo, full_hi, hi)`, see `masks.block_ranges`):
+(`ranges [B, n_tiles, 4] = (lo, full_lo, full_hi, hi)`, see `masks.visit_ranges`):
 blocks outside `[lo, hi)` are never loaded, blocks in `[full_lo, full_hi)`
 need no mask.
 
@@ -51,10 +51,8 @@ def _kernel(
     tile = tiles.heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
     batch = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    lo = ranges_ref[batch, tile, 0]
-    full_lo = ranges_ref[batch, tile, 1]
-    full_hi = ranges_ref[batch, tile, 2]
-    hi = ranges_ref[batch, tile, 3]
+    bounds = tiles.block_range(ranges_ref, batch, tile)
+    lo, _, _, hi = bounds
     D = q_smem.shape[-1]
 
     def schedule_sync():
@@ -116,10 +114,7 @@ def _kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, row_sum
 
-        masked, unmasked = (functools.partial(step, masked=b) for b in (True, False))
-        carry = lax.fori_loop(lo, full_lo, masked, (acc, row_max, row_sum))
-        carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-        acc, row_max, row_sum = lax.fori_loop(full_hi, hi, masked, carry)
+        acc, row_max, row_sum = tiles.walk(step, bounds, (acc, row_max, row_sum))
         pl.when(wg == 0)(schedule_sync)
 
         sees = row_sum > 0.0  # rows that saw no key: out 0, lse -inf

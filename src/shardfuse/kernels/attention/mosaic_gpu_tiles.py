@@ -21,6 +21,7 @@ Axis glossary: bq query rows of a warpgroup's tile, bk key rows, D head dim.
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -170,6 +171,21 @@ def heavy_first(tile, tiles, config):
 def safe_max(m):
     """The running maximum with -inf (no visible key yet) read as 0, so exp2 stays finite."""
     return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def block_range(ranges_ref, batch, tile):
+    """`(lo, full_lo, full_hi, hi)` of one tile from its block table (`masks.visit_ranges`)."""
+    return tuple(ranges_ref[batch, tile, i] for i in range(4))
+
+
+def walk(step, block_range, carry, *, offset=0):
+    """`step(j, carry, masked=...)` for j in `[lo, hi)` (plus `offset`): masked outside the
+    fully visible run `[full_lo, full_hi)`, unmasked inside it."""
+    lo, full_lo, full_hi, hi = (offset + x for x in block_range)
+    masked, unmasked = (functools.partial(step, masked=b) for b in (True, False))
+    carry = lax.fori_loop(lo, full_lo, masked, carry)
+    carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+    return lax.fori_loop(full_hi, hi, masked, carry)
 
 
 def wait_when(predicate, barrier):
