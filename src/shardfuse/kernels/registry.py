@@ -134,8 +134,8 @@ class Backend:
         """The backend's function (or another `function` of its module).
 
         Raises:
-          NotImplementedError: the module is not part of this version, or an
-            optional dependency it imports is missing.
+          NotImplementedError: the module is not part of this version, an
+            optional dependency it imports is missing, or it has no such function.
         """
         try:
             module = importlib.import_module(self.module)
@@ -145,7 +145,12 @@ class Backend:
                     f"implementation {self.name!r} is not part of this version of shardfuse"
                 ) from e
             raise NotImplementedError(f"implementation {self.name!r} needs {e.name!r}: {e}") from e
-        return getattr(module, function or self.function)
+        try:
+            return getattr(module, function or self.function)
+        except AttributeError as e:  # e.g. a ring step's `forward` of a backend without one
+            raise NotImplementedError(
+                f"implementation {self.name!r} has no {function or self.function}()"
+            ) from e
 
     def available(self, platform: str | None = None) -> Status:
         """`(can_run_here, why)` on `platform` (default: JAX's default backend)."""

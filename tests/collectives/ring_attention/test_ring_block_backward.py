@@ -217,9 +217,16 @@ def test_block_backward_matches_reference(implementation, case):
 
 
 def test_every_backend_has_a_block_backward():
-    """Each backend module has the protocol's forward and backward (with `grad_dtype`)."""
+    """Each backend module ring attention steps with has the protocol's forward and backward
+    (with `grad_dtype`); one without (cudnn: no lse) is refused with NotImplementedError."""
+    from shardfuse.collectives.ring_attention.api import RING_ATTENTION
+
     expected = inspect.signature(protocol.AttentionBackend.backward).parameters
+    with pytest.raises(NotImplementedError, match="cudnn"):
+        blocks.load("cudnn")
     for name in api.IMPLEMENTATIONS:
+        if name not in RING_ATTENTION.names:
+            continue
         if name == "triton":
             pytest.importorskip("triton")
         ops = blocks.load(name)

@@ -113,7 +113,7 @@ def test_default_configs_cover_every_generation_and_head_dim():
     ids=str,
 )
 def test_block_ranges_cover_every_visible_block_and_only_full_ones_unmasked(options):
-    """`_ranges` against the element mask: nothing visible is skipped, nothing partial unmasked."""
+    """`masks.visit_ranges` against the element mask: nothing visible is skipped, nothing partial unmasked."""
     B, T, S, block_m, block_n = 2, 70, 93, 16, 32
     key = jax.random.key(0)
     q_pos = jnp.arange(T, dtype=jnp.int32) + S - T
@@ -131,8 +131,8 @@ def test_block_ranges_cover_every_visible_block_and_only_full_ones_unmasked(opti
         logit_softcap=None,
         scale=1.0,
     )
-    visible, full = triton_gpu._block_masks(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n)
-    ranges = np.asarray(triton_gpu._ranges(visible, full, B))  # [B, nq, 4]
+    visible, full = masks.block_table(config, q_pos, kv_pos, q_seg, kv_seg, block_m, block_n)
+    ranges = np.asarray(masks.visit_ranges(visible, full, B))  # [B, nq, 4]
     mask = np.broadcast_to(masks.visibility_mask(config, q_pos, kv_pos, q_seg, kv_seg), (B, T, S))
     nq, nk = -(-T // block_m), -(-S // block_n)
     assert ranges.shape == (B, nq, 4)
