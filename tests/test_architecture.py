@@ -1,8 +1,8 @@
 """The import rules of the package, read from the source with `ast` (nothing is imported).
 
 DESIGN.md: data flows one way, planner -> parallel -> layers -> collectives ->
-kernels, all of them reading the data modules at the bottom (models.spec, hardware,
-flops, ring_time). These tests build the graph of `import` statements between
+kernels, all of them reading the data modules at the bottom (model_spec, hardware,
+flops, ring_time, axes). These tests build the graph of `import` statements between
 the modules of `src/shardfuse` (at any depth: an import inside a function is
 an edge too) and check:
 
@@ -32,11 +32,11 @@ PACKAGE_DIR = Path(hardware.__file__).resolve().parent
 ROOT = "shardfuse"
 
 # The layers, bottom first; a module may import its own layer and those below.
-# `models` (the package, and its model `models.transformer`) sits on the layers; its spec
-# (`models.spec`) is a data module.
+# `models` (the package, and its model `models.transformer`) sits on the layers; the model's
+# shape (`model_spec`) is a data module at the bottom, read by `flops` and the cost models.
 # `train` (the trainer) sits on the planner: it reads plans, and builds runs with `parallel`.
 LAYERS = ("kernels", "collectives", "layers", "models", "parallel", "planner", "train")
-DATA_MODULES = ("models.spec", "hardware", "flops", "ring_time", "axes")
+DATA_MODULES = ("model_spec", "hardware", "flops", "ring_time", "axes")
 # Programs over the library: the library never imports them.
 APPLICATIONS = ("__main__", "_info", "bench", "demos", "profile")
 

@@ -1,6 +1,6 @@
 """The one FLOPs and MFU definition: model FLOPs, hardware FLOPs, op FLOPs for benchmarks.
 
-This module sits at the bottom of the package beside `models/spec.py` and
+This module sits at the bottom of the package beside `model_spec.py` and
 `hardware.py`: it imports nothing from shardfuse but those two. The planner,
 the trainer's printed MFU, the profiler and every benchmark read it, so their
 numbers can be compared.
@@ -56,7 +56,7 @@ import functools
 import numpy as np
 
 from shardfuse.hardware import Device
-from shardfuse.models.spec import ModelShape
+from shardfuse.model_spec import ModelSpec
 
 FWD = "fwd"
 FWD_BWD = "fwd+bwd"
@@ -205,12 +205,12 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
     return visible_pairs(s, s, causal=True, window=(left, None)) / s
 
 
-def layer_matmul_flops(spec: ModelShape) -> float:
+def layer_matmul_flops(spec: ModelSpec) -> float:
     """Forward matmul FLOPs of one block per token: `2 x` its matmul weights (norms excluded)."""
     return 2.0 * spec.layer_matmul_params()
 
 
-def layer_attention_flops(spec: ModelShape, seq_len: int, *, causal_skip: bool = False) -> float:
+def layer_attention_flops(spec: ModelSpec, seq_len: int, *, causal_skip: bool = False) -> float:
     """Forward attention FLOPs of one block per token: `4 a d` per key attended.
 
     `causal_skip=False` (model FLOPs): every key of the window, `min(s, window)`;
@@ -223,17 +223,17 @@ def layer_attention_flops(spec: ModelShape, seq_len: int, *, causal_skip: bool =
     return 4.0 * spec.heads * spec.head_dim * keys
 
 
-def logits_flops(spec: ModelShape) -> float:
+def logits_flops(spec: ModelSpec) -> float:
     """Forward FLOPs of the output projection per token: `2 h V`."""
     return 2.0 * spec.hidden * spec.vocab_size
 
 
-def model_flops_per_token(spec: ModelShape, seq_len: int) -> float:
+def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     """Training model FLOPs per token (the module docstring's formula, no causal halving).
 
     Example:
       >>> from shardfuse import flops, models
-      >>> spec = models.ModelShape.gpt("gpt-small", 768, 12, 12)
+      >>> spec = models.ModelSpec.gpt("gpt-small", 768, 12, 12)
       >>> h, L, s, V = 768, 12, 2048, 51200  # Megatron's eq. 3 without recomputation
       >>> flops.model_flops_per_token(spec, s) == 72 * L * h * h * (1 + s / (6 * h)) + 6 * h * V
       True
@@ -242,7 +242,7 @@ def model_flops_per_token(spec: ModelShape, seq_len: int) -> float:
     return TRAINING_OVER_FORWARD * (forward + logits_flops(spec))
 
 
-def model_flops(spec: ModelShape, *, seq_len: int, batch: int = 1) -> float:
+def model_flops(spec: ModelSpec, *, seq_len: int, batch: int = 1) -> float:
     """Training model FLOPs of a step of `batch` sequences of `seq_len` tokens (MFU numerator).
 
     Args:
@@ -258,7 +258,7 @@ def model_flops(spec: ModelShape, *, seq_len: int, batch: int = 1) -> float:
 
 
 def recompute_flops_per_token(
-    spec: ModelShape, seq_len: int, remat: str, *, causal_skip: bool = True
+    spec: ModelSpec, seq_len: int, remat: str, *, causal_skip: bool = True
 ) -> float:
     """Forward FLOPs per token the remat policy reruns in the backward pass.
 
@@ -274,7 +274,7 @@ def recompute_flops_per_token(
 
 
 def hardware_flops(
-    spec: ModelShape,
+    spec: ModelSpec,
     *,
     seq_len: int,
     batch: int = 1,

@@ -4,7 +4,7 @@ Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT
 models of 1.7B to 1T parameters on 32 to 3072 A100 80GB GPUs (Selene), with
 their tensor (t), pipeline (p) and data (d = GPUs / (t p)) sizes, batch and
-achieved teraFLOP/s per GPU. The rows live in `shardfuse.models.NARAYANAN_2021_TABLE1`.
+achieved teraFLOP/s per GPU. The rows live in `shardfuse.planner.published.NARAYANAN_2021_TABLE1`.
 
 With the paper's own (t, p, d, batch) and its setting (`Assumptions.megatron_2021()`:
 fp16, activation recomputation, no flash attention, no overlap of the
@@ -16,9 +16,9 @@ plan must be predicted at least as fast as the paper's layout and fit in 80 GB.
 import pytest
 
 from shardfuse import hardware, models
-from shardfuse.planner import Assumptions, plan
+from shardfuse.planner import Assumptions, plan, published
 
-TABLE1 = {run.model: run for run in models.NARAYANAN_2021_TABLE1}
+TABLE1 = {run.model: run for run in published.NARAYANAN_2021_TABLE1}
 DEFAULT_ROWS = ("gpt-1.7b",)  # the rest under -m slow (a few seconds each)
 
 

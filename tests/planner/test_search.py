@@ -116,7 +116,7 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_bad_types_and_layouts():
-    with pytest.raises(TypeError, match="model=3 must be a shardfuse.models.ModelShape"):
+    with pytest.raises(TypeError, match="model=3 must be a shardfuse.models.ModelSpec"):
         plan(3, hardware.cluster("h100"), global_batch=8, seq_len=64)
     with pytest.raises(ValueError, match="model 'gpt5' is not one of"):
         plan("gpt5", hardware.cluster("h100"), global_batch=8, seq_len=64)

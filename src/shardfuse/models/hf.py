@@ -35,8 +35,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardfuse.models import spec as models
+from shardfuse.model_spec import ModelSpec
 from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
+from shardfuse.models.transformer import Transformer
 
 # --- config.json <-> ModelSpec ---------------------------------------------------------
 
@@ -64,7 +65,7 @@ def _rope_parameters(config: dict) -> dict:
     return params
 
 
-def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
+def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
     """The `ModelSpec` of a Hugging Face Llama, Mistral or Qwen2 `config.json` (a dict).
 
     Raises:
@@ -146,7 +147,7 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
             float(rope["high_freq_factor"]),
             int(rope["original_max_position_embeddings"]),
         )
-    return models.ModelSpec(
+    return ModelSpec(
         name,
         hidden=hidden,
         heads=heads,
@@ -167,7 +168,7 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> models.ModelSpec:
     )
 
 
-def hf_config(spec: models.ModelSpec, *, model_type: str = "llama", dtype: str = "float32") -> dict:
+def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float32") -> dict:
     """The `config.json` (a dict) under which `transformers` builds `spec`'s model.
 
     Raises:
@@ -449,8 +450,6 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
     source = SafetensorsDir(path)
 
     def build():
-        from shardfuse.models import Transformer
-
         return Transformer(spec, mesh=mesh, pipelined=pipelined, rngs=nnx.Rngs(0),
                            **model_options)  # fmt: skip
 

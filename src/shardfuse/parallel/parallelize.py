@@ -34,7 +34,7 @@ from shardfuse import axes
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.layers.loss import token_loss
 from shardfuse.layers.remat import POLICIES as _REMAT
-from shardfuse.models.spec import ModelSpec
+from shardfuse.model_spec import ModelSpec
 from shardfuse.models.transformer import Transformer
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.pipeline.api import Pipeline

@@ -102,7 +102,7 @@ def parse_mesh(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def load_model(text: str) -> models.ModelShape:
+def load_model(text: str) -> models.ModelSpec:
     """A model from a name, a JSON object of `ModelSpec` fields, or `@path` to one.
 
     Raises:

@@ -4,7 +4,7 @@ Each message names the rule it breaks and the values (`heads=32 % model=3 != 0`)
 a pinned layout the planner cannot run is refused with these messages.
 """
 
-from shardfuse.models import ModelShape
+from shardfuse.model_spec import ModelSpec
 from shardfuse.planner.options import Assumptions, Layout
 
 
@@ -24,7 +24,7 @@ def sequence_shards(layout: Layout, assumptions: Assumptions | None = None) -> t
 
 
 def layout_constraints(
-    model: ModelShape,
+    model: ModelSpec,
     layout: Layout,
     *,
     global_batch: int,

@@ -45,7 +45,7 @@ import dataclasses
 from shardfuse import flops
 from shardfuse.flops import mean_visible_keys as mean_visible_keys  # its old home
 from shardfuse.hardware import Cluster
-from shardfuse.models import ModelShape
+from shardfuse.model_spec import ModelSpec
 from shardfuse.planner.comm import data_parallel_terms, exposed_term, tensor_parallel_term
 from shardfuse.planner.efficiency import attention_efficiency
 from shardfuse.planner.memory import (
@@ -130,7 +130,7 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
 
 
 def estimate(
-    model: ModelShape,
+    model: ModelSpec,
     cluster: Cluster,
     layout: Layout,
     *,

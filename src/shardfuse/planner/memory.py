@@ -14,7 +14,7 @@ See `cost` for the notation.
 
 import functools
 
-from shardfuse.models import ModelShape
+from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel.pipeline.balance import balance_stages
 from shardfuse.parallel.pipeline.schedule import lockstep_table
 from shardfuse.planner.options import Assumptions, Layout
@@ -49,7 +49,7 @@ def collective_buffers(model_size: int) -> float:
 
 
 def saved_elements_per_token(
-    model: ModelShape, layout: Layout, a: Assumptions, seq_len: int = 1
+    model: ModelSpec, layout: Layout, a: Assumptions, seq_len: int = 1
 ) -> dict:
     """Elements each block keeps per token for its backward pass, per device, by policy.
 
@@ -107,7 +107,7 @@ def _stage_layers(num_layers: int, stages: int) -> tuple:
     return balance_stages([1.0] * num_layers, stages)
 
 
-def slowest_stage_layers(model: ModelShape, layout: Layout) -> float:
+def slowest_stage_layers(model: ModelSpec, layout: Layout) -> float:
     """Layers of the fullest pipeline stage: `L / P`, or where P does not divide L the
     most of `sf.parallel.balance_stages`'s split (layers of equal cost), which a
     `Stack(stage_layers=...)` pads every stage to.
@@ -125,7 +125,7 @@ def slowest_stage_layers(model: ModelShape, layout: Layout) -> float:
     return max(_stage_layers(L, P))
 
 
-def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+def params_per_device(model: ModelSpec, layout: Layout, a: Assumptions) -> float:
     """Parameters one device holds before ZeRO: a stage's layers over T, the embedding tables.
 
     Example:
@@ -147,7 +147,7 @@ def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> floa
     return slowest_stage_layers(model, layout) * layer + tables + h
 
 
-def table_params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+def table_params_per_device(model: ModelSpec, layout: Layout, a: Assumptions) -> float:
     """The embedding and output tables' parameters on one device (`params_per_device`'s).
 
     Example:
@@ -163,7 +163,7 @@ def table_params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -
     return params_per_device(model, layout, a) - layers - model.hidden
 
 
-def state_bytes(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+def state_bytes(model: ModelSpec, layout: Layout, a: Assumptions) -> float:
     """Parameters + gradients + optimizer state per device: the memory no microbatching reduces.
 
     Example:
@@ -229,7 +229,7 @@ def zero_update_term(params_dev: float, layout: Layout, a: Assumptions, backward
     )
 
 
-def attention_tiles(model: ModelShape, layout: Layout, mb_tokens: float, seq_len: int) -> float:
+def attention_tiles(model: ModelSpec, layout: Layout, mb_tokens: float, seq_len: int) -> float:
     """Bytes of the flash-attention backward's float32 tiles (p and ds) of one block.
 
     The xla kernel's backward holds two `[b, heads / T, bq, bk]` float32

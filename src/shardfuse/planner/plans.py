@@ -11,7 +11,7 @@ import dataclasses
 
 from shardfuse import axes
 from shardfuse.hardware import Cluster
-from shardfuse.models import ModelShape
+from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel.parallelize import RunOptions
 from shardfuse.planner.cost import Estimate
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
@@ -41,7 +41,7 @@ class Plan:
       True
     """
 
-    model: ModelShape
+    model: ModelSpec
     cluster: Cluster
     global_batch: int
     seq_len: int

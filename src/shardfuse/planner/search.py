@@ -18,8 +18,8 @@ import math
 
 from shardfuse.hardware import Cluster
 from shardfuse.hardware import cluster as make_cluster
-from shardfuse.models import ModelShape
-from shardfuse.models import get as get_model
+from shardfuse.model_spec import ModelSpec
+from shardfuse.model_spec import get as get_model
 from shardfuse.parallel.pipeline.schedule import closed_form_bubble
 from shardfuse.planner import options
 from shardfuse.planner.constraints import layout_constraints
@@ -58,7 +58,7 @@ def _subset(name, value, valid):
 
 
 def mesh_shapes(
-    model: ModelShape,
+    model: ModelSpec,
     n: int,
     *,
     global_batch: int,
@@ -137,7 +137,7 @@ BOUND = True
 
 
 def plan(
-    model: "ModelShape | str",
+    model: "ModelSpec | str",
     cluster: "Cluster | str",
     *,
     global_batch: int,
@@ -156,7 +156,7 @@ def plan(
     """The best layouts for training `model` on `cluster`, best (fastest predicted) first.
 
     Args:
-      model: a `ModelShape` / `ModelSpec` or a name of `shardfuse.models`.
+      model: a `ModelSpec` / `ModelSpec` or a name of `shardfuse.models`.
       cluster: a `shardfuse.hardware.Cluster`, or a device name (one node).
       global_batch: sequences per optimizer step.
       seq_len: tokens per sequence.
@@ -192,8 +192,8 @@ def plan(
     """
     if isinstance(model, str):
         model = get_model(model)
-    if not isinstance(model, ModelShape):
-        raise TypeError(f"model={model!r} must be a shardfuse.models.ModelShape or a model name")
+    if not isinstance(model, ModelSpec):
+        raise TypeError(f"model={model!r} must be a shardfuse.models.ModelSpec or a model name")
     if isinstance(cluster, str):
         cluster = make_cluster(cluster)
     if not isinstance(cluster, Cluster):

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from shardfuse import axes, flops, hardware, planner
-from shardfuse.models.spec import ModelSpec
+from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel import distributed
 from shardfuse.parallel.checkpoint import Checkpointer
 from shardfuse.parallel.parallelize import RunOptions, parallelize
