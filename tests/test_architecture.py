@@ -15,7 +15,9 @@ an edge too) and check:
 - no library module imports the applications built on it (the command line,
   `bench`, `demos`, `profile`, the package root);
 - no module imports a private module (`_name`) of another package, nor a
-  private name (`from a.b import _name`) defined in another package.
+  private name (`from a.b import _name`) defined in another package, nor reads
+  one as an attribute (`b._name`, `a.b._name`, after `from a import b` or
+  `import a.b as b`).
 
 A failure prints every offending edge as `importer:line -> imported`, or the
 cycle as a chain of such edges.
@@ -291,3 +293,87 @@ def test_the_private_name_check_catches_a_planted_import():
     ]
     offences = _private_name_offences(planted)
     assert len(offences) == 1 and "ring.py:3" in offences[0], offences
+
+
+def _module_bindings(module: str, tree) -> dict:
+    """Local name -> shardfuse module, for every `import` of a module in `module`'s source."""
+    is_package = MODULES.get(module, Path()).name == "__init__.py"
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == ROOT and alias.name in MODULES:
+                    # `import a.b as c` binds c to a.b; `import a.b` binds a
+                    bound[alias.asname or ROOT] = alias.name if alias.asname else ROOT
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in MODULES:
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return bound
+
+
+def private_attribute_reads(module: str, source: str):
+    """`(module, line, "defining.module._name")` for every read of `m._name` in `source`,
+    where `m` (a name, or a chain `a.b.m` of modules) is a shardfuse module that `module`
+    imports: the attribute form of `from m import _name`."""
+    tree = ast.parse(source)
+    bound = _module_bindings(module, tree)
+
+    def module_of(node):
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = module_of(node.value)
+            if base is not None and f"{base}.{node.attr}" in MODULES:
+                return f"{base}.{node.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        base = module_of(node.value)
+        if base is not None and f"{base}.{node.attr}" not in MODULES:  # a name, not a module
+            yield module, node.lineno, f"{base}.{node.attr}"
+
+
+def test_no_private_name_of_another_package_is_read_as_an_attribute():
+    reads = [
+        read
+        for module, path in MODULES.items()
+        for read in private_attribute_reads(module, path.read_text())
+    ]
+    offences = _private_name_offences(reads)
+    assert not offences, "private names read from outside their package:\n" + "\n".join(offences)
+
+
+def test_the_private_attribute_check_catches_a_planted_read():
+    """The reader on planted source: `module._name` of another package (by `from`-import,
+    `import ... as`, and through a chain of modules) is caught; the package's own private
+    names, a private module, dunders and attributes of non-modules are not."""
+    planted = "\n".join(
+        [
+            "from shardfuse.kernels.attention import pallas_tpu_kernels as attention",
+            "import shardfuse.kernels.attention.base as base",
+            "from shardfuse import kernels",
+            "from shardfuse.collectives.ring_attention import layouts",
+            "from shardfuse.layers import _sharding",
+            "attention._dot(1, 2)",  # line 6: another package's private name
+            "base._check_window(None)",  # 7
+            "kernels.attention.masks._all",  # 8: through a chain of modules
+            "layouts._private_helper",  # the importer's own package
+            "attention.__name__, kernels.registry.get, _sharding.layer_axes",
+            "x = object(); x._y",
+        ]
+    )
+    reads = list(private_attribute_reads("shardfuse.collectives.ring_attention.ring", planted))
+    offences = _private_name_offences(reads)
+    assert sorted(offence.split(":")[1] for offence in offences) == ["6", "7", "8"], offences
+    assert any("pallas_tpu_kernels._dot (private to shardfuse.kernels.attention)" in o for o in offences)
