@@ -24,8 +24,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from shardfuse._keywords import renamed_keywords
 from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
-from shardfuse.collectives.sharding import renamed_keywords
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib

@@ -11,7 +11,8 @@ form a user of one layer expects
 keyword that is given overrides the matching field of `options`; one that is
 not given leaves it alone (not given differs from None: `model_axis=None`
 means "no tensor parallelism"). `resolve(options, **keywords)` is the rule,
-`option_keywords` the decorator that applies it to a layer's `__init__`.
+`option_keywords` the decorator that applies it to a layer's `__init__`
+(`shardfuse._keywords`, where every keyword-forwarding decorator lives).
 Layer-specific arguments (sizes, `heads`, `gather_output`, `use_bias`,
 initializers, `causal`, `window`, ...) are ordinary keywords.
 
@@ -51,36 +52,16 @@ be an axis of the mesh (checked when a layer is built on it).
 
 import dataclasses
 import functools
-import inspect
 
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse import axes
+from shardfuse import _keywords, axes
+from shardfuse._keywords import UNSET
 from shardfuse.kernels import registry
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import remat as remat_lib
-
-
-class _Unset:
-    """The type of `UNSET`: a keyword that was not given."""
-
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self):
-        return "UNSET"
-
-    def __reduce__(self):
-        return (_Unset, ())
-
-
-UNSET = _Unset()  # "not given": the default of every option keyword of a layer
 
 _AXIS_FIELDS = ("model_axis", "data_axis", "sequence_axis", "fsdp_axis")
 
@@ -321,49 +302,10 @@ def resolve(options: LayerOptions | None = None, **keywords) -> LayerOptions:
     return options.replace(**given) if given else options
 
 
-def option_keywords(init):
-    """Decorator of a layer's `__init__`: accepts every `LayerOptions` field as a keyword.
-
-    The decorated `__init__(self, ..., options: LayerOptions, ...)` receives
-    `options` already resolved (`resolve`: the caller's `options=`, or the
-    defaults, with the option keywords the caller gave applied) and never
-    sees the option keywords themselves. The signature shown by `help` and
-    `inspect.signature` lists them, defaulting to `UNSET`.
-
-    Example usage::
-
-      >>> from shardfuse.layers import options as options_lib
-      >>> class Layer:
-      ...     @options_lib.option_keywords
-      ...     def __init__(self, width, *, options):
-      ...         self.options = options
-      >>> Layer(8, zero=2).options.zero
-      2
-    """
-    signature = inspect.signature(init)
-    params = list(signature.parameters.values())
-    if "options" not in signature.parameters:
-        raise TypeError(f"{init.__qualname__} must take an `options` keyword")
-    own = set(signature.parameters)
-    clash = own & (set(FIELDS) - {"options"})
-    if clash:
-        raise TypeError(f"{init.__qualname__} takes option fields {sorted(clash)} itself")
-
-    @functools.wraps(init)
-    def wrapper(self, *args, options=None, **kwargs):
-        given = {name: kwargs.pop(name) for name in FIELDS if name in kwargs}
-        return init(self, *args, options=resolve(options, **given), **kwargs)
-
-    # help() / inspect.signature: the option keywords after `options`, before `rngs`
-    index = next(i for i, p in enumerate(params) if p.name == "options")
-    extra = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=UNSET) for name in FIELDS
-    ]
-    options_param = params[index].replace(default=None)
-    wrapper.__signature__ = signature.replace(
-        parameters=[*params[:index], options_param, *extra, *params[index + 1 :]]
-    )
-    return wrapper
+# Decorator of a layer's `__init__(self, ..., options, ...)`: every `LayerOptions` field is
+# also a keyword, overriding that field of `options=` (`resolve`); the `__init__` receives
+# the resolved options (`shardfuse._keywords.option_keywords`, the one mechanism).
+option_keywords = _keywords.option_keywords(FIELDS, resolve)
 
 
 def require_mesh(options: LayerOptions, layer: str):
