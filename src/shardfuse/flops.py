@@ -64,7 +64,20 @@ MODES = (FWD, FWD_BWD)
 BACKWARD_OVER_FORWARD = 2.5
 # Training = forward + backward, the backward two forwards (activation and weight gradients).
 TRAINING_OVER_FORWARD = 3
-REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")  # activation checkpointing
+# Activation checkpointing policies, the one list (what each recomputes:
+# `recompute_flops_per_token`; what each saves: `shardfuse.layers.remat`).
+REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")
+
+
+def check_remat(policy) -> str:
+    """`policy`; ValueError naming the valid policies (`REMAT_POLICIES`) otherwise.
+
+    The one check of a remat policy: `sf.layers.LayerOptions` (hence the run's
+    options), the layers and the FLOPs below call it.
+    """
+    if not isinstance(policy, str) or policy not in REMAT_POLICIES:
+        raise ValueError(f"remat={policy!r} is not a remat policy; valid: {REMAT_POLICIES}")
+    return policy
 
 
 def check_mode(mode):
@@ -265,8 +278,7 @@ def recompute_flops_per_token(
     "full": every layer's forward; "selective" and "offload": the attention
     core; "none" and "dots": nothing.
     """
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat={remat!r} must be one of {REMAT_POLICIES}")
+    check_remat(remat)
     attention = layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
     per_layer = {"full": layer_matmul_flops(spec) + attention, "selective": attention}
     per_layer["offload"] = attention

@@ -58,10 +58,10 @@ from jax import lax
 
 from shardfuse import _keywords, axes
 from shardfuse._keywords import UNSET
+from shardfuse.flops import check_remat
 from shardfuse.kernels import registry
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding, fsdp
-from shardfuse.layers import remat as remat_lib
 
 _AXIS_FIELDS = ("model_axis", "data_axis", "sequence_axis", "fsdp_axis")
 
@@ -175,7 +175,7 @@ class LayerOptions:
         set_("reduce_dtype", _floating_dtype(self.reduce_dtype, "reduce_dtype", optional=True))
         set_("dtype", _floating_dtype(self.dtype, "dtype", optional=True))
         set_("param_dtype", _floating_dtype(self.param_dtype, "param_dtype", optional=False))
-        set_("remat", remat_lib.check_policy(self.remat))
+        set_("remat", check_remat(self.remat))
         set_("precision", matmul_base.check_precision(self.precision))
         set_(
             "implementation",

@@ -44,9 +44,8 @@ temp memory of a `Stack`'s grad step is 3.4-4.1x less under "selective"
 
 import jax
 
+from shardfuse.flops import check_remat
 from shardfuse.layers import fsdp
-
-POLICIES = ("none", "full", "selective", "dots", "offload")
 
 # checkpoint_name tags of the linear layers' outputs (what "selective" keeps).
 LINEAR_OUTPUT_NAMES = (
@@ -60,13 +59,6 @@ LINEAR_OUTPUT_NAMES = (
 ATTENTION_CORE_NAME = "attention_core"
 # every matmul output (what "dots" keeps)
 MATMUL_OUTPUT_NAMES = (*LINEAR_OUTPUT_NAMES, ATTENTION_CORE_NAME)
-
-
-def check_policy(policy: str) -> str:
-    """Returns `policy`; ValueError naming the valid policies otherwise."""
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise ValueError(f"remat={policy!r} is not a remat policy; valid: {POLICIES}")
-    return policy
 
 
 def offload_supported(device=None) -> tuple[bool, str]:
@@ -86,7 +78,7 @@ def offload_supported(device=None) -> tuple[bool, str]:
 
 def jax_policy(policy: str):
     """The `jax.checkpoint` policy of a named `policy` (None for "full")."""
-    check_policy(policy)
+    check_remat(policy)
     policies = jax.checkpoint_policies
     if policy == "full":
         return None
@@ -130,7 +122,7 @@ def checkpoint(fn, policy: str, *, prevent_cse: bool = True, zero=None):
 
     Args:
       fn: a function of arrays (a layer's forward, a scan body).
-      policy: one of `POLICIES`.
+      policy: one of `REMAT_POLICIES` (the list: `shardfuse.flops`).
       prevent_cse: as `jax.checkpoint`; False is safe (and faster) inside `lax.scan`.
       zero: None, or the `shardfuse.layers.fsdp.ZeroOptions` of the layer `fn` runs.
 
@@ -150,7 +142,7 @@ def checkpoint(fn, policy: str, *, prevent_cse: bool = True, zero=None):
       1.0
     """
     gathered = zero is not None and zero.param_axis is not None
-    if check_policy(policy) == "none":
+    if check_remat(policy) == "none":
         return fsdp.reshard_after_forward(fn, zero) if gathered else fn
     jax_fn_policy = jax_policy(policy)
     if gathered and not zero.reshard_after_forward:

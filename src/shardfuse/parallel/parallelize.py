@@ -32,8 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
 from shardfuse.collectives.ring_attention import to_ring_layout
+from shardfuse.flops import check_remat
+from shardfuse.layers.fsdp import check_zero
 from shardfuse.layers.loss import token_loss
-from shardfuse.layers.remat import POLICIES as _REMAT
 from shardfuse.model_spec import ModelSpec
 from shardfuse.models.transformer import Transformer
 from shardfuse.parallel.accumulate import accumulate
@@ -49,7 +50,7 @@ class RunOptions:
 
     Fields:
       zero: ZeRO stage 0..3 over the `fsdp` axis.
-      remat: activation checkpointing policy of each layer (`shardfuse.layers.remat.POLICIES`).
+      remat: activation checkpointing policy of each layer (`shardfuse.flops.REMAT_POLICIES`).
       microbatches: pipeline microbatches (pipeline axis > 1), else gradient
         accumulation steps.
       schedule: pipeline schedule (`sf.parallel.SCHEDULES`).
@@ -67,7 +68,7 @@ class RunOptions:
       >>> RunOptions(zero=4)
       Traceback (most recent call last):
       ...
-      ValueError: zero=4 must be 0, 1, 2 or 3
+      ValueError: zero=4 must be one of (0, 1, 2, 3) (the ZeRO stage)
     """
 
     zero: int = 0
@@ -80,10 +81,8 @@ class RunOptions:
     mesh_shape: dict | None = None
 
     def __post_init__(self):
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
-        if self.remat not in _REMAT:
-            raise ValueError(f"remat={self.remat!r} must be one of {_REMAT}")
+        check_zero(self.zero)
+        check_remat(self.remat)
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches!r} must be an int >= 1")
         if self.schedule not in SCHEDULES:

@@ -18,11 +18,11 @@ import functools
 
 from shardfuse.axes import MESH_AXES as MESH_AXES  # outermost -> innermost
 from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes the FLOPs
+from shardfuse.layers.fsdp import ZERO_STAGES as ZERO_STAGES  # their one home
 from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
 
 PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO2_SCATTER = ("microbatch", "step")
-ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
 
