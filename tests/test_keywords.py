@@ -49,14 +49,14 @@ def test_bad_declarations_fail_at_decoration():
 
 
 def test_keyword_forwarding_lives_in_one_module():
-    """`passes_keywords`, `option_keywords` and `renamed_keywords` are defined once, in
+    """`passes_keywords`, `option_keywords`, `renamed_keywords`, `moved_keywords`: defined once, in
     `shardfuse._keywords`; the layers' `option_keywords` is that decorator for `LayerOptions`."""
     from pathlib import Path
 
     from shardfuse.layers import options as options_lib
 
     root = Path(_keywords.__file__).parent
-    names = ("passes_keywords", "option_keywords", "renamed_keywords")
+    names = ("passes_keywords", "option_keywords", "renamed_keywords", "moved_keywords")
     homes = {
         path.relative_to(root).as_posix()
         for path in root.rglob("*.py")

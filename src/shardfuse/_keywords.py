@@ -9,7 +9,8 @@ package uses these and none writes its own:
   layers' `LayerOptions`) accepted as a keyword that overrides that field of
   the `options=` argument, `UNSET` marking a keyword not given;
 - `renamed_keywords(old=new)`: a deprecated keyword name still accepted, with a
-  `DeprecationWarning`, for one release.
+  `DeprecationWarning`, for one release; `moved_keywords(into, make, old=new)`
+  the same for keywords that became fields of an options argument.
 
 Keywords passed on:
 
@@ -232,6 +233,61 @@ def renamed_keywords(**old_to_new):
                     stacklevel=3 if is_init else 2,
                 )
                 kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def moved_keywords(into: str, make, **old_to_new):
+    """Decorator: deprecated keyword `old` still works as field `new` of the argument `into`.
+
+    For keywords that were copies of an options object's fields (`TrainConfig(zero=1)`
+    before `TrainConfig(options=RunOptions(zero=1))`): passing `old` warns with a
+    DeprecationWarning naming the new spelling and sets `new` on the `into=` argument
+    (`make()` when it is not given) with its `replace`. On an `__init__` the
+    messages name the class.
+
+    Example:
+      >>> import dataclasses
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Style:
+      ...     color: str = "red"
+      ...     def replace(self, **changes):
+      ...         return dataclasses.replace(self, **changes)
+      >>> @moved_keywords("style", Style, colour="color")
+      ... def draw(*, style=Style()):
+      ...     return style.color
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     draw(colour="blue")
+      'blue'
+      >>> print(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+      draw(colour=...) is deprecated and will be removed in the next release:
+      use style=Style(color=...)
+    """
+
+    def decorate(fn):
+        is_init = fn.__name__ == "__init__"
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            moved = {old: kwargs.pop(old) for old in old_to_new if old in kwargs}
+            if moved:
+                name = type(args[0]).__name__ if is_init else fn.__name__
+                given = ", ".join(f"{old}=..." for old in moved)
+                fields = ", ".join(f"{old_to_new[old]}=..." for old in moved)
+                warnings.warn(
+                    f"{name}({given}) is deprecated and will be removed in the next release: "
+                    f"use {into}={make.__name__}({fields})",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                target = kwargs.get(into)
+                target = make() if target is None else target
+                kwargs[into] = target.replace(**{old_to_new[k]: v for k, v in moved.items()})
             return fn(*args, **kwargs)
 
         return wrapper

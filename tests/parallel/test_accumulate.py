@@ -130,13 +130,13 @@ def test_bad_input():
     batch = padded_batch(0, batch=8)
     with pytest.raises(ValueError, match=r"num_microbatches=4 x 8 batch shards"):
         accumulate(token_loss, 4, mesh=mesh)(model, batch)
-    with pytest.raises(ValueError, match=r"num_microbatches=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_microbatches=0 must be a positive integer"):
         accumulate(token_loss, 0, mesh=mesh)
     with pytest.raises(ValueError, match=r"zero=4 must be one of \(0, 1, 2, 3\)"):
         accumulate(token_loss, 1, mesh=mesh, zero=4)
     with pytest.raises(ValueError, match=r"fsdp_axis='shard' is not an axis of the mesh"):
         accumulate(token_loss, 1, mesh=mesh, fsdp_axis="shard")
-    with pytest.raises(TypeError, match=r"num_microbatches=2.0 must be an int"):
+    with pytest.raises(TypeError, match=r"num_microbatches=2.0 must be a positive integer"):
         accumulate(token_loss, 2.0, mesh=mesh)
     with pytest.raises(ValueError, match=r"scatter='once' must be one of \('microbatch', 'step'\)"):
         accumulate(token_loss, 2, mesh=mesh, zero=2, scatter="once")

@@ -40,6 +40,7 @@ import sys
 import pytest
 
 from shardfuse.models import ModelSpec
+from shardfuse.parallel import RunOptions
 from shardfuse.planner import Assumptions, Layout, estimate, plan
 from shardfuse.planner.calibrate import calibrate, cpu_cluster, fit_link, measure_cpu
 from shardfuse.train import TrainConfig, layout_of
@@ -57,7 +58,7 @@ HERE = pathlib.Path(__file__).parent
 
 def _config(mesh):
     return TrainConfig(model=MODEL, mesh=mesh, global_batch=BATCH, seq_len=SEQ, steps=100,
-                       zero=3 if mesh.get("fsdp", 1) > 1 else 0)  # fmt: skip
+                       options=RunOptions(zero=3 if mesh.get("fsdp", 1) > 1 else 0))  # fmt: skip
 
 
 def _measure(meshes, rounds=5):

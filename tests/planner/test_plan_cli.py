@@ -35,19 +35,23 @@ def test_plan_builds_its_mesh(axis_type):
         p.mesh(jax.devices()[:4])
 
 
-def test_plan_keyword_arguments():
+def test_plan_run_options():
+    """A plan converts itself into the run's options (what `parallelize` and the trainer take);
+    the layers' options derive from them."""
     p = plan(TINY, EIGHT, global_batch=8, seq_len=64, zero=3, remat="full", mesh={"fsdp": 2})[0]
-    assert p.zero_kwargs() == {"zero": 3, "fsdp_axis": "fsdp"}
-    assert p.remat_kwargs() == {"remat": "full"}
-    kwargs = p.layer_kwargs()
-    assert kwargs["model_axis"] == "model" and kwargs["sequence_axis"] == "sequence"
-    assert kwargs["data_axis"] == "data" and kwargs["zero"] == 3
-    assert p.pipeline_kwargs() == dict(schedule=p.layout.schedule, pipeline_axis="pipeline",
-                                       num_microbatches=p.layout.num_microbatches,
-                                       virtual_stages=p.layout.virtual_stages)  # fmt: skip
-    assert p.accumulate_kwargs() == dict(num_microbatches=p.layout.num_microbatches,
-                                         data_axis="data", zero=3, fsdp_axis="fsdp")  # fmt: skip
-    assert p.context_parallel_kwargs() == {"strategy": p.layout.cp_strategy}
+    options = p.run_options()
+    assert (options.zero, options.remat) == (3, "full")
+    assert (options.num_microbatches, options.schedule, options.virtual_stages) == (
+        p.layout.num_microbatches, p.layout.schedule, p.layout.virtual_stages
+    )  # fmt: skip
+    assert options.sequence_parallel == p.assumptions.sequence_parallel
+    assert options.mesh_shape == p.mesh_shape
+    layer = p.layer_options(dtype="bfloat16")
+    assert layer == options.layer_options(None, dtype="bfloat16")
+    assert (layer.model_axis, layer.sequence_axis, layer.data_axis, layer.fsdp_axis) == (
+        "model", "sequence", "data", "fsdp"
+    )  # fmt: skip
+    assert (layer.zero, layer.remat) == (3, "full")
 
 
 def test_cli_table_and_explain(capsys):

@@ -30,7 +30,9 @@ Fields (defaults in parentheses); anything else raises a `ValueError` or
 - `reduce_dtype` (float32): dtype of the ZeRO-3 gradient reduction; a floating
   dtype, or None: the compute dtype.
 - `remat` ("none"): activation checkpointing of a block or of each layer of a
-  `Stack`, a policy of `shardfuse.layers.remat`.
+  `Stack`, a policy of `shardfuse.layers.remat` (`shardfuse.flops.REMAT_POLICIES`).
+- `prefetch` (False): a `Stack` of ZeRO-3 blocks gathers layer l + 1's weights
+  while layer l computes (`shardfuse.layers.prefetch`); other layers ignore it.
 - `dtype` (None): compute dtype, floating, or None: the inputs' dtype.
 - `param_dtype` (float32): storage dtype of the parameters, floating.
 - `precision` (None): of the matmuls; None (HIGHEST for float32, DEFAULT for
@@ -139,6 +141,7 @@ class LayerOptions:
     reshard_after_forward: bool = True
     reduce_dtype: object = jnp.dtype(jnp.float32)
     remat: str = "none"
+    prefetch: bool = False
     dtype: object = None
     param_dtype: object = jnp.dtype(jnp.float32)
     precision: lax.Precision | None = None
@@ -167,6 +170,8 @@ class LayerOptions:
         for field in ("reshard_after_forward",):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field}={getattr(self, field)!r} must be True or False")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch={self.prefetch!r} must be True or False")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise TypeError(
                 f"sequence_parallel={self.sequence_parallel!r} must be True, False or None "

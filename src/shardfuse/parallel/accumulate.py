@@ -59,6 +59,7 @@ from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers.fsdp import check_zero
 from shardfuse.parallel import zero as zero_lib
+from shardfuse.parallel.pipeline.schedule import check_count
 
 SCATTER_MODES = ("microbatch", "step")
 
@@ -207,10 +208,7 @@ def accumulate(
       >>> grads["up"]["kernel"][...].shape
       (8, 16)
     """
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
-        raise TypeError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
+    num_microbatches = check_count("num_microbatches", num_microbatches)
     zero = check_zero(zero)
     if scatter not in SCATTER_MODES:
         raise ValueError(f"scatter={scatter!r} must be one of {SCATTER_MODES}")

@@ -1,18 +1,18 @@
-"""`Plan`: a layout with its predicted cost, and the keyword arguments that run it.
+"""`Plan`: a layout with its predicted cost, and the options that run it.
 
 A plan is data: the mesh sizes and options (`Layout`), the estimate that
 ranked it (`Estimate`, every term named), and the inputs it was made for. It
-builds its `jax.sharding.Mesh` (`plan.mesh(devices)`) and hands the options to
-the layers, `sf.layers.Stack`, the pipeline and gradient accumulation as plain
-keyword dicts, so that a training script needs no hand-written glue.
+builds its `jax.sharding.Mesh` (`plan.mesh(devices)`) and converts itself
+into the run's options (`plan.run_options()`, an `sf.parallel.RunOptions`:
+what `sf.parallel.parallelize` and the `Trainer` take; `plan.layer_options()`
+the layers' share of them), so that a training script needs no hand-written glue.
 """
 
 import dataclasses
 
-from shardfuse import axes
 from shardfuse.hardware import Cluster
 from shardfuse.model_spec import ModelSpec
-from shardfuse.parallel.parallelize import RunOptions
+from shardfuse.parallel.options import RunOptions
 from shardfuse.planner.cost import Estimate
 from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
 
@@ -101,54 +101,6 @@ class Plan:
         kwargs = {} if axis_types is None else {"axis_types": tuple(axis_types)}
         return jax.make_mesh(shape, MESH_AXES, devices=devices, **kwargs)
 
-    def layer_kwargs(self) -> dict:
-        """Keyword arguments of `sf.layers.ParallelTransformerBlock` (and the other layers).
-
-        The axis names, Megatron sequence parallelism, the ring layout, and the
-        ZeRO options (`zero_kwargs`). `layer_options` gives the same as one
-        `sf.layers.LayerOptions` (all but the ring layout, an attention keyword).
-        """
-        return dict(
-            model_axis=axes.MODEL,
-            sequence_axis=axes.SEQUENCE,
-            data_axis=axes.DATA,
-            sequence_parallel=self.assumptions.sequence_parallel,
-            layout="zigzag",
-            **self.zero_kwargs(),
-        )
-
-    def layer_options(self, mesh=None, **changes):
-        """The plan's `sf.layers.LayerOptions`: axes, sequence parallelism, ZeRO and remat.
-
-        Args:
-          mesh: the mesh the layers are built on (e.g. `plan.mesh()`), or None.
-          **changes: fields to set besides (e.g. `dtype=jnp.bfloat16`).
-
-        The remat policy is that of each layer of a `sf.layers.Stack`: build the
-        blocks inside it with `options.replace(remat="none")`.
-
-        Example usage::
-
-          >>> import shardfuse as sf
-          >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
-          ...                global_batch=64, seq_len=4096)[0]
-          >>> options = best.layer_options()
-          >>> (options.zero, options.remat) == (best.layout.zero, best.layout.remat)
-          True
-        """
-        from shardfuse.layers.options import LayerOptions  # (the planner sits above the layers)
-
-        return LayerOptions(
-            mesh=mesh,
-            model_axis=axes.MODEL,
-            sequence_axis=axes.SEQUENCE,
-            data_axis=axes.DATA,
-            fsdp_axis=axes.FSDP,
-            zero=self.layout.zero,
-            remat=self.layout.remat,
-            sequence_parallel=self.assumptions.sequence_parallel,
-        ).replace(**changes)
-
     def run_options(self):
         """The plan as `sf.parallel.RunOptions`: what `sf.parallel.parallelize` applies.
 
@@ -162,50 +114,38 @@ class Plan:
           >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
           ...                global_batch=64, seq_len=4096)[0]
           >>> options = best.run_options()
-          >>> (options.zero, options.microbatches) == (best.layout.zero,
-          ...                                          best.layout.num_microbatches)
+          >>> (options.zero, options.num_microbatches) == (best.layout.zero,
+          ...                                              best.layout.num_microbatches)
           True
         """
         layout = self.layout
         return RunOptions(
             zero=layout.zero,
             remat=layout.remat,
-            microbatches=layout.num_microbatches,
+            num_microbatches=layout.num_microbatches,
             schedule=layout.schedule,
             virtual_stages=layout.virtual_stages,
             sequence_parallel=self.assumptions.sequence_parallel,
             mesh_shape=dict(self.mesh_shape),
         )
 
-    def zero_kwargs(self) -> dict:
-        """`{"zero": stage, "fsdp_axis": "fsdp"}`: the ZeRO options of layers and `sf.parallel`."""
-        return dict(zero=self.layout.zero, fsdp_axis=axes.FSDP)
+    def layer_options(self, mesh=None, **changes):
+        """The plan's `sf.layers.LayerOptions` (`run_options().layer_options`): ZeRO, remat,
+        sequence parallelism, for layers built by hand on `mesh`; `changes` set other fields.
 
-    def remat_kwargs(self) -> dict:
-        """`{"remat": policy}` for `sf.layers.Stack`."""
-        return dict(remat=self.layout.remat)
+        The remat policy is that of each layer of a `sf.layers.Stack`: build the
+        blocks inside it with `options.replace(remat="none")`.
 
-    def pipeline_kwargs(self) -> dict:
-        """Keyword arguments of `sf.parallel.Pipeline`: schedule, microbatches, virtual stages.
+        Example usage::
 
-        Without a pipeline (`pipeline == 1`) the microbatches are gradient
-        accumulation steps: see `accumulate_kwargs`.
+          >>> import shardfuse as sf
+          >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
+          ...                global_batch=64, seq_len=4096)[0]
+          >>> options = best.layer_options()
+          >>> (options.zero, options.remat) == (best.layout.zero, best.layout.remat)
+          True
         """
-        return dict(
-            schedule=self.layout.schedule,
-            num_microbatches=self.layout.num_microbatches,
-            virtual_stages=self.layout.virtual_stages,
-            pipeline_axis=axes.PIPELINE,
-        )
-
-    def accumulate_kwargs(self) -> dict:
-        """Keyword arguments of `sf.parallel.accumulate` (gradient accumulation, ZeRO)."""
-        return dict(num_microbatches=self.layout.num_microbatches, data_axis=axes.DATA,
-                    **self.zero_kwargs())  # fmt: skip
-
-    def context_parallel_kwargs(self) -> dict:
-        """`{"strategy": ...}`: the context-parallel attention over `sequence`."""
-        return dict(strategy=self.layout.cp_strategy)
+        return self.run_options().layer_options(mesh, **changes)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict: mesh, options, step time, MFU, memory and every term.

@@ -27,10 +27,12 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from shardfuse import axes, flops, hardware, planner
+from shardfuse._keywords import moved_keywords
 from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel import distributed
 from shardfuse.parallel.checkpoint import Checkpointer
-from shardfuse.parallel.parallelize import RunOptions, parallelize
+from shardfuse.parallel.options import RunOptions
+from shardfuse.parallel.parallelize import parallelize
 from shardfuse.train.data import CORPUS, SyntheticTokens, TextTokens
 
 AXES = axes.MESH_AXES  # outermost to innermost
@@ -41,9 +43,16 @@ COMPUTE_DTYPE = "float32"  # the model's weights and activations: the peak its M
 class TrainConfig:
     """Everything a run needs; every field is a flag of `examples/train_lm.py`.
 
+    The run's choices (ZeRO stage, remat, prefetch, microbatches, pipeline
+    schedule and virtual stages, ...) are one `sf.parallel.RunOptions`,
+    `options`, what `sf.parallel.parallelize` applies. The keywords `zero=`,
+    `remat=`, `microbatches=`, `schedule=`, `virtual_stages=` of earlier
+    releases still set its fields, with a DeprecationWarning.
+
     Example:
+      >>> from shardfuse.parallel import RunOptions
       >>> from shardfuse.train import TrainConfig
-      >>> TrainConfig(mesh={"data": 8}, zero=1).run_options().zero
+      >>> TrainConfig(mesh={"data": 8}, options=RunOptions(zero=1)).options.zero
       1
     """
 
@@ -62,23 +71,17 @@ class TrainConfig:
     log_json: str | None = None
     device: str | None = None  # sf.hardware name for the MFU estimate (default: detected)
     spread_processes: bool = False  # every mesh axis crosses processes (distributed.spread_devices)
-    zero: int = 0  # ZeRO stage over the fsdp axis
-    remat: str = "none"  # activation checkpointing policy of each layer
-    microbatches: int = 1  # gradient accumulation (no pipeline) or pipeline microbatches
-    schedule: str = "1f1b"  # pipeline schedule (when the pipeline axis is > 1)
-    virtual_stages: int = 1  # interleaved schedule: model chunks per stage
+    options: RunOptions = dataclasses.field(default_factory=RunOptions)  # the run's choices
     init_from: str | None = None  # a Hugging Face checkpoint directory: its spec and weights
     export_hf: str | None = None  # after training, the model as a Hugging Face checkpoint here
 
+    def __post_init__(self):
+        if not isinstance(self.options, RunOptions):
+            raise TypeError(f"options={self.options!r} must be an sf.parallel.RunOptions")
+
     def run_options(self) -> RunOptions:
-        """The `sf.parallel.RunOptions` of this run (what `sf.parallel.parallelize` applies)."""
-        return RunOptions(
-            zero=self.zero,
-            remat=self.remat,
-            microbatches=self.microbatches,
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-        )
+        """`options`: what `sf.parallel.parallelize` applies (the conversion it calls)."""
+        return self.options
 
     def mesh_shape(self, device_count: int) -> tuple:
         """Sizes of `AXES`, checked against the device count."""
@@ -95,6 +98,11 @@ class TrainConfig:
             )
         return sizes
 
+
+TrainConfig.__init__ = moved_keywords(
+    "options", RunOptions, zero="zero", remat="remat", microbatches="num_microbatches",
+    schedule="schedule", virtual_stages="virtual_stages",
+)(TrainConfig.__init__)  # fmt: skip
 
 parse_mesh = axes.parse_mesh  # the command line's `--mesh data=2,model=4`
 
@@ -133,14 +141,15 @@ def layout_of(config: TrainConfig, device_count: int):
     """The `sf.planner.Layout` that `config` runs (the inverse of `from_plan`)."""
     sizes = dict(zip(AXES, config.mesh_shape(device_count), strict=True))
     replicas = sizes["data"] * sizes["fsdp"]
+    options = config.options
     return planner.Layout(
         **sizes,
-        zero=config.zero,
-        remat=config.remat,
-        schedule=config.schedule,
-        microbatch_size=max(1, config.global_batch // (replicas * config.microbatches)),
-        num_microbatches=config.microbatches,
-        virtual_stages=config.virtual_stages,
+        zero=options.zero,
+        remat=options.remat,
+        schedule=options.schedule,
+        microbatch_size=max(1, config.global_batch // (replicas * options.num_microbatches)),
+        num_microbatches=options.num_microbatches,
+        virtual_stages=options.virtual_stages,
         cp_strategy="ring",
     )
 
@@ -164,17 +173,12 @@ def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
 
 def from_plan(config: TrainConfig, plan) -> TrainConfig:
     """`config` with the mesh and options of `plan` (an `sf.planner.Plan`)."""
-    layout = plan.layout
     return dataclasses.replace(
         config,
         mesh=dict(plan.mesh_shape),
         global_batch=plan.global_batch,
         seq_len=plan.seq_len,
-        zero=layout.zero,
-        remat=layout.remat,
-        schedule=layout.schedule,
-        microbatches=layout.num_microbatches,
-        virtual_stages=layout.virtual_stages,
+        options=plan.run_options(),
     )
 
 

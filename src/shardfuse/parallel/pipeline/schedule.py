@@ -147,18 +147,35 @@ def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1):
     return (p - 1) / (3 * m + p - 1)
 
 
+class CountTypeError(TypeError, ValueError):
+    """A count (`num_microbatches`, ...) that is not an int: a TypeError, and a ValueError
+    as every count check raised for it before there was one check."""
+
+
+def check_count(name: str, value) -> int:
+    """`value` as an int; an error naming `name` unless it is an int >= 1.
+
+    The one check of the run's counts: `num_microbatches` (of `sf.parallel.RunOptions`,
+    `Pipeline` and `accumulate`), `virtual_stages`, the number of stages.
+
+    Raises:
+      CountTypeError: not an int (a bool neither); it is a TypeError and a ValueError.
+      ValueError: an int < 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise CountTypeError(f"{name}={value!r} must be a positive integer (an int >= 1)")
+    if value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer (an int >= 1)")
+    return int(value)
+
+
 def check_schedule(schedule, num_stages, num_microbatches, virtual_stages=1):
     """ValueError naming the argument unless (schedule, p, m, v) is a valid combination."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
-    for name, value in (
-        ("num_stages", num_stages),
-        ("num_microbatches", num_microbatches),
-        ("virtual_stages", virtual_stages),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    p, m, v = int(num_stages), int(num_microbatches), int(virtual_stages)
+    p = check_count("num_stages", num_stages)
+    m = check_count("num_microbatches", num_microbatches)
+    v = check_count("virtual_stages", virtual_stages)
     if v != 1 and schedule != "interleaved":
         raise ValueError(
             f"virtual_stages={v} needs schedule='interleaved' (schedule={schedule!r} takes 1)"
