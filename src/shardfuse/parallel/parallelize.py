@@ -175,9 +175,10 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
         stage_layers = balance_stages([1.0] * spec.num_layers, stages)
     # 3-5. tensor / sequence / context / data parallelism, remat, ZeRO-3 (and its prefetch):
     # the layers' options, derived from the run's
+    layer_options = options.layer_options(mesh)
     model_keywords = dict(
         mesh=mesh,
-        options=options.layer_options(mesh),
+        options=layer_options,
         pipelined=pipelined,
         stage_layers=stage_layers,
         layout=options.layout,
@@ -194,11 +195,13 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
     pipeline = _pipeline_of(mesh, options) if pipelined else None
     if pipeline is not None:
         pipeline(model.blocks)  # the schedule checked against the pipeline axis, now
-    # 6. the optimizer, its state sharded by ZeRO stage
+    # 6. the optimizer, its state sharded by ZeRO stage (the stage and its axis resolved on
+    # the mesh once, the layers' own, for the optimizer and the gradients alike)
+    zero = layer_options.zero_options()
     tx = optax.adamw(3e-3) if optimizer is None else optimizer
-    zero_optimizer = ZeroOptimizer(model, tx, mesh=mesh, zero=options.zero)
+    zero_optimizer = ZeroOptimizer(model, tx, mesh=mesh, zero=zero)
     # 7. the step
-    step = nnx.jit(_step_fn(mesh, options, pipeline))
+    step = nnx.jit(_step_fn(mesh, options, zero, pipeline))
     return Run(model, zero_optimizer, step, mesh, options, stage_layers)
 
 
@@ -217,7 +220,7 @@ def _pipeline_of(mesh, options: RunOptions):
     return pipeline
 
 
-def _step_fn(mesh, options: RunOptions, pipeline):
+def _step_fn(mesh, options: RunOptions, zero, pipeline):
     ring = _size(mesh, axes.SEQUENCE)
     batch = tuple(a for a in axes.BATCH_AXES if a in mesh.axis_names) or None
     sequence = axes.SEQUENCE if axes.SEQUENCE in mesh.axis_names else None
@@ -254,7 +257,7 @@ def _step_fn(mesh, options: RunOptions, pipeline):
                 per_shard_loss,
                 options.num_microbatches,
                 mesh=mesh,
-                zero=options.zero,
+                zero=zero,
                 batch_spec=batch_spec,
             )(model, batch)
         optimizer.update(model, grads)
