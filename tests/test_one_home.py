@@ -21,7 +21,7 @@ from shardfuse.kernels.attention import masks
 from shardfuse.kernels.attention.base import AttentionConfig
 from shardfuse.planner import estimate
 from shardfuse.planner.cost import axis_link
-from shardfuse.planner.options import Layout
+from shardfuse.planner.options import Parallelism
 
 WINDOWS = (None, (3, 0), (0, 2), (None, 5), (10, None), (2, 2))
 
@@ -124,7 +124,7 @@ def test_every_ring_reader_uses_the_one_bandwidth(key):
     cluster = hardware.Cluster(
         device, nodes=2, devices_per_node=8, intra_link=link, inter_link=link
     )
-    bandwidth, latency, _ = axis_link(cluster, Layout(data=2, model=8), "model")
+    bandwidth, latency, _ = axis_link(cluster, Parallelism(data=2, model=8), "model")
     assert bandwidth == ring_time.ring_bandwidth(
         link.gb_per_s, link.egress_gb_per_s, bidirectional=True
     )
@@ -201,7 +201,7 @@ def test_ring_attention_strategy_costs_are_unchanged():
 
 
 @pytest.mark.parametrize(
-    "cluster, layout, terms",
+    "cluster, parallelism, terms",
     [
         (
             ("h100", 2),
@@ -223,12 +223,12 @@ def test_ring_attention_strategy_costs_are_unchanged():
         ),
     ],
 )
-def test_planner_communication_terms_are_unchanged(cluster, layout, terms):
+def test_planner_communication_terms_are_unchanged(cluster, parallelism, terms):
     model = models.get("llama3-8b")
     result = estimate(
         model,
         hardware.cluster(cluster[0], nodes=cluster[1]),
-        Layout(**layout),
+        Parallelism.of(**parallelism),
         global_batch=64,
         seq_len=8192,
     )

@@ -1,10 +1,10 @@
-"""`shardfuse plan`: the best parallel layouts for a model on a cluster, as a table or JSON.
+"""`shardfuse plan`: the fastest mesh and options for a model on a cluster, as a table or JSON.
 
     shardfuse plan --model llama3-70b --device h100 --nodes 8 --seq 8192 --batch 512
     shardfuse plan ... --json            # a list of plans, best first (assumptions included)
     shardfuse plan ... --explain         # every term of the best plan, why the next lost
     shardfuse plan --model palm ... --mesh data=2,fsdp=256,model=12 --microbatch-size 4 \
-        --zero 3 --remat full --assumptions palm      # pin any field of the layout
+        --zero 3 --remat full --assumptions palm      # pin any field of the Parallelism
 
 `--model` takes a name of `shardfuse.models` or a JSON object of
 `ModelSpec` fields (`{"name": "mine", "hidden": 4096, ...}`, or `@file.json`).

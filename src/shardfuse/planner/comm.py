@@ -73,15 +73,20 @@ def tensor_parallel_term(*, T, mb, s, C, h, act, layer_microbatches, remat, link
     return exposed_term("tensor_parallel", total, window, overlap, what), collectives
 
 
-def data_parallel_terms(*, layout, params_dev, a, links, compute_s, overlap):
+def data_parallel_terms(*, parallelism, params_dev, a, links, compute_s, overlap):
     """`fsdp_gather` (ZeRO-3) and `data_parallel` (the gradient reduction) terms."""
-    D, F, m, z = layout.data, layout.fsdp, layout.num_microbatches, layout.zero
+    D, F, m, z = (
+        parallelism.data,
+        parallelism.fsdp,
+        parallelism.options.num_microbatches,
+        parallelism.options.zero,
+    )
     (bw_d, lat_d, name_d), (bw_f, lat_f, name_f) = links
     g = params_dev * a.grad_comm_bytes
     terms = []
     backward_s = compute_s * 2.0 / 3.0
     if z == 3:
-        gathers = 2 + (1 if layout.remat == "full" else 0)
+        gathers = 2 + (1 if parallelism.options.remat == "full" else 0)
         total = m * gathers * ring(F, g, bw_f, lat_f)
         what = (f"{m} microbatches x {gathers} all-gathers of the {g / 1e9:.3g} GB parameters "
                 f"over fsdp={F} on {name_f}, prefetched behind the layers")  # fmt: skip
@@ -100,7 +105,7 @@ def data_parallel_terms(*, layout, params_dev, a, links, compute_s, overlap):
                 bw, lat = (bw_f, lat_f) if F > 1 else (bw_d, lat_d)
             total = ring(D * F, g, bw, lat, factor=2.0)
             what = f"all-reduce of {g / 1e9:.3g} GB gradients over data x fsdp={D * F}"
-        elif m > 1 and layout.pipeline == 1 and a.zero2_scatter == "microbatch":
+        elif m > 1 and parallelism.pipeline == 1 and a.zero2_scatter == "microbatch":
             # accumulate(zero=2): each microbatch's backward reduce-scatters its own
             # gradients (hidden behind that backward); the updated shards are
             # all-gathered after the optimizer step, with no compute beside them.

@@ -54,7 +54,7 @@ from shardfuse.planner.memory import (
     saved_elements_per_token,
     slowest_stage_layers,
 )
-from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism
 from shardfuse.planner.pipeline_time import PIPELINED, pipeline_terms
 from shardfuse.planner.terms import Term
 from shardfuse.ring_time import ring_bandwidth, ring_collective_s, ring_transfer_s
@@ -69,7 +69,7 @@ SOFTMAX_PASSES = 6
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """The cost of one layout: FLOPs, time and memory terms, and their totals.
+    """The cost of one parallelism: FLOPs, time and memory terms, and their totals.
 
     Attributes:
       model_flops: FLOPs of the step by the model (MFU numerator), all devices.
@@ -98,7 +98,7 @@ class Estimate:
         return self.memory_bytes <= self.memory_limit_bytes
 
 
-def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float, str]:
+def axis_link(cluster: Cluster, parallelism: Parallelism, axis: str) -> tuple[float, float, str]:
     """`(bytes/s, latency s, link name)` of the ring over mesh axis `axis`.
 
     Devices are laid out in `MESH_AXES` order (innermost fastest); an axis whose
@@ -109,13 +109,13 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
     Example:
       >>> from shardfuse import hardware
       >>> from shardfuse.planner.cost import axis_link
-      >>> from shardfuse.planner.options import Layout
+      >>> from shardfuse.planner.options import Parallelism
       >>> c = hardware.cluster("h100", nodes=2)
-      >>> layout = Layout(data=2, model=8)
-      >>> axis_link(c, layout, "model")[2], axis_link(c, layout, "data")[2]
+      >>> parallelism = Parallelism.of(data=2, model=8)
+      >>> axis_link(c, parallelism, "model")[2], axis_link(c, parallelism, "data")[2]
       ('NVLink 4', 'InfiniBand NDR')
     """
-    sizes = layout.mesh_shape
+    sizes = parallelism.mesh_shape
     stride = 1
     for inner in reversed(MESH_AXES):
         if inner == axis:
@@ -132,18 +132,18 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
 def estimate(
     model: ModelSpec,
     cluster: Cluster,
-    layout: Layout,
+    parallelism: Parallelism,
     *,
     global_batch: int,
     seq_len: int,
     assumptions: Assumptions | None = None,
 ) -> Estimate:
-    """FLOPs, step time and memory of one training step of `model` under `layout`.
+    """FLOPs, step time and memory of one training step of `model` under `parallelism`.
 
     Args:
       model: the transformer.
-      cluster: the devices (their count must equal `layout.num_devices`).
-      layout: the mesh sizes and options.
+      cluster: the devices (their count must equal `parallelism.num_devices`).
+      parallelism: the mesh sizes and options.
       global_batch: sequences per step (B).
       seq_len: tokens per sequence (s).
       assumptions: efficiency, precision and overlap (default `Assumptions()`).
@@ -152,26 +152,32 @@ def estimate(
       The `Estimate`, every term named.
 
     Raises:
-      ValueError: the layout's device count differs from the cluster's.
+      ValueError: the parallelism's device count differs from the cluster's.
 
     Example:
       >>> from shardfuse import hardware, models
       >>> from shardfuse.planner.cost import estimate
-      >>> from shardfuse.planner.options import Layout
-      >>> e = estimate(models.get("llama3-8b"), hardware.cluster("h100"), Layout(fsdp=8, zero=3,
-      ...              remat="full", num_microbatches=2), global_batch=16, seq_len=4096)
+      >>> from shardfuse.planner.options import Parallelism
+      >>> e = estimate(models.get("llama3-8b"), hardware.cluster("h100"), Parallelism.of(fsdp=8,
+      ...              zero=3, remat="full", num_microbatches=2), global_batch=16, seq_len=4096)
       >>> 0 < e.mfu < 1, e.fits
       (True, True)
     """
     a = assumptions or Assumptions()
-    if layout.num_devices != cluster.num_devices:
+    if parallelism.num_devices != cluster.num_devices:
         raise ValueError(
-            f"layout {layout.mesh_shape} has {layout.num_devices} devices, "
+            f"parallelism {parallelism.mesh_shape} has {parallelism.num_devices} devices, "
             f"the cluster {cluster.num_devices}"
         )
     n = cluster.num_devices
-    P, D, F, C, T = (layout.pipeline, layout.data, layout.fsdp, layout.sequence, layout.model)
-    mb, m = layout.microbatch_size, layout.num_microbatches
+    P, D, F, C, T = (
+        parallelism.pipeline,
+        parallelism.data,
+        parallelism.fsdp,
+        parallelism.sequence,
+        parallelism.model,
+    )
+    mb, m = parallelism.microbatch_size, parallelism.options.num_microbatches
     h, L = model.hidden, model.num_layers
     B, s = global_batch, seq_len
     peak_flops = flops.peak_flops_per_s(cluster.device, a.compute_dtype)
@@ -185,19 +191,19 @@ def estimate(
     tokens = B * s
     model_flops = flops.model_flops(model, seq_len=s, batch=B)
     hardware_flops = flops.hardware_flops(
-        model, seq_len=s, batch=B, remat=layout.remat, causal_skip=a.causal_skip
+        model, seq_len=s, batch=B, remat=parallelism.options.remat, causal_skip=a.causal_skip
     )
     # Attention cores run as flash-attention kernels (their own efficiency) or, without
     # flash attention, as batched matmuls; recomputed once more under "full",
     # "selective" and "offload" remat.
     attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
-    reruns = 1 if layout.remat in ("full", "selective", "offload") else 0
+    reruns = 1 if parallelism.options.remat in ("full", "selective", "offload") else 0
     attention_flops = (flops.TRAINING_OVER_FORWARD + reruns) * tokens * L * attention_hw
     attention_rate = rate
     if a.flash_attention and a.compute_efficiency is None:
         attention_rate = peak_flops * attention_efficiency(cluster.device)
     compute = (hardware_flops - attention_flops) / n / rate + attention_flops / n / attention_rate
-    layers_dev = slowest_stage_layers(model, layout)  # L / P, or the balancer's fullest stage
+    layers_dev = slowest_stage_layers(model, parallelism)  # L / P, or the balancer's fullest stage
     training = flops.TRAINING_OVER_FORWARD
     # forward + backward matmuls and attention cores
     matmul_time = training * tokens * L * flops.layer_matmul_flops(model) / n / rate
@@ -224,28 +230,28 @@ def estimate(
     if T > 1:
         tp_term, tp_collectives = tensor_parallel_term(
             T=T, mb=mb, s=s, C=C, h=h, act=act, layer_microbatches=layer_microbatches,
-            remat=layout.remat, link=axis_link(cluster, layout, "model"), matmul_s=matmul_time,
-            a=a, overlap=overlap,
+            remat=parallelism.options.remat, link=axis_link(cluster, parallelism, "model"),
+            matmul_s=matmul_time, a=a, overlap=overlap,
         )  # fmt: skip
         time_terms.append(tp_term)
     if C > 1:
-        bw, lat, name = axis_link(cluster, layout, "sequence")
+        bw, lat, name = axis_link(cluster, parallelism, "sequence")
         kv_heads = max(model.kv_heads / T, 1.0)
         kv_bytes = mb_tokens * kv_heads * model.head_dim * 2 * act
-        strategy = layout.cp_strategy
+        strategy = parallelism.cp_strategy
         if strategy == "ulysses":
             q_bytes = mb_tokens * model.heads / T * model.head_dim * act
             local = 2 * q_bytes + kv_bytes  # q, out and k, v
             cp = layer_microbatches * 2 * ring_collective_s(C, local, bw, lat)
             window = 0.0
         else:  # ring, ulysses_ring (modelled as ring), all_gather
-            hops = 3 + (1 if layout.remat == "full" else 0)
+            hops = 3 + (1 if parallelism.options.remat == "full" else 0)
             cp = layer_microbatches * hops * ring_transfer_s(C, kv_bytes, bw, lat)
             overlapped = a.cp_overlap and strategy != "all_gather"
             window = (C - 1) / C * attention_time if overlapped else 0.0
         what = f"{strategy} attention over sequence={C} on {name}: K/V traffic"
         time_terms.append(exposed_term("context_parallel", cp, window, overlap, what))
-    per_token = saved_elements_per_token(model, layout, a, s)
+    per_token = saved_elements_per_token(model, parallelism, a, s)
     # Memory-bound elementwise work (norms, residual adds, activation, and the
     # softmax over materialised scores without flash attention): each op reads
     # and writes its tensors once per pass; backward ~2 passes, recompute 1 more.
@@ -254,7 +260,7 @@ def estimate(
     traffic = (ELEMENTWISE_H_PASSES * h / token_split + mlp_io) * act
     if not a.flash_attention:
         traffic += model.heads / T * visible * SOFTMAX_PASSES * act
-    passes = 3 + (1 if layout.remat == "full" else 0)
+    passes = 3 + (1 if parallelism.options.remat == "full" else 0)
     hbm = cluster.device.hbm_gb_per_s * 1e9
     elementwise = tokens / (D * F * C * P) * L * traffic * passes / hbm
     time_terms.insert(
@@ -266,7 +272,7 @@ def estimate(
             f"{tokens / (D * F * C * P) * L:.4g} token-layers / {hbm / 1e9:g} GB/s HBM",
         ),
     )
-    if layout.remat == "offload":
+    if parallelism.options.remat == "offload":
         moved = 2 * tokens / n * L * (per_token["full_layer"] - per_token["saved"]) * act
         t_host = moved / (a.offload_gb_per_s * 1e9)
         what = f"{moved / 1e9:.3g} GB to the host and back at {a.offload_gb_per_s:g} GB/s"
@@ -283,19 +289,20 @@ def estimate(
                 f"work {work:.3g} s",
             ))  # fmt: skip
         time_terms += pipeline_terms(
-            layout, a, time_terms, head_s=head_s, send_bytes=send, overlap=overlap,
-            link=axis_link(cluster, layout, "pipeline"),
+            parallelism, a, time_terms, head_s=head_s, send_bytes=send, overlap=overlap,
+            link=axis_link(cluster, parallelism, "pipeline"),
         )  # fmt: skip
-    params_dev = params_per_device(model, layout, a)
+    params_dev = params_per_device(model, parallelism, a)
     if D * F > 1:
         time_terms += data_parallel_terms(
-            layout=layout, params_dev=params_dev, a=a, compute_s=compute, overlap=overlap,
-            links=(axis_link(cluster, layout, "data"), axis_link(cluster, layout, "fsdp")),
+            parallelism=parallelism, params_dev=params_dev, a=a, compute_s=compute,
+            overlap=overlap,
+            links=tuple(axis_link(cluster, parallelism, axis) for axis in ("data", "fsdp")),
         )  # fmt: skip
     # The optimizer update is memory-bound: Adam reads the gradient, the master
     # weights and both moments and writes the last three and the weights the step
     # reads, once per step, on this device's ZeRO shard.
-    shard = F if layout.zero >= 1 else 1
+    shard = F if parallelism.options.zero >= 1 else 1
     touched = a.grad_bytes + 2 * a.optimizer_bytes + a.param_bytes
     update = params_dev / shard * touched / hbm
     time_terms.append(Term("optimizer", update, f"{params_dev:.4g} params / {shard} x {touched} "
@@ -303,7 +310,7 @@ def estimate(
     step_time = sum(t.value for t in time_terms)
 
     # ---- memory ----
-    memory = memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev, s)
+    memory = memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers_dev, s)
     memory_bytes = sum(t.value for t in memory)
     limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
     return Estimate(

@@ -35,11 +35,11 @@ def num_ticks(schedule: str, p: int, m: int, v: int = 1) -> int:
 PIPELINED = ("compute", "elementwise", "tensor_parallel", "context_parallel", "offload")
 
 
-def pipeline_terms(layout, a, terms, *, head_s, send_bytes, link, overlap):
+def pipeline_terms(parallelism, a, terms, *, head_s, send_bytes, link, overlap):
     """`pipeline_recompute`, `pipeline_p2p` and `pipeline_bubble` `Term`s of a pipelined step.
 
     Args:
-      layout, a: the layout (`pipeline > 1`) and the `Assumptions`.
+      parallelism, a: the parallelism (`pipeline > 1`) and the `Assumptions`.
       terms: the step's time terms so far (`PIPELINED` ones are the stage work).
       head_s: seconds of the head (logits, loss, their backward) per microbatch.
       send_bytes: bytes of one stage-boundary activation.
@@ -49,15 +49,15 @@ def pipeline_terms(layout, a, terms, *, head_s, send_bytes, link, overlap):
     from shardfuse.planner.terms import Term
 
     P, m, v, schedule = (
-        layout.pipeline,
-        layout.num_microbatches,
-        layout.virtual_stages,
-        (layout.schedule),
+        parallelism.pipeline,
+        parallelism.options.num_microbatches,
+        parallelism.options.virtual_stages,
+        (parallelism.options.schedule),
     )
     work = sum(t.value for t in terms if t.name in PIPELINED)
     # The forward's share of the stage work: one of three passes, one of four when
     # "full" remat already reruns it.
-    forward = work / (4.0 if layout.remat == "full" else 3.0)
+    forward = work / (4.0 if parallelism.options.remat == "full" else 3.0)
     backward = work - forward
     out = []
     recompute = forward if a.pipeline_recompute else 0.0

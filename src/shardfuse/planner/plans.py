@@ -1,6 +1,6 @@
-"""`Plan`: a layout with its predicted cost, and the options that run it.
+"""`Plan`: a `Parallelism` with its predicted cost, and the options that run it.
 
-A plan is data: the mesh sizes and options (`Layout`), the estimate that
+A plan is data: the mesh sizes and options (`Parallelism`), the estimate that
 ranked it (`Estimate`, every term named), and the inputs it was made for. It
 builds its `jax.sharding.Mesh` (`plan.mesh(devices)`) and converts itself
 into the run's options (`plan.run_options()`, an `sf.parallel.RunOptions`:
@@ -9,22 +9,22 @@ the layers' share of them), so that a training script needs no hand-written glue
 """
 
 import dataclasses
+import warnings
 
 from shardfuse.hardware import Cluster
 from shardfuse.model_spec import ModelSpec
-from shardfuse.parallel.options import RunOptions
 from shardfuse.planner.cost import Estimate
-from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A parallel layout for `model` on `cluster`, with its predicted cost.
+    """A `Parallelism` (mesh sizes and options) for `model` on `cluster`, with its predicted cost.
 
     Attributes:
       model, cluster: what it was planned for.
       global_batch, seq_len: sequences per step and tokens per sequence.
-      layout: mesh sizes and options.
+      parallelism: mesh sizes and options.
       estimate: the predicted FLOPs, step time, memory and their terms.
       assumptions: what the cost model assumed.
 
@@ -45,14 +45,25 @@ class Plan:
     cluster: Cluster
     global_batch: int
     seq_len: int
-    layout: Layout
+    parallelism: Parallelism
     estimate: Estimate
     assumptions: Assumptions
 
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Axis name -> size, outermost (`pipeline`) to innermost (`model`)."""
-        return self.layout.mesh_shape
+        return self.parallelism.mesh_shape
+
+    @property
+    def layout(self) -> Parallelism:
+        """Deprecated: `parallelism` ("layout" is the ring's token order)."""
+        warnings.warn(
+            "Plan.layout is deprecated and will be removed in the next release: use "
+            "Plan.parallelism",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.parallelism
 
     @property
     def step_time_s(self) -> float:
@@ -94,7 +105,7 @@ class Plan:
         import jax
 
         devices = list(jax.devices() if devices is None else devices)
-        n = self.layout.num_devices
+        n = self.parallelism.num_devices
         if len(devices) != n:
             raise ValueError(f"devices has {len(devices)} devices, the plan needs {n}")
         shape = tuple(self.mesh_shape[axis] for axis in MESH_AXES)
@@ -104,8 +115,9 @@ class Plan:
     def run_options(self):
         """The plan as `sf.parallel.RunOptions`: what `sf.parallel.parallelize` applies.
 
-        ZeRO stage, remat, microbatches, pipeline schedule and virtual stages,
-        sequence parallelism, and the mesh sizes (`parallelize` checks its mesh
+        Its `parallelism.options` (ZeRO stage, remat, prefetch, microbatches,
+        pipeline schedule and virtual stages), with the sequence parallelism the
+        cost model assumed and the mesh sizes (`parallelize` checks its mesh
         against them).
 
         Example usage::
@@ -114,18 +126,13 @@ class Plan:
           >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
           ...                global_batch=64, seq_len=4096)[0]
           >>> options = best.run_options()
-          >>> (options.zero, options.num_microbatches) == (best.layout.zero,
-          ...                                              best.layout.num_microbatches)
+          >>> options.replace(mesh_shape=None) == best.parallelism.options
+          True
+          >>> options.mesh_shape == best.mesh_shape
           True
         """
-        layout = self.layout
-        return RunOptions(
-            zero=layout.zero,
-            remat=layout.remat,
-            num_microbatches=layout.num_microbatches,
-            schedule=layout.schedule,
-            virtual_stages=layout.virtual_stages,
-            sequence_parallel=self.assumptions.sequence_parallel,
+        return self.parallelism.options.replace(
+            sequence_parallel=self.assumptions.sequence_parallel,  # as the cost model assumed
             mesh_shape=dict(self.mesh_shape),
         )
 
@@ -142,7 +149,8 @@ class Plan:
           >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
           ...                global_batch=64, seq_len=4096)[0]
           >>> options = best.layer_options()
-          >>> (options.zero, options.remat) == (best.layout.zero, best.layout.remat)
+          >>> (options.zero, options.remat) == (best.parallelism.options.zero,
+          ...                                   best.parallelism.options.remat)
           True
         """
         return self.run_options().layer_options(mesh, **changes)
@@ -162,12 +170,12 @@ class Plan:
           >>> json.loads(json.dumps(d)) == d
           True
         """
-        e, layout = self.estimate, self.layout
-        options = {k: v for k, v in dataclasses.asdict(layout).items() if k not in MESH_AXES}
+        e, parallelism = self.estimate, self.parallelism
+        options = parallelism.choices()
         return dict(
             model=self.model.name,
             cluster=self.cluster.describe(),
-            devices=layout.num_devices,
+            devices=parallelism.num_devices,
             global_batch=self.global_batch,
             seq_len=self.seq_len,
             mesh=dict(self.mesh_shape),
@@ -218,15 +226,17 @@ class Plan:
         )
 
     def options_text(self) -> str:
-        """The options that matter for this layout, compactly."""
-        lay = self.layout
+        """The options that matter for this parallelism, compactly."""
+        lay = self.parallelism
         parts = [
-            f"zero={lay.zero}",
-            f"remat={lay.remat}",
-            f"mb={lay.microbatch_size}x{lay.num_microbatches}",
+            f"zero={lay.options.zero}",
+            f"remat={lay.options.remat}",
+            f"mb={lay.microbatch_size}x{lay.options.num_microbatches}",
         ]
         if lay.pipeline > 1:
-            sched = lay.schedule + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+            sched = lay.options.schedule + (
+                f"/v{lay.options.virtual_stages}" if lay.options.virtual_stages > 1 else ""
+            )
             parts.append(sched)
         if lay.sequence > 1:
             parts.append(lay.cp_strategy)

@@ -1,14 +1,14 @@
-"""Published large training runs, with their layouts: the planner's out-of-sample check.
+"""Published large training runs, with their parallelisms: the planner's out-of-sample check.
 
 Each `ValidationRun` is one run a paper or a project reports: the model, the
-cluster, the layout as published (pinned in `plan`), the system's assumptions
+cluster, the mesh and options as published (pinned in `plan`), the system's assumptions
 preset (`Assumptions.preset`) and the measured throughput (MFU, or TFLOP/s per
 device in the paper's own FLOP count). tests/planner/test_validation.py
 asserts the planner's prediction within 15% of each; the README lists them.
 None of them was used to fit anything: the efficiencies come from
 `planner.efficiency` (MAMF measurements and one factor fitted to Narayanan et
 al. 2021 Table 1, which these runs are not part of). That table's runs are
-`NARAYANAN_2021_TABLE1` (`PublishedRun`s: the layout, batch, GPUs and the
+`NARAYANAN_2021_TABLE1` (`PublishedRun`s: the parallel sizes, batch, GPUs and the
 achieved TFLOP/s per GPU of each GPT of `shardfuse.models`, "gpt-1.7b" ... "gpt-1t").
 
 Sources (the numbers, verified against the text where it is stored):
@@ -16,7 +16,7 @@ Sources (the numbers, verified against the text where it is stored):
   Models" (arXiv:2205.05198): the MFU of 22B/175B/530B/1T GPT models with
   sequence parallelism and selective recompute on A100 80GB (Selene), data
   parallel size 1, as tabulated in the Megatron-LM README ("Model FLOPs
-  Utilization" 41.5%, 51.4%, 56.0%, 56.3%); the layouts are the paper's Table 3
+  Utilization" 41.5%, 51.4%, 56.0%, 56.3%); the parallelisms are the paper's Table 3
   (t = 8; p = 1, 8, 35, 64; GPUs 8, 64, 280, 512; global batch 4, 64, 280, 512;
   sequence 2048).
 - Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG
@@ -54,7 +54,7 @@ from shardfuse.model_spec import get as get_model
 
 @dataclasses.dataclass(frozen=True)
 class PublishedRun:
-    """One training run reported in a paper: its layout and its measured throughput.
+    """One training run reported in a paper: its parallelism and its measured throughput.
 
     Attributes:
       model: a key of `shardfuse.models.MODELS`.
@@ -109,7 +109,7 @@ NARAYANAN_2021_TABLE1: tuple[PublishedRun, ...] = tuple(
 
 @dataclasses.dataclass(frozen=True)
 class ValidationRun:
-    """One published run: model, cluster, pinned layout, assumptions preset and its throughput.
+    """One published run: model, cluster, pinned parallelism, assumptions preset and its throughput.
 
     Attributes:
       name: short label.
@@ -352,22 +352,23 @@ RUNS: tuple[ValidationRun, ...] = (
 )
 
 
-def layout_of(run: ValidationRun):
-    """The published layout of `run` as a `Layout` (microbatches from the batch per replica)."""
-    from shardfuse.planner.options import MESH_AXES, Layout
+def parallelism_of(run: ValidationRun):
+    """The published mesh and options of `run` as a `Parallelism` (microbatches from the
+    batch per replica)."""
+    from shardfuse.planner.options import MESH_AXES, Parallelism
 
     mesh = {axis: run.mesh.get(axis, 1) for axis in MESH_AXES}
     options = dict(run.options)
     mb = options.pop("microbatch_size")
     replicas = mesh["data"] * mesh["fsdp"]
-    return Layout(**mesh, **options, microbatch_size=mb,
-                  num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
+    return Parallelism.of(**mesh, **options, microbatch_size=mb,
+                          num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
 
 
 def predict(run: ValidationRun):
-    """`(predicted figure, estimate)`: the planner's MFU or TFLOP/s per device for `run`'s layout.
+    """`(predicted figure, estimate)`: the planner's MFU or TFLOP/s per device for `run`.
 
-    The cost model on the pinned layout (`layout_of`), under the run's preset;
+    The cost model on the pinned parallelism (`parallelism_of`), under the run's preset;
     `estimate.fits` says whether the planner's memory model would also admit it
     (a throughput check: memory is checked against compiled programs elsewhere).
 
@@ -378,18 +379,18 @@ def predict(run: ValidationRun):
       True
     """
     from shardfuse import hardware
-    from shardfuse.planner.constraints import layout_constraints
+    from shardfuse.planner.constraints import parallelism_constraints
     from shardfuse.planner.cost import estimate
     from shardfuse.planner.options import Assumptions
 
     cluster = hardware.cluster(run.device, nodes=run.nodes, devices_per_node=run.devices_per_node)
     a = Assumptions.preset(run.preset)
-    layout = layout_of(run)
+    parallelism = parallelism_of(run)
     sizes = dict(global_batch=run.global_batch, seq_len=run.seq_len)
-    broken = layout_constraints(run.model, layout, assumptions=a, **sizes)
+    broken = parallelism_constraints(run.model, parallelism, assumptions=a, **sizes)
     if broken:
-        raise ValueError(f"{run.name}: the published layout breaks {broken}")
-    e = estimate(run.model, cluster, layout, assumptions=a, **sizes)
+        raise ValueError(f"{run.name}: the published parallelism breaks {broken}")
+    e = estimate(run.model, cluster, parallelism, assumptions=a, **sizes)
     if run.metric == "tflops":
         return e.tflops_per_device, e
     return e.mfu * run.model_flops_scale, e

@@ -1,18 +1,17 @@
-"""The search: every layout that respects the model's divisibility, ranked by predicted step time.
+"""The search: every mesh and options that keep the model's divisibility, ranked by step time.
 
 Enumerates mesh shapes `(pipeline, data, fsdp, sequence, model)` whose
 product is the device count (model divides the heads and MLP; sequence
 divides the sequence; pipeline x virtual stages divides the layers; data x
 fsdp divides the batch), then per shape the ZeRO stage (1-3 over a real fsdp
 axis, 0 without one), the remat policy, the microbatch size, the pipeline
-schedule and virtual stages, and the context-parallel strategy. A layout
+schedule and virtual stages, and the context-parallel strategy. A `Parallelism`
 whose predicted memory exceeds the device's is dropped (checked once per
 shape, ZeRO stage, remat and microbatch size with the schedule that keeps
 the fewest microbatches in flight, before the schedules are tried). What
 remains is ranked by predicted step time, then memory.
 """
 
-import dataclasses
 import heapq
 import math
 
@@ -22,10 +21,10 @@ from shardfuse.model_spec import ModelSpec
 from shardfuse.model_spec import get as get_model
 from shardfuse.parallel.pipeline.schedule import closed_form_bubble
 from shardfuse.planner import options
-from shardfuse.planner.constraints import layout_constraints
+from shardfuse.planner.constraints import parallelism_constraints
 from shardfuse.planner.cost import estimate
 from shardfuse.planner.memory import state_bytes
-from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism
 from shardfuse.planner.plans import Plan
 
 SEARCHED_CP_STRATEGIES = ("ring", "all_gather", "ulysses")  # ulysses_ring: not modelled apart
@@ -35,7 +34,7 @@ REMAT_ORDER = ("none", "dots", "selective", "offload", "full")
 
 
 class PlanningError(ValueError):
-    """No layout fits: the message says what would (more devices, remat, ZeRO-3)."""
+    """No plan fits: the message says what would (more devices, remat, ZeRO-3)."""
 
 
 def _divisors(n):
@@ -153,7 +152,7 @@ def plan(
     virtual_stages=None,
     calibration=None,
 ) -> list[Plan]:
-    """The best layouts for training `model` on `cluster`, best (fastest predicted) first.
+    """The best parallelisms for training `model` on `cluster`, best (fastest predicted) first.
 
     Args:
       model: a `ModelSpec` / `ModelSpec` or a name of `shardfuse.models`.
@@ -167,9 +166,9 @@ def plan(
       zero, remat, schedule, cp_strategy, microbatch_size, virtual_stages: restrict
         an option to one value or a tuple of values (default: all; virtual stages:
         any that divides the layers of a stage, searched up to `MAX_VIRTUAL_STAGES`).
-        Every field of a `Layout` can so be pinned.
+        Every field of a `Parallelism` can so be pinned.
       calibration: a measured step (`sf.profile`'s `Profile`, its `to_json()` dict
-        or a JSON path) of one layout on this cluster: the assumptions'
+        or a JSON path) of one parallelism on this cluster: the assumptions'
         efficiency is fitted to it (`planner.calibrate`) before the search.
 
     Returns:
@@ -178,7 +177,7 @@ def plan(
 
     Raises:
       ValueError: a bad argument (named, with what is valid).
-      PlanningError: no layout fits, or none respects the rules (each rule that
+      PlanningError: no parallelism fits, or none respects the rules (each rule that
         failed is named, with its values); the message says what would.
 
     Example usage::
@@ -265,11 +264,12 @@ def plan(
         mbs = [b for b in _divisors(per_replica) if sizes is None or b in sizes][::-1]
         cps = ("ring",) if C == 1 else strategies
         for z in stages:
-            states = state_bytes(model, Layout(P, D, F, C, T, zero=z), a)
+            states = state_bytes(model, Parallelism(P, D, F, C, T).replace(zero=z), a)
             if states > limit:  # parameters, gradients and optimizer alone do not fit
                 if smallest is None or states < smallest[0].memory_bytes:
-                    probe = Layout(P, D, F, C, T, zero=z, remat=remats[-1],
-                                   num_microbatches=per_replica)  # fmt: skip
+                    probe = Parallelism(P, D, F, C, T).replace(
+                        zero=z, remat=remats[-1], num_microbatches=per_replica
+                    )
                     smallest = (estimate(model, cluster, probe, **kwargs), probe)
                 continue
             fitted = set()  # microbatch sizes at which a cheaper policy already fits
@@ -282,9 +282,11 @@ def plan(
                     # schedule could reach is a lower bound on the step time.
                     if cannot_win(compute_s[policy], schedules, P, m, max_v):
                         continue
-                    base = Layout(P, D, F, C, T, zero=z, remat=policy, microbatch_size=mb,
-                                  num_microbatches=m, cp_strategy=cps[0])  # fmt: skip
-                    broken = layout_constraints(model, base, **sizes_only)
+                    base = Parallelism(P, D, F, C, T).replace(
+                        zero=z, remat=policy, microbatch_size=mb, num_microbatches=m,
+                        cp_strategy=cps[0],
+                    )  # fmt: skip
+                    broken = parallelism_constraints(model, base, **sizes_only)
                     if broken:
                         rejected += [(base.mesh_shape, rule) for rule in broken]
                         continue
@@ -296,31 +298,29 @@ def plan(
                     # Later policies recompute more: never faster at this microbatch size.
                     fitted.add(mb)
                     best_cp = _best(model, cluster, kwargs, [
-                        dataclasses.replace(base, cp_strategy=s) for s in cps
+                        base.replace(cp_strategy=s) for s in cps
                     ], known=(base, first))  # fmt: skip
                     candidates = [best_cp]
                     if P > 1:
                         candidates = [
-                            (None, layout)
-                            for layout in _schedules(model, best_cp[1], schedules, virtuals)
+                            (None, parallelism)
+                            for parallelism in _schedules(model, best_cp[1], schedules, virtuals)
                         ]
                     elif "1f1b" not in schedules:  # no pipeline: the schedule is moot
-                        candidates = [
-                            (None, dataclasses.replace(best_cp[1], schedule=schedules[0]))
-                        ]
-                    for e, layout in candidates:
-                        if layout == best_cp[1]:
+                        candidates = [(None, best_cp[1].replace(schedule=schedules[0]))]
+                    for e, parallelism in candidates:
+                        if parallelism == best_cp[1]:
                             e = best_cp[0]
-                        elif cannot_win(compute_s[policy], (layout.schedule,), P, m,
-                                        layout.virtual_stages):  # fmt: skip
+                        elif cannot_win(compute_s[policy], (parallelism.options.schedule,), P, m,
+                                        parallelism.options.virtual_stages):  # fmt: skip
                             continue  # the bound above, for this schedule alone
-                        elif broken := layout_constraints(model, layout, **sizes_only):
-                            rejected += [(layout.mesh_shape, rule) for rule in broken]
+                        elif broken := parallelism_constraints(model, parallelism, **sizes_only):
+                            rejected += [(parallelism.mesh_shape, rule) for rule in broken]
                             continue
                         else:
-                            e = estimate(model, cluster, layout, **kwargs)
+                            e = estimate(model, cluster, parallelism, **kwargs)
                         if e.fits:
-                            found.append((_rank(e, layout), layout, e))
+                            found.append((_rank(e, parallelism), parallelism, e))
                             heapq.heappush(best_times, -e.step_time_s)
                             if len(best_times) > top_k:
                                 heapq.heappop(best_times)
@@ -333,7 +333,8 @@ def plan(
                                             shapes, remats, zeros, rejected))  # fmt: skip
     found.sort(key=lambda item: item[0])
     return [
-        Plan(model, cluster, global_batch, seq_len, layout, e, a) for _, layout, e in found[:top_k]
+        Plan(model, cluster, global_batch, seq_len, parallelism, e, a)
+        for _, parallelism, e in found[:top_k]
     ]
 
 
@@ -353,38 +354,38 @@ def _ints(name, value):
     return values
 
 
-def _rank(e, layout):
+def _rank(e, parallelism):
     """Sort key (`TIE_RULE`): step time (to 0.1%), then the simpler options, then memory."""
     return (
         round(math.log(e.step_time_s) / math.log(1.001)),
-        layout.pipeline > 1,
-        REMAT_ORDER.index(layout.remat),
-        layout.zero,
-        layout.sequence > 1,
+        parallelism.pipeline > 1,
+        REMAT_ORDER.index(parallelism.options.remat),
+        parallelism.options.zero,
+        parallelism.sequence > 1,
         e.memory_bytes,
     )
 
 
 def _compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumptions):
     """The compute term of `policy` (the same for every mesh of the cluster)."""
-    layout = Layout(data=cluster.num_devices, remat=policy)
-    e = estimate(model, cluster, layout, global_batch=cluster.num_devices, seq_len=seq_len,
+    parallelism = Parallelism.of(data=cluster.num_devices, remat=policy)
+    e = estimate(model, cluster, parallelism, global_batch=cluster.num_devices, seq_len=seq_len,
                  assumptions=assumptions)  # fmt: skip
     return e.time[0].value * global_batch / cluster.num_devices
 
 
-def _best(model, cluster, kwargs, layouts, known=None):
-    """The fastest fitting `(estimate, layout)` of `layouts`; `known`: one already estimated."""
+def _best(model, cluster, kwargs, parallelisms, known=None):
+    """The fastest fitting `(estimate, parallelism)` of `parallelisms`; `known`: one estimated."""
     best = None
-    for layout in layouts:
-        if layout_constraints(model, layout, **kwargs):
+    for parallelism in parallelisms:
+        if parallelism_constraints(model, parallelism, **kwargs):
             continue
-        if known is not None and layout == known[0]:
+        if known is not None and parallelism == known[0]:
             e = known[1]
         else:
-            e = estimate(model, cluster, layout, **kwargs)
+            e = estimate(model, cluster, parallelism, **kwargs)
         if e.fits and (best is None or e.step_time_s < best[0].step_time_s):
-            best = (e, layout)
+            best = (e, parallelism)
     return best
 
 
@@ -407,11 +408,11 @@ def _schedules(model, base, schedules, virtuals=None):
             for v in tried:
                 # a pinned v that does not divide is kept: the constraints name the rule
                 if v > 1 and (virtuals or model.num_layers % (base.pipeline * v) == 0):
-                    out.append(dataclasses.replace(base, schedule=name, virtual_stages=v))
-        elif name == base.schedule:
+                    out.append(base.replace(schedule=name, virtual_stages=v))
+        elif name == base.options.schedule:
             out.append(base)
         else:
-            out.append(dataclasses.replace(base, schedule=name))
+            out.append(base.replace(schedule=name))
     return out
 
 
@@ -422,11 +423,12 @@ def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, rem
         rules = sorted({rule for _, rule in rejected})
         failed = f"; rules that failed: {'; '.join(rules[:8])}" if rules else ""
         return (
-            f"no layout of {where} respects the divisibility rules for global_batch="
+            f"no plan of {where} respects the divisibility rules for global_batch="
             f"{global_batch}, seq_len={seq_len} ({shapes} mesh shapes tried{failed}): use a "
             "device count, batch and sequence length that the heads, layers and batch divide"
         )
-    e, layout = smallest
+    e, parallelism = smallest
+    options = parallelism.options
     limit = e.memory_limit_bytes
     needed = max(2, math.ceil(e.memory_bytes / limit * cluster.num_devices))
     # a power of two of nodes: the sizes that heads, layers and batches divide
@@ -436,16 +438,16 @@ def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, rem
         hints.append("remat='full' (allow it: remat=None)")
     if 3 not in zeros:
         hints.append("ZeRO-3 over an fsdp axis (allow it: zero=None)")
-    if layout.remat != "full" and "full" in remats:
+    if options.remat != "full" and "full" in remats:
         hints.append("remat='full'")
     hints.append("a smaller global batch or sequence length per microbatch")
     rules = sorted({rule for _, rule in rejected})
     if rules:
-        hints.append(f"(pinned layouts refused by the rules: {'; '.join(rules[:8])})")
+        hints.append(f"(pinned plans refused by the rules: {'; '.join(rules[:8])})")
     terms = ", ".join(f"{t.name} {t.value / 1e9:.3g} GB" for t in e.memory if t.value > 0)
     return (
-        f"no layout of {where} fits in {limit / 1e9:.3g} GB per device: the smallest needs "
-        f"{e.memory_bytes / 1e9:.3g} GB (mesh {layout.mesh_shape}, zero={layout.zero}, "
-        f"remat={layout.remat}, microbatch {layout.microbatch_size}: {terms}). "
+        f"no plan of {where} fits in {limit / 1e9:.3g} GB per device: the smallest needs "
+        f"{e.memory_bytes / 1e9:.3g} GB (mesh {parallelism.mesh_shape}, zero={options.zero}, "
+        f"remat={options.remat}, microbatch {parallelism.microbatch_size}: {terms}). "
         f"What would fit: {'; '.join(hints)}"
     )

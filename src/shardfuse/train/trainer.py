@@ -9,7 +9,7 @@ line of metrics per step (loss, tokens/s, step time, MFU from `sf.flops`), a
 JSON log, orbax checkpoints every K steps and at exit (a run started again
 with the same directory resumes from the last complete checkpoint, on any
 mesh), and the planner's view of the run (`plan_for`, `from_plan`,
-`layout_of`, `estimate_for`).
+`parallelism_of`, `estimate_for`).
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ import math
 import os
 import pathlib
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -137,34 +138,41 @@ def _planner_inputs(config: TrainConfig, device_count: int, chip: str) -> tuple:
     return config.model, cluster, assumptions
 
 
-def layout_of(config: TrainConfig, device_count: int):
-    """The `sf.planner.Layout` that `config` runs (the inverse of `from_plan`)."""
+def parallelism_of(config: TrainConfig, device_count: int):
+    """The `sf.planner.Parallelism` that `config` runs (the inverse of `from_plan`)."""
     sizes = dict(zip(AXES, config.mesh_shape(device_count), strict=True))
     replicas = sizes["data"] * sizes["fsdp"]
-    options = config.options
-    return planner.Layout(
+    options = config.options.replace(mesh_shape=None)  # the mesh: `sizes`
+    return planner.Parallelism(
         **sizes,
-        zero=options.zero,
-        remat=options.remat,
-        schedule=options.schedule,
+        options=options,
         microbatch_size=max(1, config.global_batch // (replicas * options.num_microbatches)),
-        num_microbatches=options.num_microbatches,
-        virtual_stages=options.virtual_stages,
         cp_strategy="ring",
     )
 
 
-def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
-    """The planner's `Estimate` of `config`'s step as it runs (`layout_of`) on `chip`s.
+def layout_of(config: TrainConfig, device_count: int):
+    """Deprecated: `parallelism_of` (the planner's layout is now `sf.planner.Parallelism`)."""
+    warnings.warn(
+        "sf.train.layout_of is deprecated and will be removed in the next release: use "
+        "sf.train.parallelism_of",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return parallelism_of(config, device_count)
 
-    The cost function `sf.plan` ranks with, for this one layout: its terms are
+
+def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
+    """The planner's `Estimate` of `config`'s step as it runs (`parallelism_of`) on `chip`s.
+
+    The cost function `sf.plan` ranks with, for this one parallelism: its terms are
     what `sf.profile` prints beside the measured categories.
     """
     spec, cluster, assumptions = _planner_inputs(config, device_count, chip)
     return planner.estimate(
         spec,
         cluster,
-        layout_of(config, device_count),
+        parallelism_of(config, device_count),
         global_batch=config.global_batch,
         seq_len=config.seq_len,
         assumptions=assumptions,
