@@ -271,17 +271,24 @@ def model_flops(spec: ModelSpec, *, seq_len: int, batch: int = 1) -> float:
 
 
 def recompute_flops_per_token(
-    spec: ModelSpec, seq_len: int, remat: str, *, causal_skip: bool = True
+    spec: ModelSpec, seq_len: int, remat: str, *, causal_skip: bool = True, prefetch: bool = False
 ) -> float:
     """Forward FLOPs per token the remat policy reruns in the backward pass.
 
     "full": every layer's forward; "selective" and "offload": the attention
-    core; "none" and "dots": nothing.
+    core; "none" and "dots": nothing. With the ZeRO-3 layer `prefetch`
+    (`shardfuse.layers.prefetch`) the backward reruns the forward of every layer
+    but the last (whose forward it still holds), as "full" does, and the policy
+    applies inside each layer's backward ("full" there as "none"); counted in the
+    compiled program by tests/layers/test_prefetch.py.
     """
     check_remat(remat)
     attention = layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
     per_layer = {"full": layer_matmul_flops(spec) + attention, "selective": attention}
     per_layer["offload"] = attention
+    if prefetch:
+        inside = 0.0 if remat == "full" else per_layer.get(remat, 0.0)
+        return (spec.num_layers - 1) * per_layer["full"] + spec.num_layers * inside
     return spec.num_layers * per_layer.get(remat, 0.0)
 
 
@@ -292,6 +299,7 @@ def hardware_flops(
     batch: int = 1,
     remat: str = "none",
     causal_skip: bool = True,
+    prefetch: bool = False,
 ) -> float:
     """FLOPs the devices execute in one training step: recomputation and causal skip included.
 
@@ -299,6 +307,8 @@ def hardware_flops(
       spec, seq_len, batch: as in `model_flops`.
       remat: activation checkpointing policy ("none", "dots", "selective", "offload", "full").
       causal_skip: the attention kernels skip masked blocks (visible keys only).
+      prefetch: the ZeRO-3 layer prefetch reruns the forward of every layer but the last
+        (as "full" does); see `recompute_flops_per_token`.
 
     Example:
       >>> from shardfuse import flops, models
@@ -310,7 +320,9 @@ def hardware_flops(
     _check_positive(seq_len=seq_len, batch=batch)
     layer = layer_matmul_flops(spec) + layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
     forward = spec.num_layers * layer + logits_flops(spec)
-    recompute = recompute_flops_per_token(spec, seq_len, remat, causal_skip=causal_skip)
+    recompute = recompute_flops_per_token(
+        spec, seq_len, remat, causal_skip=causal_skip, prefetch=prefetch
+    )
     return batch * seq_len * (TRAINING_OVER_FORWARD * forward + recompute)
 
 

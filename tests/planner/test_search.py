@@ -355,3 +355,40 @@ def test_branch_and_bound_skips_only_what_cannot_be_chosen(monkeypatch, seed):
         ], (model, cluster.describe(), kwargs)
         compared += 1
     assert compared >= 4
+
+
+def test_the_zero3_prefetch_is_priced():
+    """`RunOptions(prefetch=True)`: the forward rerun (hardware FLOPs, as "full" but the last
+    layer), the layer inputs kept (as "full"), the next layer's gathered weights, two
+    gathers per microbatch; searched only when asked, with ZeRO-3 over fsdp only."""
+    model, c = models.get("llama3-8b"), hardware.cluster("h100")
+    kwargs = dict(global_batch=8, seq_len=4096)
+    base = Parallelism.of(fsdp=8, zero=3)
+    plain, fetched = (estimate(model, c, base.replace(prefetch=p), **kwargs) for p in (False, True))
+    full = estimate(model, c, base.replace(remat="full"), **kwargs)
+    L = model.num_layers
+    assert fetched.hardware_flops - plain.hardware_flops == pytest.approx(
+        (full.hardware_flops - plain.hardware_flops) * (L - 1) / L, rel=1e-12
+    )
+    term = lambda e, group, name: {t.name: t for t in getattr(e, group)}[name]  # noqa: E731
+    assert term(fetched, "memory", "activations").value == term(full, "memory", "activations").value
+    layer = model.layer_params() * Assumptions().param_bytes
+    small_vocab = model.replace(vocab_size=1000)  # the logits below the layer's working set
+    working = [
+        term(estimate(small_vocab, c, base.replace(prefetch=p), **kwargs), "memory",
+             "layer_working_set").value
+        for p in (False, True)
+    ]  # fmt: skip
+    assert working[1] - working[0] == pytest.approx(layer, rel=1e-12)
+    both = estimate(model, c, base.replace(remat="full", prefetch=True), **kwargs)
+    assert term(both, "time", "fsdp_gather").total == term(plain, "time", "fsdp_gather").total
+    assert term(full, "time", "fsdp_gather").total == pytest.approx(
+        1.5 * term(plain, "time", "fsdp_gather").total
+    )
+    assert parallelism_constraints(model, Parallelism.of(fsdp=8, zero=2, prefetch=True), **kwargs)
+    plans = plan(TINY, hardware.cluster("h100"), global_batch=8, seq_len=64, prefetch=True)
+    assert plans and all(p.parallelism.options.prefetch for p in plans)
+    assert all(p.parallelism.options.zero == 3 for p in plans)
+    assert plans[0].run_options().prefetch
+    default = plan(TINY, hardware.cluster("h100"), global_batch=8, seq_len=64, top_k=50)
+    assert not any(p.parallelism.options.prefetch for p in default)

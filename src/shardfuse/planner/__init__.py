@@ -18,6 +18,7 @@ Example usage::
   64
 """
 
+from shardfuse.planner.choices import mesh_shapes
 from shardfuse.planner.constraints import parallelism_constraints
 from shardfuse.planner.cost import Estimate, estimate
 from shardfuse.planner.options import (
@@ -33,7 +34,7 @@ from shardfuse.planner.options import (
     Layout as Layout,  # deprecated: Parallelism.of
 )
 from shardfuse.planner.plans import Plan
-from shardfuse.planner.search import PlanningError, mesh_shapes, plan
+from shardfuse.planner.search import PlanningError, plan
 from shardfuse.planner.terms import Term
 
 

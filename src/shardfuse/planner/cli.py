@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=only.format("pipeline schedules"))  # fmt: skip
     parser.add_argument("--cp-strategy", action="append", choices=CP_STRATEGIES,
                         help=only.format("context-parallel strategies"))  # fmt: skip
+    parser.add_argument("--prefetch", choices=("off", "on", "both"), default="off",
+                        help="the ZeRO-3 layer prefetch: off (default), on, or both")  # fmt: skip
     parser.add_argument("--mesh", type=parse_mesh, default={},
                         help=f"pin mesh sizes, AXIS=SIZE,... with AXIS in {', '.join(MESH_AXES)}"
                         " (the other axes are searched)")  # fmt: skip
@@ -185,6 +187,7 @@ def main(args) -> int:
             mesh=args.mesh,
             microbatch_size=args.microbatch_size,
             virtual_stages=args.virtual_stages,
+            prefetch={"off": False, "on": True, "both": (False, True)}[args.prefetch],
         )
     except PlanningError as error:
         print(f"shardfuse plan: {error}", file=sys.stderr)

@@ -86,6 +86,13 @@ def parallelism_constraints(
         errors.append(f"interleaved: num_microbatches={m} % pipeline={P} != 0")
     if parallelism.options.zero == 3 and (model.hidden % F or model.ffn_hidden % F):
         errors.append(f"zero=3: hidden={model.hidden} and ffn_hidden % fsdp={F} != 0")
+    if parallelism.options.prefetch and (parallelism.options.zero != 3 or F == 1 or P > 1):
+        errors.append(
+            f"prefetch=True needs zero=3 over fsdp > 1 and no pipeline (zero="
+            f"{parallelism.options.zero}, fsdp={F}, pipeline={P})"
+        )
+    if parallelism.options.prefetch and parallelism.options.remat == "offload":
+        errors.append("prefetch=True with remat='offload': not modelled")
     if (F > 1) != (parallelism.options.zero > 0):
         errors.append(
             f"zero={parallelism.options.zero} with fsdp={F}: ZeRO needs fsdp > 1 and fsdp > 1 ZeRO"

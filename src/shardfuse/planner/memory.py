@@ -87,7 +87,9 @@ def saved_elements_per_token(
     up = (2 if swiglu else 1) * f / t  # the MLP up-projection's output
     scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key * seq_len
     full = residual + qkv + out + mlp
-    policy = parallelism.options.remat
+    # The ZeRO-3 layer prefetch keeps each layer's input only, as "full" does (the policy
+    # applies inside the layer's rerun, in its backward working set).
+    policy = "full" if parallelism.options.prefetch else parallelism.options.remat
     if policy == "none":
         saved = full
     elif policy in ("selective", "dots"):
@@ -325,7 +327,7 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
         ),
     ]
     saved = per_token["saved"] * act + per_token["scores"]
-    if parallelism.options.remat in ("none", "dots"):
+    if parallelism.options.remat in ("none", "dots") and not parallelism.options.prefetch:
         saved += per_token["lse"] * 4
     chunk = layers_dev / v  # the layers one pipeline tick runs (a stage's chunk)
     stage = mb_tokens * saved * chunk  # one microbatch's saved activations, one chunk
@@ -387,8 +389,12 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
         parts.append(f"{buffers:.3g} [{mb_tokens:g}, {h}] collective-matmul buffers")
     if z == 3 and F > 1:
         layer = model.layer_params() / T * a.param_bytes
-        work += 3 * layer
-        parts.append("3 gathered layers (two weights, one whole gradient)")
+        if parallelism.options.prefetch:  # the next layer's weights, gathered meanwhile
+            work += 4 * layer
+            parts.append("4 gathered layers (two weights, the next layer's, one whole gradient)")
+        else:
+            work += 3 * layer
+            parts.append("3 gathered layers (two weights, one whole gradient)")
     elif z == 2 and F > 1 and P == 1:
         work += model.layer_params() / T * a.grad_bytes
         parts.append("one layer's whole gradient (before its reduce-scatter)")

@@ -227,19 +227,20 @@ class Plan:
 
     def options_text(self) -> str:
         """The options that matter for this parallelism, compactly."""
-        lay = self.parallelism
+        parallelism = self.parallelism
+        options = parallelism.options
         parts = [
-            f"zero={lay.options.zero}",
-            f"remat={lay.options.remat}",
-            f"mb={lay.microbatch_size}x{lay.options.num_microbatches}",
+            f"zero={options.zero}",
+            f"remat={options.remat}",
+            f"mb={parallelism.microbatch_size}x{options.num_microbatches}",
         ]
-        if lay.pipeline > 1:
-            sched = lay.options.schedule + (
-                f"/v{lay.options.virtual_stages}" if lay.options.virtual_stages > 1 else ""
-            )
-            parts.append(sched)
-        if lay.sequence > 1:
-            parts.append(lay.cp_strategy)
+        if options.prefetch:
+            parts.append("prefetch")
+        if parallelism.pipeline > 1:
+            virtual = options.virtual_stages
+            parts.append(options.schedule + (f"/v{virtual}" if virtual > 1 else ""))
+        if parallelism.sequence > 1:
+            parts.append(parallelism.cp_strategy)
         return " ".join(parts)
 
     def explain(self) -> str:
