@@ -17,7 +17,6 @@ import functools
 import json
 import math
 import os
-import pathlib
 import time
 import warnings
 
@@ -230,16 +229,9 @@ def _with_checkpoint_spec(config: TrainConfig) -> TrainConfig:
         return config
     from shardfuse.models import hf
 
-    source = pathlib.Path(config.init_from)
-    if not (source / "config.json").is_file():
-        raise ValueError(
-            f"init_from={config.init_from!r} is not a Hugging Face checkpoint directory "
-            "(no config.json)"
-        )
-    spec = hf.spec_from_hf_config(
-        json.loads((source / "config.json").read_text()), name=source.name or "hf"
+    return dataclasses.replace(
+        config, model=hf.read_hf_spec(config.init_from, argument="init_from")
     )
-    return dataclasses.replace(config, model=spec)
 
 
 def _parallelize(config: TrainConfig, mesh, init=None):
