@@ -216,7 +216,8 @@ def test_lockstep_pipeline_is_the_executor_table():
     """shardfuse's executor: the step lasts the schedule IR's lockstep work (every stage one F
     and one B per tick, the head in the last stage's F ticks); the backward reruns the stage
     forward (residuals="recompute"), with or without collectives in the stage."""
-    from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table
+    from shardfuse.parallel.pipeline.lockstep import lockstep_table
+    from shardfuse.parallel.pipeline.schedule import HEAD, B, F
     from shardfuse.planner import pipeline_time
 
     a = Assumptions()

@@ -16,7 +16,7 @@ import functools
 
 from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel.pipeline.balance import balance_stages
-from shardfuse.parallel.pipeline.schedule import lockstep_table
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
 from shardfuse.planner.options import Assumptions, Parallelism
 from shardfuse.planner.terms import Term
 

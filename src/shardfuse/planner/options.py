@@ -156,7 +156,7 @@ class Assumptions:
         `efficiency.overlap_fraction` (GPUs 0.85, TPUs 0.95, CPUs 0: stated).
       pipeline_executor: "lockstep" (shardfuse's executor: scans over the
         schedule's `LockstepTable`, a `ppermute` every tick, every stage one F and
-        one B per tick: `schedule.lockstep_work`) or "async" (Megatron-style: stages run their
+        one B per tick: `lockstep.lockstep_work`) or "async" (Megatron-style: stages run their
         own order, the bubble is the schedule's closed form).
       pipeline_recompute: a backward tick reruns the stage forward from the kept
         stage input (`Pipeline(residuals="recompute")`, the default); False:

@@ -4,20 +4,14 @@
 scans over ticks with a `ppermute` between neighbouring stages every tick:
 every stage runs the same slots in a tick (an F, the head where the last
 stage needs it, a B), so the step lasts the table's lockstep work,
-`schedule.lockstep_work` (the sum over ticks of the largest stage's work),
+`lockstep.lockstep_work` (the sum over ticks of the largest stage's work),
 which this module reads rather than a closed form of its own. An "async"
 executor (Megatron's) pays the schedule's closed-form bubble,
 `schedule.closed_form_bubble`.
 """
 
-from shardfuse.parallel.pipeline.schedule import (
-    HEAD,
-    B,
-    F,
-    closed_form_bubble,
-    lockstep_table,
-    lockstep_work,
-)
+from shardfuse.parallel.pipeline.lockstep import lockstep_table, lockstep_work
+from shardfuse.parallel.pipeline.schedule import HEAD, B, F, closed_form_bubble
 
 
 def num_ticks(schedule: str, p: int, m: int, v: int = 1) -> int:
