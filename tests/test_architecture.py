@@ -121,8 +121,10 @@ def test_the_graph_is_read():
     """The rules below must not pass because the reader found nothing."""
     assert len(MODULES) > 100
     assert "shardfuse.hardware" in {target for target, _ in GRAPH["shardfuse.flops"]}
+    assert "shardfuse.model_spec" in {target for target, _ in GRAPH["shardfuse.flops"]}
     assert any(
-        _is_under(target, "shardfuse.collectives") for target, _ in GRAPH["shardfuse.layers.linear"]
+        _is_under(target, "shardfuse.collectives")
+        for target, _ in GRAPH["shardfuse.layers.attention"]
     )
 
 
@@ -215,10 +217,16 @@ def test_the_layering_check_catches_a_planted_edge():
     planted["shardfuse.kernels.attention.masks"].append(("shardfuse.layers.linear", 7))
     planted["shardfuse.parallel.zero"].append(("shardfuse.kernels.attention.api", 8))
     planted["shardfuse.flops"].append(("shardfuse.demos.tiny_lm", 9))
+    # the model's shape is data at the bottom: it reads no package above it, and the data
+    # modules read it from below, not through `shardfuse.models` (a layer above them)
+    planted["shardfuse.model_spec"].append(("shardfuse.models.transformer", 10))
+    planted["shardfuse.flops"].append(("shardfuse.models", 11))
     offences = sorted(set(_layering_offences(planted)) - set(_layering_offences(GRAPH)))
-    assert len(offences) == 3, offences
+    assert len(offences) == 5, offences
     expected = "masks.py:7: shardfuse.kernels.attention.masks -> shardfuse.layers.linear"
     assert any(expected in offence for offence in offences), offences
+    assert any("model_spec.py:10: shardfuse.model_spec -> shardfuse.models" in o for o in offences)
+    assert any("flops.py:11: shardfuse.flops -> shardfuse.models " in o for o in offences)
 
 
 def _private_offences(graph) -> list[str]:

@@ -14,16 +14,11 @@ import dataclasses
 
 from shardfuse.model_spec import ModelSpec
 from shardfuse.planner import options
-from shardfuse.planner.options import MESH_AXES, Assumptions
+from shardfuse.planner.options import MESH_AXES, Assumptions, check_positive_int
 
 SEARCHED_CP_STRATEGIES = ("ring", "all_gather", "ulysses")  # ulysses_ring: not modelled apart
 # Remat policies by recomputation (and time): the search tries them in this order.
 REMAT_ORDER = ("none", "dots", "selective", "offload", "full")
-
-
-def check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
 
 
 def subset(name, value, valid):

@@ -262,14 +262,14 @@ def attention_tiles(
 
 
 @functools.lru_cache(maxsize=4096)
-def _peak_in_flight(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+def _peak_in_flight(schedule: str, stages: int, num_microbatches: int, virtual: int) -> float:
     """The most microbatches any stage holds from F to B in the lockstep table (the search
     asks for the same few tables tens of thousands of times).
 
     >>> _peak_in_flight("gpipe", 2, 4, 1), _peak_in_flight("1f1b", 2, 4, 1)
     (4.0, 3.0)
     """
-    return float(max(lockstep_table(schedule, stages, microbatches, virtual).in_flight()))
+    return float(max(lockstep_table(schedule, stages, num_microbatches, virtual).in_flight()))
 
 
 def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers_dev, seq_len):

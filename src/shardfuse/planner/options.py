@@ -30,7 +30,8 @@ ZERO2_SCATTER = ("microbatch", "step")
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
 
-def _positive_int(name, value):
+def check_positive_int(name, value):
+    """ValueError naming `name` unless `value` is an int >= 1 (a size, a batch, a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
@@ -86,7 +87,7 @@ class Parallelism:
 
     def __post_init__(self):
         for name in (*MESH_AXES, "microbatch_size"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if not isinstance(self.options, RunOptions):
             raise TypeError(f"options={self.options!r} must be an sf.parallel.RunOptions")
         _choice("cp_strategy", self.cp_strategy, CP_STRATEGIES)

@@ -23,14 +23,13 @@ from shardfuse.parallel.pipeline.schedule import closed_form_bubble
 from shardfuse.planner.choices import (
     REMAT_ORDER,
     Choices,
-    check_positive_int,
     divisors,
     mesh_shapes,
 )
 from shardfuse.planner.constraints import parallelism_constraints
 from shardfuse.planner.cost import compute_term, estimate
 from shardfuse.planner.memory import state_bytes
-from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism, check_positive_int
 from shardfuse.planner.plans import Plan
 from shardfuse.planner.step import Step
 

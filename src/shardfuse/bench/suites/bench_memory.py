@@ -31,12 +31,13 @@ from jax._src.ad_checkpoint import saved_residuals
 from shardfuse.bench.harness import BenchCase
 from shardfuse.flops import REMAT_POLICIES
 from shardfuse.layers import ParallelTransformerBlock, Stack
+from shardfuse.layers.fsdp import ZERO_STAGES
 from shardfuse.models import ModelSpec, Transformer
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.zero import ZeroOptimizer
 
 POLICIES = REMAT_POLICIES
-STAGES = (0, 1, 2, 3)
+STAGES = ZERO_STAGES
 
 
 def pytest_generate_tests(metafunc):
