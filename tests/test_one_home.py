@@ -300,3 +300,19 @@ def test_the_microbatch_count_has_one_name():
     assert "num_microbatches" in inspect.signature(sf.parallel.Pipeline.__init__).parameters
     assert "num_microbatches" in inspect.signature(sf.parallel.accumulate).parameters
     assert "num_microbatches" in {f.name for f in dataclasses.fields(sf.parallel.RunOptions)}
+
+
+def test_the_old_homes_of_moved_names_warn():
+    """Names whose one home moved stay one release as deprecated aliases of the new one."""
+    import jax
+
+    from shardfuse.layers import fsdp, remat
+    from shardfuse.parallel import zero
+
+    with pytest.warns(DeprecationWarning, match=r"remat.POLICIES is deprecated.*REMAT_POLICIES"):
+        assert remat.POLICIES is flops.REMAT_POLICIES
+    with pytest.warns(DeprecationWarning, match=r"remat.check_policy is deprecated.*check_remat"):
+        assert remat.check_policy is flops.check_remat
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.warns(DeprecationWarning, match=r"fsdp_axis_of is deprecated.*fsdp_axis_on"):
+        assert zero.fsdp_axis_of(mesh, "fsdp") is None is fsdp.fsdp_axis_on(mesh, "fsdp")

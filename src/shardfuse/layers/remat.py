@@ -42,8 +42,11 @@ temp memory of a `Stack`'s grad step is 3.4-4.1x less under "selective"
 `shardfuse/bench/suites/bench_memory.py` has the table.
 """
 
+import warnings
+
 import jax
 
+from shardfuse import flops
 from shardfuse.flops import check_remat
 from shardfuse.layers import fsdp
 
@@ -148,3 +151,21 @@ def checkpoint(fn, policy: str, *, prevent_cse: bool = True, zero=None):
     if gathered and not zero.reshard_after_forward:
         jax_fn_policy = _keeping_gathered(jax_fn_policy)
     return jax.checkpoint(fn, policy=jax_fn_policy, prevent_cse=prevent_cse)
+
+
+# Names of earlier releases: the list and its check live in `shardfuse.flops`.
+_DEPRECATED = {"POLICIES": ("REMAT_POLICIES", "sf.flops.REMAT_POLICIES"),
+               "check_policy": ("check_remat", "sf.flops.check_remat")}  # fmt: skip
+
+
+def __getattr__(name):
+    if name in _DEPRECATED:
+        attribute, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"sf.layers.remat.{name} is deprecated and will be removed in the next release: "
+            f"use {instead}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(flops, attribute)
+    raise AttributeError(f"module 'shardfuse.layers.remat' has no attribute {name!r}")

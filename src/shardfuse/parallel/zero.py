@@ -35,6 +35,8 @@ ZeRO-1/2). `init` creates a model (and optimizer) in one jitted program
 with `out_shardings`, so no device ever holds more than its shards.
 """
 
+import warnings
+
 import jax
 import optax
 from flax import nnx
@@ -44,8 +46,19 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
 from shardfuse.collectives.sharding import entry_axes, is_spec, place
-from shardfuse.layers.fsdp import ZeroOptions, zero_options
+from shardfuse.layers.fsdp import ZeroOptions, fsdp_axis_on, zero_options
 from shardfuse.layers.stack import STACKED
+
+
+def fsdp_axis_of(mesh, fsdp_axis):
+    """Deprecated: `shardfuse.layers.fsdp.fsdp_axis_on`, the one rule of the fsdp axis."""
+    warnings.warn(
+        "sf.parallel.zero.fsdp_axis_of is deprecated and will be removed in the next release: "
+        "use sf.layers.fsdp.fsdp_axis_on",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return fsdp_axis_on(mesh, fsdp_axis)
 
 
 def shard_spec(spec, shape, mesh, axis, *, first_dim: int = 0) -> P:

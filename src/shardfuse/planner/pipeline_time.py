@@ -42,16 +42,17 @@ def pipeline_terms(parallelism, a, terms, *, head_s, send_bytes, link, overlap):
     """
     from shardfuse.planner.terms import Term
 
+    options = parallelism.options
     P, m, v, schedule = (
         parallelism.pipeline,
-        parallelism.options.num_microbatches,
-        parallelism.options.virtual_stages,
-        (parallelism.options.schedule),
+        options.num_microbatches,
+        options.virtual_stages,
+        options.schedule,
     )
     work = sum(t.value for t in terms if t.name in PIPELINED)
     # The forward's share of the stage work: one of three passes, one of four when
     # "full" remat already reruns it.
-    forward = work / (4.0 if parallelism.options.remat == "full" else 3.0)
+    forward = work / (4.0 if options.remat == "full" else 3.0)
     backward = work - forward
     out = []
     recompute = forward if a.pipeline_recompute else 0.0
