@@ -48,6 +48,11 @@ def make_parser():
         help="activation checkpointing policy of each layer",
     )
     p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="ZeRO-3: gather each layer's weights while the layer before it computes",
+    )
+    p.add_argument(
         "--microbatches",
         type=positive_int,
         default=1,
@@ -109,6 +114,7 @@ def setup(args):
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from shardfuse.models import ModelSpec
+    from shardfuse.parallel import RunOptions
     from shardfuse.train import TrainConfig, Trainer, parse_mesh
 
     model = ModelSpec.tiny(
@@ -135,11 +141,14 @@ def setup(args):
         log_json=args.log_json,
         device=args.device,
         spread_processes=args.spread_processes,
-        zero=args.zero,
-        remat=args.remat,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
+        options=RunOptions(
+            zero=args.zero,
+            remat=args.remat,
+            prefetch=args.prefetch,
+            num_microbatches=args.microbatches,
+            schedule=args.schedule,
+            virtual_stages=args.virtual_stages,
+        ),
         init_from=args.init_from,
         export_hf=args.export_hf,
     )

@@ -1,8 +1,8 @@
 """The import rules of the package, read from the source with `ast` (nothing is imported).
 
 DESIGN.md: data flows one way, planner -> parallel -> layers -> collectives ->
-kernels, all of them reading the data modules at the bottom (models.spec, hardware,
-flops, ring_time). These tests build the graph of `import` statements between
+kernels, all of them reading the data modules at the bottom (model_spec, hardware,
+flops, ring_time, axes). These tests build the graph of `import` statements between
 the modules of `src/shardfuse` (at any depth: an import inside a function is
 an edge too) and check:
 
@@ -15,7 +15,9 @@ an edge too) and check:
 - no library module imports the applications built on it (the command line,
   `bench`, `demos`, `profile`, the package root);
 - no module imports a private module (`_name`) of another package, nor a
-  private name (`from a.b import _name`) defined in another package.
+  private name (`from a.b import _name`) defined in another package, nor reads
+  one as an attribute (`b._name`, `a.b._name`, after `from a import b` or
+  `import a.b as b`).
 
 A failure prints every offending edge as `importer:line -> imported`, or the
 cycle as a chain of such edges.
@@ -32,11 +34,11 @@ PACKAGE_DIR = Path(hardware.__file__).resolve().parent
 ROOT = "shardfuse"
 
 # The layers, bottom first; a module may import its own layer and those below.
-# `models` (the package, and its model `models.transformer`) sits on the layers; its spec
-# (`models.spec`) is a data module.
+# `models` (the package, and its model `models.transformer`) sits on the layers; the model's
+# shape (`model_spec`) is a data module at the bottom, read by `flops` and the cost models.
 # `train` (the trainer) sits on the planner: it reads plans, and builds runs with `parallel`.
 LAYERS = ("kernels", "collectives", "layers", "models", "parallel", "planner", "train")
-DATA_MODULES = ("models.spec", "hardware", "flops", "ring_time", "axes")
+DATA_MODULES = ("model_spec", "hardware", "flops", "ring_time", "axes")
 # Programs over the library: the library never imports them.
 APPLICATIONS = ("__main__", "_info", "bench", "demos", "profile")
 
@@ -119,8 +121,10 @@ def test_the_graph_is_read():
     """The rules below must not pass because the reader found nothing."""
     assert len(MODULES) > 100
     assert "shardfuse.hardware" in {target for target, _ in GRAPH["shardfuse.flops"]}
+    assert "shardfuse.model_spec" in {target for target, _ in GRAPH["shardfuse.flops"]}
     assert any(
-        _is_under(target, "shardfuse.collectives") for target, _ in GRAPH["shardfuse.layers.linear"]
+        _is_under(target, "shardfuse.collectives")
+        for target, _ in GRAPH["shardfuse.layers.attention"]
     )
 
 
@@ -213,10 +217,16 @@ def test_the_layering_check_catches_a_planted_edge():
     planted["shardfuse.kernels.attention.masks"].append(("shardfuse.layers.linear", 7))
     planted["shardfuse.parallel.zero"].append(("shardfuse.kernels.attention.api", 8))
     planted["shardfuse.flops"].append(("shardfuse.demos.tiny_lm", 9))
+    # the model's shape is data at the bottom: it reads no package above it, and the data
+    # modules read it from below, not through `shardfuse.models` (a layer above them)
+    planted["shardfuse.model_spec"].append(("shardfuse.models.transformer", 10))
+    planted["shardfuse.flops"].append(("shardfuse.models", 11))
     offences = sorted(set(_layering_offences(planted)) - set(_layering_offences(GRAPH)))
-    assert len(offences) == 3, offences
+    assert len(offences) == 5, offences
     expected = "masks.py:7: shardfuse.kernels.attention.masks -> shardfuse.layers.linear"
     assert any(expected in offence for offence in offences), offences
+    assert any("model_spec.py:10: shardfuse.model_spec -> shardfuse.models" in o for o in offences)
+    assert any("flops.py:11: shardfuse.flops -> shardfuse.models " in o for o in offences)
 
 
 def _private_offences(graph) -> list[str]:
@@ -291,3 +301,88 @@ def test_the_private_name_check_catches_a_planted_import():
     ]
     offences = _private_name_offences(planted)
     assert len(offences) == 1 and "ring.py:3" in offences[0], offences
+
+
+def _module_bindings(module: str, tree) -> dict:
+    """Local name -> shardfuse module, for every `import` of a module in `module`'s source."""
+    is_package = MODULES.get(module, Path()).name == "__init__.py"
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == ROOT and alias.name in MODULES:
+                    # `import a.b as c` binds c to a.b; `import a.b` binds a
+                    bound[alias.asname or ROOT] = alias.name if alias.asname else ROOT
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in MODULES:
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return bound
+
+
+def private_attribute_reads(module: str, source: str):
+    """`(module, line, "defining.module._name")` for every read of `m._name` in `source`,
+    where `m` (a name, or a chain `a.b.m` of modules) is a shardfuse module that `module`
+    imports: the attribute form of `from m import _name`."""
+    tree = ast.parse(source)
+    bound = _module_bindings(module, tree)
+
+    def module_of(node):
+        if isinstance(node, ast.Name):
+            return bound.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = module_of(node.value)
+            if base is not None and f"{base}.{node.attr}" in MODULES:
+                return f"{base}.{node.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        base = module_of(node.value)
+        if base is not None and f"{base}.{node.attr}" not in MODULES:  # a name, not a module
+            yield module, node.lineno, f"{base}.{node.attr}"
+
+
+def test_no_private_name_of_another_package_is_read_as_an_attribute():
+    reads = [
+        read
+        for module, path in MODULES.items()
+        for read in private_attribute_reads(module, path.read_text())
+    ]
+    offences = _private_name_offences(reads)
+    assert not offences, "private names read from outside their package:\n" + "\n".join(offences)
+
+
+def test_the_private_attribute_check_catches_a_planted_read():
+    """The reader on planted source: `module._name` of another package (by `from`-import,
+    `import ... as`, and through a chain of modules) is caught; the package's own private
+    names, a private module, dunders and attributes of non-modules are not."""
+    planted = "\n".join(
+        [
+            "from shardfuse.kernels.attention import pallas_tpu_kernels as attention",
+            "import shardfuse.kernels.attention.base as base",
+            "from shardfuse import kernels",
+            "from shardfuse.collectives.ring_attention import layouts",
+            "from shardfuse.layers import _sharding",
+            "attention._dot(1, 2)",  # line 6: another package's private name
+            "base._check_window(None)",  # 7
+            "kernels.attention.masks._all",  # 8: through a chain of modules
+            "layouts._private_helper",  # the importer's own package
+            "attention.__name__, kernels.registry.get, _sharding.layer_axes",
+            "x = object(); x._y",
+        ]
+    )
+    reads = list(private_attribute_reads("shardfuse.collectives.ring_attention.ring", planted))
+    offences = _private_name_offences(reads)
+    assert sorted(offence.split(":")[1] for offence in offences) == ["6", "7", "8"], offences
+    dot = "pallas_tpu_kernels._dot (private to shardfuse.kernels.attention)"
+    assert any(dot in offence for offence in offences), offences

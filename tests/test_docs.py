@@ -57,3 +57,35 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert (tmp_path / "html" / "index.html").is_file()
     assert (tmp_path / "html" / "api.html").is_file()
+
+
+def _modules_named(text: str) -> list[str]:
+    """The `...py` files and `.../` folders named in backticks in the rows of a Markdown table."""
+    import re
+
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    return sorted({name for row in rows for name in re.findall(r"`([\w*./]+(?:\.py|/))`", row)})
+
+
+def _exists(name: str, package: pathlib.Path) -> bool:
+    """`name` (a file, a glob like `pallas_tpu*.py`, or a folder ending in `/`) is under
+    `package`, at that relative path or as the tail of one (`api.py` of a row's folder)."""
+    import fnmatch
+
+    paths = [p.relative_to(package).as_posix() for p in package.rglob("*")]
+    paths += [p + "/" for p in paths if (package / p).is_dir()]
+    return any(fnmatch.fnmatch(p, name) or fnmatch.fnmatch(p, f"*/{name}") for p in paths)
+
+
+def test_every_module_the_design_page_names_exists():
+    """docs/design.md's map of the source names only modules and folders that exist (a
+    `models.py` it once listed did not), and names the packages of `src/shardfuse`."""
+    package = pathlib.Path(__file__).resolve().parents[1] / "src" / "shardfuse"
+    named = _modules_named((DOCS / "design.md").read_text())
+    root = package.parents[1]  # the repository's own folders (`bench/results/`)
+    missing = [name for name in named if not (_exists(name, package) or (root / name).exists())]
+    assert not missing, f"docs/design.md names modules that do not exist: {missing}"
+    packages = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").exists()}
+    unnamed = {p for p in packages if not any(name.startswith(p) for name in named)}
+    assert not unnamed, f"docs/design.md does not map the packages {sorted(unnamed)}"
+    assert not _exists("models.py", package) and _exists("model_spec.py", package)

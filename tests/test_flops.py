@@ -14,7 +14,7 @@ from shardfuse.train import (
     TrainConfig,
     Trainer,
     estimate_for,
-    layout_of,
+    parallelism_of,
 )
 
 
@@ -86,11 +86,11 @@ def test_trainer_mfu_equals_planner_mfu():
     trainer.run()
     record = trainer.history[-1]
     assert f"mfu {record['mfu']:.2%}" in lines[-1]
-    e = estimate_for(config, 8)  # the planner's cost function, same layout, model, tokens
+    e = estimate_for(config, 8)  # the planner's cost function, same parallelism, model, tokens
     assert e.model_flops == flops.model_flops(
         config.model, seq_len=config.seq_len, batch=config.global_batch
     )
-    assert layout_of(config, 8).mesh_shape == {**dict.fromkeys(AXES, 1), "data": 2, "model": 4}
+    assert parallelism_of(config, 8).mesh_shape == {**dict.fromkeys(AXES, 1), "data": 2, "model": 4}
     # same peak: the planner's compute dtype is the trainer's
     assert Assumptions.float32().compute_dtype == COMPUTE_DTYPE
     # the planner's MFU had its step taken as long as the measured one

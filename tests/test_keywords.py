@@ -1,4 +1,5 @@
-"""`passes_keywords`: keywords listed once, in the signature of the function that reads them."""
+"""Keyword plumbing in one module: `passes_keywords` (keywords listed once, in the signature of
+the function that reads them), `option_keywords`, `renamed_keywords`."""
 
 import doctest
 import inspect
@@ -45,3 +46,23 @@ def test_bad_declarations_fail_at_decoration():
         passes_keywords(_read, ("alpha", "delta"))
     with pytest.raises(TypeError, match=r"must take \*\*kwargs"):
         passes_keywords(_read)(lambda x: x)
+
+
+def test_keyword_forwarding_lives_in_one_module():
+    """`passes_keywords`, `option_keywords`, `renamed_keywords`, `moved_keywords`: defined once, in
+    `shardfuse._keywords`; the layers' `option_keywords` is that decorator for `LayerOptions`."""
+    from pathlib import Path
+
+    from shardfuse.layers import options as options_lib
+
+    root = Path(_keywords.__file__).parent
+    names = ("passes_keywords", "option_keywords", "renamed_keywords", "moved_keywords")
+    homes = {
+        path.relative_to(root).as_posix()
+        for path in root.rglob("*.py")
+        for line in path.read_text().splitlines()
+        if any(line.startswith(f"def {name}(") for name in names)
+    }
+    assert homes == {"_keywords.py"}, homes
+    assert options_lib.UNSET is _keywords.UNSET
+    assert options_lib.option_keywords.__qualname__.startswith("option_keywords.")

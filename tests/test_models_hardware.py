@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardfuse import hardware, models
+from shardfuse.planner import published as published_runs
 
 PACKAGE = Path(hardware.__file__).resolve().parent
 
@@ -56,11 +57,11 @@ def test_unknown_model_lists_the_valid_names(name):
 def test_model_shape_rejects_bad_sizes():
     sizes = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=256, num_layers=2,
                  vocab_size=100)  # fmt: skip
-    assert models.ModelShape("ok", **sizes).heads == 4
+    assert models.ModelSpec("ok", **sizes).heads == 4
     with pytest.raises(ValueError, match="heads=4 must be a multiple of kv_heads=3"):
-        models.ModelShape("gqa", **{**sizes, "kv_heads": 3})
+        models.ModelSpec("gqa", **{**sizes, "kv_heads": 3})
     with pytest.raises(ValueError, match="hidden=0"):
-        models.ModelShape("zero", **{**sizes, "hidden": 0})
+        models.ModelSpec("zero", **{**sizes, "hidden": 0})
 
 
 # ---- hardware ---------------------------------------------------------------
@@ -186,7 +187,7 @@ def test_only_the_command_line_and_demos_import_bench():
 
 # The data modules at the bottom: each imports nothing of shardfuse but the others.
 DATA_MODULES = {
-    "models/spec.py": "shardfuse.models.spec",
+    "model_spec.py": "shardfuse.model_spec",
     "hardware.py": "shardfuse.hardware",
     "flops.py": "shardfuse.flops",
     "ring_time.py": "shardfuse.ring_time",
@@ -205,20 +206,24 @@ def test_data_modules_import_nothing_of_shardfuse_but_each_other(name):
             assert module in allowed, f"{name}:{line} imports {module}"
 
 
-def test_models_package_imports_the_model_lazily():
-    """`shardfuse.models` imports the spec eagerly and nothing else of shardfuse: the
-    planner, flops and benchmarks read specs without Flax or the layers; the model
-    (`models.transformer`) loads on first use of its names."""
-    for line, module, _ in _imports(PACKAGE / "models" / "__init__.py"):
-        if module.startswith("shardfuse"):
-            assert module == "shardfuse.models.spec", f"models/__init__.py:{line} imports {module}"
+def test_models_package_reexports_the_shape_and_the_model():
+    """`shardfuse.models` re-exports the model's shape from the bottom of the package
+    (`shardfuse.model_spec`) and imports its model eagerly: no lazy-import hook; the old
+    name of the shape class is a deprecated alias that nothing of the library uses."""
+    from shardfuse import model_spec
     from shardfuse.models import transformer
 
+    assert models.ModelSpec is model_spec.ModelSpec and models.get is model_spec.get
     assert models.Transformer is transformer.Transformer
     assert models.LMHead is transformer.LMHead
-    assert "Transformer" in dir(models)
+    with pytest.warns(
+        DeprecationWarning, match="sf.models.ModelShape is deprecated .*: use sf.models.ModelSpec"
+    ):
+        assert models.ModelShape is model_spec.ModelSpec
     with pytest.raises(AttributeError, match="no attribute 'Transformr'"):
         models.Transformr  # noqa: B018
+    users = [relative for relative, path in _modules() if "ModelShape" in path.read_text()]
+    assert users == ["models/__init__.py"], users
 
 
 # ---- GPT families, published runs, custom specs --------------------------------
@@ -233,14 +238,14 @@ def test_gpt3_and_narayanan_table1_models():
     published = {"gpt-1.7b": 1.7, "gpt-3.6b": 3.6, "gpt-7.5b": 7.5, "gpt-18b": 18.4,
                  "gpt-39b": 39.1, "gpt-76b": 76.1, "gpt-145b": 145.6, "gpt-310b": 310.1,
                  "gpt-530b": 529.6, "gpt-1t": 1008.0}  # fmt: skip
-    for run in models.NARAYANAN_2021_TABLE1:
+    for run in published_runs.NARAYANAN_2021_TABLE1:
         model = models.get(run.model)
         assert run.tensor * run.pipeline * run.data == run.gpus
         assert run.global_batch % run.data == 0 and model.num_layers % run.pipeline == 0
         assert model.heads % run.tensor == 0
         # the table rounds to 0.1B and counts biases and position embeddings we leave out
         assert abs(model.num_params() / 1e9 / published[run.model] - 1) < 0.035, run.model
-    assert [r.gpus for r in models.NARAYANAN_2021_TABLE1][-1] == 3072
+    assert [r.gpus for r in published_runs.NARAYANAN_2021_TABLE1][-1] == 3072
 
 
 def test_layer_params_match_the_published_counts():
@@ -256,11 +261,11 @@ def test_model_spec_is_user_constructible_and_checked():
     spec = models.ModelSpec("mine", hidden=64, heads=4, kv_heads=1, head_dim=16,
                             ffn_hidden=128, num_layers=3, vocab_size=50)  # fmt: skip
     assert spec.num_params() == 3 * spec.layer_params() + 2 * 50 * 64 + 64
-    assert models.ModelShape.gpt("g", 768, 12, 12).head_dim == 64
+    assert models.ModelSpec.gpt("g", 768, 12, 12).head_dim == 64
     with pytest.raises(ValueError, match="activation='relu' must be one of"):
         models.ModelSpec("bad", 64, 4, 4, 16, 128, num_layers=1, vocab_size=5, activation="relu")
     with pytest.raises(ValueError, match="hidden=100 must be a multiple of heads=3"):
-        models.ModelShape.gpt("bad", 100, 3, 2)
+        models.ModelSpec.gpt("bad", 100, 3, 2)
 
 
 # ---- links and clusters -------------------------------------------------------

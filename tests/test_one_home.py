@@ -7,8 +7,11 @@ by hand) and pin numbers the callers printed before their copies were merged,
 so that a later change to the one home that moves them fails here.
 """
 
+import ast
+import dataclasses
 import doctest
 import itertools
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +24,7 @@ from shardfuse.kernels.attention import masks
 from shardfuse.kernels.attention.base import AttentionConfig
 from shardfuse.planner import estimate
 from shardfuse.planner.cost import axis_link
-from shardfuse.planner.options import Layout
+from shardfuse.planner.options import Parallelism
 
 WINDOWS = (None, (3, 0), (0, 2), (None, 5), (10, None), (2, 2))
 
@@ -124,7 +127,7 @@ def test_every_ring_reader_uses_the_one_bandwidth(key):
     cluster = hardware.Cluster(
         device, nodes=2, devices_per_node=8, intra_link=link, inter_link=link
     )
-    bandwidth, latency, _ = axis_link(cluster, Layout(data=2, model=8), "model")
+    bandwidth, latency, _ = axis_link(cluster, Parallelism(data=2, model=8), "model")
     assert bandwidth == ring_time.ring_bandwidth(
         link.gb_per_s, link.egress_gb_per_s, bidirectional=True
     )
@@ -201,7 +204,7 @@ def test_ring_attention_strategy_costs_are_unchanged():
 
 
 @pytest.mark.parametrize(
-    "cluster, layout, terms",
+    "cluster, parallelism, terms",
     [
         (
             ("h100", 2),
@@ -223,14 +226,93 @@ def test_ring_attention_strategy_costs_are_unchanged():
         ),
     ],
 )
-def test_planner_communication_terms_are_unchanged(cluster, layout, terms):
+def test_planner_communication_terms_are_unchanged(cluster, parallelism, terms):
     model = models.get("llama3-8b")
     result = estimate(
         model,
         hardware.cluster(cluster[0], nodes=cluster[1]),
-        Layout(**layout),
+        Parallelism.of(**parallelism),
         global_batch=64,
         seq_len=8192,
     )
     got = {term.name: term.value for term in result.time if term.name in terms}
     assert got == pytest.approx(terms, rel=1e-14, abs=0)
+
+
+# ---- the run's vocabulary ---------------------------------------------------------
+# One definition each of the model's shape class, the ZeRO stages, the remat policies
+# and the microbatch count's name; each run choice checked by one function.
+
+SRC = pathlib.Path(flops.__file__).resolve().parent
+
+
+def _sources():
+    return {p.relative_to(SRC).as_posix(): p.read_text() for p in sorted(SRC.rglob("*.py"))}
+
+
+def _definitions(name: str) -> list[str]:
+    """Files of `src/shardfuse` that define `name` (a class, a function or a module constant)."""
+    found = []
+    for path, text in _sources().items():
+        for node in ast.parse(text).body:
+            targets = []
+            if isinstance(node, ast.ClassDef | ast.FunctionDef):
+                targets = [node.name]
+            elif isinstance(node, ast.Assign):
+                targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            if name in targets:
+                found.append(path)
+    return found
+
+
+def test_each_word_of_a_run_is_defined_once():
+    from shardfuse.layers import fsdp
+    from shardfuse.planner import options as planner_options
+
+    assert _definitions("ModelSpec") == ["model_spec.py"]
+    assert _definitions("ZERO_STAGES") == ["layers/fsdp.py"]
+    assert _definitions("REMAT_POLICIES") == ["flops.py"]
+    assert planner_options.ZERO_STAGES is fsdp.ZERO_STAGES
+    assert planner_options.REMAT_POLICIES is flops.REMAT_POLICIES
+    for check in ("check_zero", "check_remat", "check_schedule", "check_count", "check_layout"):
+        assert len(_definitions(check)) == 1, (check, _definitions(check))
+    # no other copy of the lists, nor of the old class name but its deprecated alias
+    for path, text in _sources().items():
+        stages = text.replace("must be one of (0, 1, 2, 3)", "")  # error texts in docstrings
+        assert "(0, 1, 2, 3)" not in stages or path == "layers/fsdp.py", path
+        assert '"none", "full", "selective", "dots", "offload"' not in text or path == "flops.py"
+        assert "ModelShape" not in text or path == "models/__init__.py", path
+
+
+def test_the_microbatch_count_has_one_name():
+    """`num_microbatches` in every signature and options field of the library; `microbatches`
+    only as the deprecated spelling (`RunOptions(microbatches=)`, `TrainConfig(microbatches=)`)."""
+    import inspect
+
+    import shardfuse as sf
+
+    for path, text in _sources().items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.arg):
+                assert node.arg != "microbatches", f"{path}:{node.lineno}"
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                assert node.target.id != "microbatches", f"{path}:{node.lineno}"
+    assert "num_microbatches" in inspect.signature(sf.parallel.Pipeline.__init__).parameters
+    assert "num_microbatches" in inspect.signature(sf.parallel.accumulate).parameters
+    assert "num_microbatches" in {f.name for f in dataclasses.fields(sf.parallel.RunOptions)}
+
+
+def test_the_old_homes_of_moved_names_warn():
+    """Names whose one home moved stay one release as deprecated aliases of the new one."""
+    import jax
+
+    from shardfuse.layers import fsdp, remat
+    from shardfuse.parallel import zero
+
+    with pytest.warns(DeprecationWarning, match=r"remat.POLICIES is deprecated.*REMAT_POLICIES"):
+        assert remat.POLICIES is flops.REMAT_POLICIES
+    with pytest.warns(DeprecationWarning, match=r"remat.check_policy is deprecated.*check_remat"):
+        assert remat.check_policy is flops.check_remat
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.warns(DeprecationWarning, match=r"fsdp_axis_of is deprecated.*fsdp_axis_on"):
+        assert zero.fsdp_axis_of(mesh, "fsdp") is None is fsdp.fsdp_axis_on(mesh, "fsdp")

@@ -5,14 +5,15 @@ import pytest
 from flax import nnx
 
 from shardfuse.models import ModelSpec
+from shardfuse.parallel import RunOptions
 from shardfuse.train import TrainConfig, Trainer, parse_mesh
 
 TINY = ModelSpec.tiny(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, num_layers=2)
 
 
-def _config(mesh, **kwargs):
+def _config(mesh, options=None, **kwargs):
     base = dict(mesh=mesh, model=TINY, steps=6, global_batch=8, seq_len=16, learning_rate=1e-2)
-    return TrainConfig(**{**base, **kwargs})
+    return TrainConfig(**{**base, **kwargs}, options=RunOptions(**(options or {})))
 
 
 def _params(model):
@@ -28,20 +29,20 @@ def _params(model):
         pytest.param("fsdp=8", dict(zero=3), id="fsdp-zero3", marks=pytest.mark.slow),
         pytest.param(
             "pipeline=2,model=4",
-            dict(microbatches=2),
+            dict(num_microbatches=2),
             id="pipeline-model",
             marks=pytest.mark.slow,
         ),
         pytest.param("data=2,sequence=2,model=2", {}, id="data-sequence-model"),
         pytest.param(
             "pipeline=2,data=1,fsdp=2,sequence=1,model=2",
-            dict(zero=3, microbatches=2, schedule="zb-h1", remat="selective"),
+            dict(zero=3, num_microbatches=2, schedule="zb-h1", remat="selective"),
             id="five-axes",
         ),
     ],
 )
 def test_example_loss_falls(mesh, options):
-    losses = Trainer(_config(parse_mesh(mesh), **options), log=lambda line: None).run()
+    losses = Trainer(_config(parse_mesh(mesh), options), log=lambda line: None).run()
     assert len(losses) == 6 and np.all(np.isfinite(losses)), losses
     assert losses[-1] < 0.9 * losses[0], losses
 
@@ -62,8 +63,7 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
             {"fsdp": 4, "pipeline": 2},
             steps=3,
             checkpoint_dir=str(tmp_path),
-            zero=3,
-            microbatches=2,
+            options=dict(zero=3, num_microbatches=2),
         ),
         log=lambda line: None,
     )
@@ -164,3 +164,19 @@ def test_trains_from_a_hugging_face_checkpoint_and_exports_one(tmp_path):
 def test_init_from_a_directory_without_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="init_from=.*no config.json"):
         Trainer(_config({"data": 8}, init_from=str(tmp_path)), log=lambda line: None)
+
+
+def test_the_run_choices_are_one_run_options():
+    """`TrainConfig.options` is the `sf.parallel.RunOptions` the run applies; the keywords of
+    earlier releases (copies of its fields) set them with a DeprecationWarning."""
+    config = TrainConfig(mesh={"data": 8}, options=RunOptions(zero=1, num_microbatches=2))
+    assert config.run_options() is config.options
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"TrainConfig\(zero=\.\.\., microbatches=\.\.\.\) "
+        r"is deprecated .*: use options=RunOptions\(zero=\.\.\., num_microbatches=",
+    ):
+        old = TrainConfig(mesh={"data": 8}, zero=1, microbatches=2)  # fmt: skip
+    assert old == config
+    with pytest.raises(TypeError, match="options=3 must be an sf.parallel.RunOptions"):
+        TrainConfig(options=3)

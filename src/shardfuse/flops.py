@@ -1,6 +1,6 @@
 """The one FLOPs and MFU definition: model FLOPs, hardware FLOPs, op FLOPs for benchmarks.
 
-This module sits at the bottom of the package beside `models/spec.py` and
+This module sits at the bottom of the package beside `model_spec.py` and
 `hardware.py`: it imports nothing from shardfuse but those two. The planner,
 the trainer's printed MFU, the profiler and every benchmark read it, so their
 numbers can be compared.
@@ -56,7 +56,7 @@ import functools
 import numpy as np
 
 from shardfuse.hardware import Device
-from shardfuse.models.spec import ModelShape
+from shardfuse.model_spec import ModelSpec
 
 FWD = "fwd"
 FWD_BWD = "fwd+bwd"
@@ -64,7 +64,20 @@ MODES = (FWD, FWD_BWD)
 BACKWARD_OVER_FORWARD = 2.5
 # Training = forward + backward, the backward two forwards (activation and weight gradients).
 TRAINING_OVER_FORWARD = 3
-REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")  # activation checkpointing
+# Activation checkpointing policies, the one list (what each recomputes:
+# `recompute_flops_per_token`; what each saves: `shardfuse.layers.remat`).
+REMAT_POLICIES = ("none", "full", "selective", "dots", "offload")
+
+
+def check_remat(policy) -> str:
+    """`policy`; ValueError naming the valid policies (`REMAT_POLICIES`) otherwise.
+
+    The one check of a remat policy: `sf.layers.LayerOptions` (hence the run's
+    options), the layers and the FLOPs below call it.
+    """
+    if not isinstance(policy, str) or policy not in REMAT_POLICIES:
+        raise ValueError(f"remat={policy!r} is not a remat policy; valid: {REMAT_POLICIES}")
+    return policy
 
 
 def check_mode(mode):
@@ -205,12 +218,12 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
     return visible_pairs(s, s, causal=True, window=(left, None)) / s
 
 
-def layer_matmul_flops(spec: ModelShape) -> float:
+def layer_matmul_flops(spec: ModelSpec) -> float:
     """Forward matmul FLOPs of one block per token: `2 x` its matmul weights (norms excluded)."""
     return 2.0 * spec.layer_matmul_params()
 
 
-def layer_attention_flops(spec: ModelShape, seq_len: int, *, causal_skip: bool = False) -> float:
+def layer_attention_flops(spec: ModelSpec, seq_len: int, *, causal_skip: bool = False) -> float:
     """Forward attention FLOPs of one block per token: `4 a d` per key attended.
 
     `causal_skip=False` (model FLOPs): every key of the window, `min(s, window)`;
@@ -223,17 +236,17 @@ def layer_attention_flops(spec: ModelShape, seq_len: int, *, causal_skip: bool =
     return 4.0 * spec.heads * spec.head_dim * keys
 
 
-def logits_flops(spec: ModelShape) -> float:
+def logits_flops(spec: ModelSpec) -> float:
     """Forward FLOPs of the output projection per token: `2 h V`."""
     return 2.0 * spec.hidden * spec.vocab_size
 
 
-def model_flops_per_token(spec: ModelShape, seq_len: int) -> float:
+def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     """Training model FLOPs per token (the module docstring's formula, no causal halving).
 
     Example:
       >>> from shardfuse import flops, models
-      >>> spec = models.ModelShape.gpt("gpt-small", 768, 12, 12)
+      >>> spec = models.ModelSpec.gpt("gpt-small", 768, 12, 12)
       >>> h, L, s, V = 768, 12, 2048, 51200  # Megatron's eq. 3 without recomputation
       >>> flops.model_flops_per_token(spec, s) == 72 * L * h * h * (1 + s / (6 * h)) + 6 * h * V
       True
@@ -242,7 +255,7 @@ def model_flops_per_token(spec: ModelShape, seq_len: int) -> float:
     return TRAINING_OVER_FORWARD * (forward + logits_flops(spec))
 
 
-def model_flops(spec: ModelShape, *, seq_len: int, batch: int = 1) -> float:
+def model_flops(spec: ModelSpec, *, seq_len: int, batch: int = 1) -> float:
     """Training model FLOPs of a step of `batch` sequences of `seq_len` tokens (MFU numerator).
 
     Args:
@@ -258,28 +271,35 @@ def model_flops(spec: ModelShape, *, seq_len: int, batch: int = 1) -> float:
 
 
 def recompute_flops_per_token(
-    spec: ModelShape, seq_len: int, remat: str, *, causal_skip: bool = True
+    spec: ModelSpec, seq_len: int, remat: str, *, causal_skip: bool = True, prefetch: bool = False
 ) -> float:
     """Forward FLOPs per token the remat policy reruns in the backward pass.
 
     "full": every layer's forward; "selective" and "offload": the attention
-    core; "none" and "dots": nothing.
+    core; "none" and "dots": nothing. With the ZeRO-3 layer `prefetch`
+    (`shardfuse.layers.prefetch`) the backward reruns the forward of every layer
+    but the last (whose forward it still holds), as "full" does, and the policy
+    applies inside each layer's backward ("full" there as "none"); counted in the
+    compiled program by tests/layers/test_prefetch.py.
     """
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat={remat!r} must be one of {REMAT_POLICIES}")
+    check_remat(remat)
     attention = layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
     per_layer = {"full": layer_matmul_flops(spec) + attention, "selective": attention}
     per_layer["offload"] = attention
+    if prefetch:
+        inside = 0.0 if remat == "full" else per_layer.get(remat, 0.0)
+        return (spec.num_layers - 1) * per_layer["full"] + spec.num_layers * inside
     return spec.num_layers * per_layer.get(remat, 0.0)
 
 
 def hardware_flops(
-    spec: ModelShape,
+    spec: ModelSpec,
     *,
     seq_len: int,
     batch: int = 1,
     remat: str = "none",
     causal_skip: bool = True,
+    prefetch: bool = False,
 ) -> float:
     """FLOPs the devices execute in one training step: recomputation and causal skip included.
 
@@ -287,6 +307,8 @@ def hardware_flops(
       spec, seq_len, batch: as in `model_flops`.
       remat: activation checkpointing policy ("none", "dots", "selective", "offload", "full").
       causal_skip: the attention kernels skip masked blocks (visible keys only).
+      prefetch: the ZeRO-3 layer prefetch reruns the forward of every layer but the last
+        (as "full" does); see `recompute_flops_per_token`.
 
     Example:
       >>> from shardfuse import flops, models
@@ -298,7 +320,9 @@ def hardware_flops(
     _check_positive(seq_len=seq_len, batch=batch)
     layer = layer_matmul_flops(spec) + layer_attention_flops(spec, seq_len, causal_skip=causal_skip)
     forward = spec.num_layers * layer + logits_flops(spec)
-    recompute = recompute_flops_per_token(spec, seq_len, remat, causal_skip=causal_skip)
+    recompute = recompute_flops_per_token(
+        spec, seq_len, remat, causal_skip=causal_skip, prefetch=prefetch
+    )
     return batch * seq_len * (TRAINING_OVER_FORWARD * forward + recompute)
 
 

@@ -261,7 +261,7 @@ def test_training_with_optax_matches_reference_and_learns():
         ),
         (dict(sequence_axis="context"), r"sequence_axis='context' is not an axis"),
         (dict(head_dim=7), r"head_dim=7 must be even"),
-        (dict(layout="spiral"), r"layout='spiral' must be one of"),
+        (dict(layout="spiral"), r"layout='spiral' is not one of"),
     ],
 )
 def test_attention_bad_construction(kwargs, match):

@@ -59,6 +59,7 @@ def make_mesh(kind, shape=(2, 2, 2), names=("data", "fsdp", "model")):
         ("implementation", [], ValueError, r"implementation=\[\] must be None"),
         ("attention_implementation", "x", ValueError, "attention_implementation='x' must be"),
         ("reshard_after_forward", 1, TypeError, "reshard_after_forward=1 must be True or False"),
+        ("prefetch", "yes", ValueError, "prefetch='yes' must be True or False"),
         ("sequence_parallel", "yes", TypeError, "sequence_parallel='yes' must be True, False"),
         ("mesh", "data", TypeError, "mesh='data' must be a jax.sharding.Mesh"),
     ],

@@ -370,3 +370,34 @@ def test_empty_batch_gives_empty_output_and_zero_gradients():
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_prefetch_reruns_what_full_remat_reruns_but_the_last_layer():
+    """The executed work of the prefetching scan, counted in the compiled gradient (dot FLOPs,
+    loop bodies times their trip counts), and the planner's price of it (`sf.flops`,
+    `RunOptions(prefetch=True)`): both rerun the forward of every layer but the last, as
+    remat "full" does every layer's, so prefetch's extra work is (L - 1) / L of full's."""
+    from shardfuse import flops
+    from tests.parallel.pipeline_flops import executed_flops
+
+    mesh, layers = _mesh(), 4
+
+    def counted(prefetch, remat="none"):
+        def block(rngs):
+            return sf.layers.ParallelMLP(32, 64, mesh=mesh, zero=3, rngs=rngs)
+
+        stack = Stack(block, layers, mesh=mesh, remat=remat, prefetch=prefetch, rngs=nnx.Rngs(0))
+        grad = nnx.jit(nnx.grad(lambda stack, x: jnp.sum(stack(x) ** 2)))
+        with jax.set_mesh(mesh):
+            return executed_flops(grad.lower(stack, jnp.ones((8, 16, 32))).compile().as_text())
+
+    plain, full, fetched = counted(False), counted(False, "full"), counted(True)
+    assert fetched - plain == pytest.approx((full - plain) * (layers - 1) / layers, rel=1e-12)
+    spec = sf.models.ModelSpec.tiny(num_layers=layers)
+    price = {
+        name: flops.hardware_flops(spec, seq_len=64, remat=remat, prefetch=prefetch)
+        for name, remat, prefetch in (("plain", "none", False), ("full", "full", False),
+                                      ("fetched", "none", True))
+    }  # fmt: skip
+    extra, full_extra = price["fetched"] - price["plain"], price["full"] - price["plain"]
+    assert extra == pytest.approx(full_extra * (layers - 1) / layers, rel=1e-12)

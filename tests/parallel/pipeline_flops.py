@@ -14,7 +14,7 @@ pipelined on a mesh of `shape` and `names`; the per-action costs (one
 chunk's forward F and backward B, the head H) counted independently from
 the unpipelined pieces (the stack's forward, the stack's VJP, the head's
 VJP) compiled on the same mesh with a pipeline axis of 1; the IR's lockstep
-work `schedule.lockstep_work` from those costs, and the ideal, the busiest
+work `lockstep.lockstep_work` from those costs, and the ideal, the busiest
 stage's work without a bubble (`LockstepTable.ideal`).
 
 Run as a script for the table of the issue (slow: one compile per row)::
@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
+from shardfuse.parallel.pipeline.schedule import HEAD, B, F
 from tests.parallel import pipeline_models as pm
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")

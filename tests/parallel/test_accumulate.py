@@ -130,13 +130,13 @@ def test_bad_input():
     batch = padded_batch(0, batch=8)
     with pytest.raises(ValueError, match=r"num_microbatches=4 x 8 batch shards"):
         accumulate(token_loss, 4, mesh=mesh)(model, batch)
-    with pytest.raises(ValueError, match=r"num_microbatches=0 must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_microbatches=0 must be a positive integer"):
         accumulate(token_loss, 0, mesh=mesh)
     with pytest.raises(ValueError, match=r"zero=4 must be one of \(0, 1, 2, 3\)"):
         accumulate(token_loss, 1, mesh=mesh, zero=4)
     with pytest.raises(ValueError, match=r"fsdp_axis='shard' is not an axis of the mesh"):
         accumulate(token_loss, 1, mesh=mesh, fsdp_axis="shard")
-    with pytest.raises(TypeError, match=r"num_microbatches=2.0 must be an int"):
+    with pytest.raises(TypeError, match=r"num_microbatches=2.0 must be a positive integer"):
         accumulate(token_loss, 2.0, mesh=mesh)
     with pytest.raises(ValueError, match=r"scatter='once' must be one of \('microbatch', 'step'\)"):
         accumulate(token_loss, 2, mesh=mesh, zero=2, scatter="once")
@@ -214,14 +214,14 @@ def _planned_zero2_gradient_bytes(layers):
     from shardfuse import hardware
     from shardfuse.models import ModelSpec
     from shardfuse.planner.cost import estimate
-    from shardfuse.planner.options import Assumptions, Layout
+    from shardfuse.planner.options import Assumptions, Parallelism
 
     spec = ModelSpec.tiny(vocab_size=64, hidden=64, ffn_hidden=256, num_layers=layers)
     a = Assumptions(param_bytes=4, grad_bytes=4, activation_bytes=4)
     terms = {}
     for zero in (1, 2):
-        layout = Layout(data=2, fsdp=4, zero=zero, num_microbatches=2)
-        e = estimate(spec, hardware.cluster("h100"), layout, global_batch=16, seq_len=8,
+        parallelism = Parallelism.of(data=2, fsdp=4, zero=zero, num_microbatches=2)
+        e = estimate(spec, hardware.cluster("h100"), parallelism, global_batch=16, seq_len=8,
                      assumptions=a)  # fmt: skip
         terms[zero] = {t.name: t.value for t in e.memory}
     one_layer = terms[2]["layer_working_set"] - terms[1]["layer_working_set"]

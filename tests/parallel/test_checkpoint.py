@@ -21,7 +21,7 @@ ROWS = np.random.default_rng(0).integers(0, 64, (16, 17)).astype(np.int32)
 
 def _run(pipeline, data, seed):
     mesh = jax.make_mesh((pipeline, data, 1, 1, 1), AXES, devices=jax.devices()[: pipeline * data])
-    options = RunOptions(microbatches=4 if pipeline > 1 else 1)
+    options = RunOptions(num_microbatches=4 if pipeline > 1 else 1)
     return parallelize(SPEC, options, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(seed))
 
 

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import shardfuse as sf
 from shardfuse import planner
 from shardfuse.layers.loss import token_loss
-from shardfuse.parallel.parallelize import RunOptions, parallelize
+from shardfuse.parallel import RunOptions
+from shardfuse.parallel.parallelize import parallelize
 
 AXES = ("pipeline", "data", "fsdp", "sequence", "model")
 SPEC = sf.models.ModelSpec.tiny(
@@ -41,7 +42,7 @@ def _rows(step, sharding):
     return jax.device_put(rows.astype(np.int32), sharding)
 
 
-def _by_hand(mesh, zero=0, microbatches=1, schedule="1f1b"):
+def _by_hand(mesh, zero=0, num_microbatches=1, schedule="1f1b"):
     """The run composed directly from the library's parts (the oracle)."""
     pipelined = mesh.shape["pipeline"] > 1
     model = sf.models.Transformer(SPEC, mesh=mesh, zero=zero, pipelined=pipelined, rngs=nnx.Rngs(0))
@@ -49,37 +50,57 @@ def _by_hand(mesh, zero=0, microbatches=1, schedule="1f1b"):
     spec = P(("data", "fsdp"), "sequence")
 
     @nnx.jit
-    def step(model, optimizer, rows):
+    def step(model, optimizer, rows, weights=None):
         tokens, targets = rows[:, :-1], rows[:, 1:]
+        ring = mesh.shape["sequence"]
+        if ring > 1:  # the model reads the sequence in its ring layout (zigzag)
+            tokens, targets = (sf.to_ring_layout(x, ring, "zigzag") for x in (tokens, targets))
+            if weights is not None:
+                weights = sf.to_ring_layout(weights, ring, "zigzag")
         if pipelined:
 
             def loss_fn(model):
                 pipe = sf.parallel.Pipeline(
-                    model.blocks, mesh=mesh, schedule=schedule, num_microbatches=microbatches
+                    model.blocks, mesh=mesh, schedule=schedule, num_microbatches=num_microbatches
                 )
                 return pipe.loss(
-                    model.embed_tokens(tokens), targets, head=model.head, targets_spec=spec
-                )
+                    model.embed_tokens(tokens), targets, head=model.head, weights=weights,
+                    targets_spec=spec,
+                )  # fmt: skip
 
             loss, grads = nnx.value_and_grad(loss_fn)(model)
         else:
+            batch = {"tokens": tokens, "targets": targets}
+            if weights is not None:
+                batch["weights"] = weights
             loss, grads = sf.parallel.accumulate(
-                lambda m, b: token_loss(m(b["tokens"]), b["targets"]),
-                microbatches,
+                lambda m, b: token_loss(m(b["tokens"]), b["targets"], b.get("weights")),
+                num_microbatches,
                 mesh=mesh,
                 zero=zero,
                 batch_spec=spec,
-            )(model, {"tokens": tokens, "targets": targets})
+            )(model, batch)
         optimizer.update(model, grads)
         return loss
 
     return model, optimizer, step
 
 
-def _trajectory(model, optimizer, step, mesh, steps=3):
+def _padding(step, sharding):
+    """float32 `[B, T]` token weights: each row's last 0 to T / 2 targets are padding (0)."""
+    lengths = np.random.default_rng(100 + step).integers(T // 2, T + 1, (B, 1))
+    return jax.device_put((np.arange(T) < lengths).astype(np.float32), sharding)
+
+
+def _trajectory(model, optimizer, step, mesh, steps=3, padded=False):
     batch = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
     sharding = NamedSharding(mesh, P(batch))
     with jax.set_mesh(mesh):
+        if padded:
+            return [
+                float(step(model, optimizer, _rows(i, sharding), _padding(i, sharding)))
+                for i in range(steps)
+            ]
         return [float(step(model, optimizer, _rows(i, sharding))) for i in range(steps)]
 
 
@@ -101,13 +122,13 @@ def _plan(sizes, **restrict):
 
 
 CASES = [
-    pytest.param({"data": 2, "model": 4}, dict(zero=0, microbatches=1), id="data-model"),
+    pytest.param({"data": 2, "model": 4}, dict(zero=0, num_microbatches=1), id="data-model"),
     pytest.param(
-        {"fsdp": 8}, dict(zero=3, microbatches=2), id="fsdp-zero3", marks=pytest.mark.slow
+        {"fsdp": 8}, dict(zero=3, num_microbatches=2), id="fsdp-zero3", marks=pytest.mark.slow
     ),
     pytest.param(
         {"pipeline": 2, "data": 4},
-        dict(zero=0, microbatches=2),
+        dict(zero=0, num_microbatches=2),
         id="pipeline-data",
         marks=pytest.mark.slow,
     ),
@@ -126,7 +147,7 @@ def test_step_from_a_plan_equals_the_step_by_hand(sizes, restrict):
         *_by_hand(
             mesh,
             zero=options.zero,
-            microbatches=options.microbatches,
+            num_microbatches=options.num_microbatches,
             schedule=options.schedule,
         ),
         mesh,
@@ -145,11 +166,82 @@ def test_step_from_options_equals_the_step_by_hand(sizes, restrict):
     np.testing.assert_allclose(got, want, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "sizes, restrict",
+    [
+        pytest.param(
+            {"data": 2, "sequence": 2, "model": 2},
+            dict(num_microbatches=2),
+            id="data-sequence-model",
+        ),
+        pytest.param({"pipeline": 2, "data": 4}, dict(num_microbatches=2), id="pipeline-data"),
+    ],  # fmt: skip
+)
+def test_the_step_takes_token_weights(sizes, restrict):
+    """The step's token weights (a padding mask, natural order) are those of `accumulate`
+    and `Pipeline.loss`: the same trajectory as the step by hand given them, on a ring
+    (reordered with the tokens) and on a pipeline; all-ones weights are no weights."""
+    mesh = _mesh(sizes)
+    options = RunOptions(**restrict)
+    run = parallelize(SPEC, options, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
+    got = _trajectory(run.model, run.optimizer, run.step, mesh, padded=True)
+    want = _trajectory(*_by_hand(mesh, **restrict), mesh, padded=True)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    unpadded = _trajectory(*_by_hand(mesh, **restrict), mesh)
+    assert not np.allclose(got, unpadded, rtol=1e-3), (got, unpadded)  # the mask counts
+    ones = jax.device_put(np.ones((B, T), np.float32), run.batch_sharding)
+    rows = _rows(7, run.batch_sharding)
+    fresh = parallelize(SPEC, options, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
+    again = parallelize(SPEC, options, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        weighted = float(fresh.step(fresh.model, fresh.optimizer, rows, ones))
+        plain = float(again.step(again.model, again.optimizer, rows))
+    assert weighted == plain, (weighted, plain)
+
+
+def test_zero3_prefetch_is_a_run_option():
+    """`RunOptions(prefetch=True)` reaches the model's `Stack` (ZeRO-3 next-layer gathers)
+    and trains as without it (same values and gradients, `shardfuse.layers.prefetch`)."""
+    mesh = _mesh({"data": 2, "fsdp": 4})
+    options = RunOptions(zero=3)
+    runs = [
+        parallelize(SPEC, options.replace(prefetch=prefetch), mesh,
+                    optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
+        for prefetch in (True, False)
+    ]  # fmt: skip
+    assert runs[0].model.blocks.prefetch and not runs[1].model.blocks.prefetch
+    got, want = (_trajectory(run.model, run.optimizer, run.step, mesh) for run in runs)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    with pytest.raises(ValueError, match="prefetch='yes' must be True or False"):
+        RunOptions(prefetch="yes")
+
+
+def test_the_layer_options_derive_from_the_run_options():
+    mesh = _mesh({"fsdp": 8})
+    options = RunOptions(zero=3, remat="selective", prefetch=True, sequence_parallel=False)
+    layer = options.layer_options(mesh, dtype="bfloat16")
+    assert (layer.zero, layer.remat, layer.prefetch, layer.sequence_parallel) == (
+        3, "selective", True, False
+    )  # fmt: skip
+    assert layer.mesh is mesh and layer.dtype == np.dtype("bfloat16")
+    run = parallelize(SPEC, options.replace(prefetch=False), mesh, rngs=nnx.Rngs(0))
+    assert run.model.options == options.replace(prefetch=False).layer_options(mesh)
+
+
+def test_microbatches_is_a_deprecated_spelling_of_num_microbatches():
+    with pytest.warns(DeprecationWarning, match=r"RunOptions\(microbatches=\.\.\.\) is deprecated"):
+        assert RunOptions(microbatches=3) == RunOptions(num_microbatches=3)
+    with pytest.warns(DeprecationWarning, match="RunOptions.microbatches is deprecated"):
+        assert RunOptions(num_microbatches=3).microbatches == 3
+    with pytest.raises(TypeError, match="got both microbatches= .deprecated. and num_microbat"):
+        RunOptions(microbatches=3, num_microbatches=3)
+
+
 @pytest.mark.slow
 def test_uneven_layers_are_balanced_over_the_stages():
     spec = SPEC.replace(num_layers=3)
     mesh = _mesh({"pipeline": 2, "data": 4})
-    run = parallelize(spec, RunOptions(microbatches=2), mesh, rngs=nnx.Rngs(0))
+    run = parallelize(spec, RunOptions(num_microbatches=2), mesh, rngs=nnx.Rngs(0))
     assert run.stage_layers == sf.parallel.balance_stages([1.0] * 3, 2) == (2, 1)
     losses = _trajectory(run.model, run.optimizer, run.step, mesh, steps=2)
     assert np.all(np.isfinite(losses)), losses
@@ -168,16 +260,20 @@ def test_bad_inputs_name_the_argument():
         RunOptions(zero=5)
     with pytest.raises(ValueError, match="schedule="):
         RunOptions(schedule="nope")
-    with pytest.raises(ValueError, match="microbatches="):
-        RunOptions(microbatches=0)
-    # named at parallelize, as RunOptions spells them (the step's trace named the
-    # Pipeline's num_microbatches, or "stages=4 must be an int from 1 to the 3 layers")
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        RunOptions(num_microbatches=0)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved'"):
+        RunOptions(virtual_stages=2)
+    with pytest.raises(ValueError, match="layout='spiral' is not one of"):
+        RunOptions(layout="spiral")
+    # named at parallelize, as RunOptions and Pipeline both spell them (the step's trace
+    # named them too late, or "stages=4 must be an int from 1 to the 3 layers")
     pipeline = _mesh({"pipeline": 2, "data": 4})
-    named = r"RunOptions\(schedule='1f1b', microbatches=1.*microbatches=1 must be >= the"
+    named = r"num_microbatches=1 must be >= the number of pipeline stages p=2"
     with pytest.raises(ValueError, match=named):
         parallelize(SPEC, RunOptions(), pipeline)
     with pytest.raises(ValueError, match="spec.num_layers=3 is fewer than the mesh's 4 pipeline"):
-        parallelize(SPEC.replace(num_layers=3), RunOptions(microbatches=4),
+        parallelize(SPEC.replace(num_layers=3), RunOptions(num_microbatches=4),
                     _mesh({"pipeline": 4, "data": 2}))  # fmt: skip
 
 
@@ -196,7 +292,8 @@ def test_init_builds_the_model_and_its_spec_is_checked():
     run = parallelize(SPEC, RunOptions(zero=1), mesh, init=init)
     want = sf.models.Transformer(SPEC, mesh=mesh, rngs=nnx.Rngs(7))
     np.testing.assert_array_equal(np.asarray(run.model.embed[...]), np.asarray(want.embed[...]))
-    assert seen["zero"] == 1 and seen["mesh"] is mesh and "rngs" not in seen
+    assert seen["options"].zero == 1 and seen["mesh"] is mesh and "rngs" not in seen
+    assert seen["options"] == RunOptions(zero=1).layer_options(mesh)
     other = SPEC.replace(num_layers=1)
     with pytest.raises(ValueError, match="init built a model of spec"):
         parallelize(other, RunOptions(), mesh, init=init)

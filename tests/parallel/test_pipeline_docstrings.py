@@ -5,7 +5,7 @@ import doctest
 import pytest
 
 from shardfuse.layers import stack
-from shardfuse.parallel.pipeline import api, balance, plot, schedule
+from shardfuse.parallel.pipeline import api, balance, lockstep, plot, schedule
 
 SLOW = pytest.mark.slow  # each compiles a pipelined (or stacked) transformer program
 
@@ -14,6 +14,7 @@ SLOW = pytest.mark.slow  # each compiles a pipelined (or stacked) transformer pr
     "module",
     [
         schedule,
+        lockstep,
         balance,
         pytest.param(plot),
         pytest.param(stack, marks=SLOW),

@@ -2,7 +2,7 @@
 
 Executed FLOPs: the dot ops of the optimized HLO, loops times their trip
 counts (`pipeline_flops.executed_flops`), per device. The IR's lockstep work
-(`schedule.lockstep_work`) comes from per-action costs counted apart, on the
+(`lockstep.lockstep_work`) comes from per-action costs counted apart, on the
 unpipelined pieces (one chunk's forward and VJP, the head's VJP): the
 program's executed FLOPs must be within 1.1x of it for every schedule, on a
 pure pipeline mesh, pipeline x model (tensor parallel collectives inside the

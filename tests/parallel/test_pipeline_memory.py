@@ -91,7 +91,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.layers.stack import Stack
 from shardfuse.parallel.pipeline.api import Pipeline
-from shardfuse.parallel.pipeline.schedule import lockstep_table
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
 from tests.parallel import hlo_collectives, pipeline_models
 
 FEATURES, HIDDEN, SEQ, MICROBATCH, STAGES = 16, 1024, 16, 2, 4

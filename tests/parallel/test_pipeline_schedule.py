@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from shardfuse.parallel.pipeline.lockstep import lockstep_table, lockstep_work
 from shardfuse.parallel.pipeline.schedule import (
     HEAD,
     IDLE,
@@ -13,8 +14,6 @@ from shardfuse.parallel.pipeline.schedule import (
     F,
     W,
     closed_form_bubble,
-    lockstep_table,
-    lockstep_work,
     schedule_table,
 )
 

@@ -326,3 +326,24 @@ def test_abstract_state_has_the_real_shardings(zero, explicit):
             assert full(a) == full(r), jax.tree_util.keystr(path)
             fsdp_sharded += "fsdp" in str(a.sharding.spec)
     assert fsdp_sharded > 0 or not explicit or zero == 0
+
+
+def test_a_resolved_zero_options_is_taken_as_it_is():
+    """`zero=` of the optimizer (and of `accumulate`) is a stage or the run's `ZeroOptions`,
+    resolved once on the mesh (`fsdp.zero_options`, the one check): the same state."""
+    from shardfuse.layers import fsdp
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "model"))
+    layer = ColumnParallelLinear(16, 32, mesh=mesh, rngs=nnx.Rngs(0))
+    resolved = fsdp.zero_options(mesh, zero=1)
+    assert fsdp.zero_options(mesh, zero=resolved) is resolved
+    by_stage = ZeroOptimizer(layer, optax.adamw(1e-3), mesh=mesh, zero=1)
+    by_options = ZeroOptimizer(layer, optax.adamw(1e-3), mesh=mesh, zero=resolved)
+    assert (by_options.zero, by_options.fsdp_axis) == (by_stage.zero, by_stage.fsdp_axis) == (
+        1, "fsdp"
+    )  # fmt: skip
+    spec = by_options.opt_state[0].mu["kernel"][...].sharding.spec
+    assert spec == by_stage.opt_state[0].mu["kernel"][...].sharding.spec == P("fsdp", "model")
+    assert fsdp.zero_options(jax.make_mesh((8,), ("data",)), zero=2).fsdp_axis is None
+    with pytest.raises(ValueError, match="fsdp_axis='shard' is not an axis of the mesh"):
+        fsdp.zero_options(mesh, zero=2, fsdp_axis="shard")

@@ -27,6 +27,7 @@ def main(request):
 
     jax.config.update("jax_num_cpu_devices", 8)
     from shardfuse.models import ModelSpec
+    from shardfuse.parallel import RunOptions
     from shardfuse.planner.calibrate import measure_cpu
     from shardfuse.train import TrainConfig, Trainer
 
@@ -37,7 +38,8 @@ def main(request):
     for mesh in request["meshes"]:
         zero = 3 if mesh.get("fsdp", 1) > 1 else 0
         model = ModelSpec.tiny(**request["model"])
-        config = TrainConfig(model=model, mesh=mesh, zero=zero, **request["config"])
+        config = TrainConfig(model=model, mesh=mesh, options=RunOptions(zero=zero),
+                             **request["config"])  # fmt: skip
         trainer = Trainer(config, log=lambda line: None)
         step, args = trainer.step_call()
         with jax.set_mesh(trainer.mesh):

@@ -39,10 +39,12 @@ import sys
 
 import pytest
 
+from shardfuse import hardware
 from shardfuse.models import ModelSpec
-from shardfuse.planner import Assumptions, Layout, estimate, plan
+from shardfuse.parallel import RunOptions
+from shardfuse.planner import Assumptions, Parallelism, estimate, plan
 from shardfuse.planner.calibrate import calibrate, cpu_cluster, fit_link, measure_cpu
-from shardfuse.train import TrainConfig, layout_of
+from shardfuse.train import TrainConfig, parallelism_of
 
 TINY = dict(vocab_size=512, hidden=256, heads=8, kv_heads=4, ffn_hidden=1024, num_layers=4)
 MODEL = ModelSpec.tiny(**TINY)
@@ -57,7 +59,7 @@ HERE = pathlib.Path(__file__).parent
 
 def _config(mesh):
     return TrainConfig(model=MODEL, mesh=mesh, global_batch=BATCH, seq_len=SEQ, steps=100,
-                       zero=3 if mesh.get("fsdp", 1) > 1 else 0)  # fmt: skip
+                       options=RunOptions(zero=3 if mesh.get("fsdp", 1) > 1 else 0))  # fmt: skip
 
 
 def _measure(meshes, rounds=5):
@@ -82,17 +84,17 @@ def _measure(meshes, rounds=5):
 
 
 def _predict(mesh, assumptions, cluster):
-    layout = layout_of(_config(mesh), 8)
-    return estimate(MODEL, cluster, layout, global_batch=BATCH, seq_len=SEQ,
+    parallelism = parallelism_of(_config(mesh), 8)
+    return estimate(MODEL, cluster, parallelism, global_batch=BATCH, seq_len=SEQ,
                     assumptions=assumptions).step_time_s  # fmt: skip
 
 
 def test_calibration_recovers_the_efficiency():
     cluster = cpu_cluster(8, cores=2)
-    layout = Layout(data=2, model=4)
+    parallelism = Parallelism.of(data=2, model=4)
     truth = ASSUMPTIONS.__class__(**{**ASSUMPTIONS.__dict__, "compute_efficiency": 0.123})
-    e = estimate(MODEL, cluster, layout, global_batch=BATCH, seq_len=SEQ, assumptions=truth)
-    measured = {"profile": {"step_time_s": e.step_time_s}, "layout": layout,
+    e = estimate(MODEL, cluster, parallelism, global_batch=BATCH, seq_len=SEQ, assumptions=truth)
+    measured = {"profile": {"step_time_s": e.step_time_s}, "parallelism": parallelism,
                 "global_batch": BATCH, "seq_len": SEQ}  # fmt: skip
     fitted = calibrate(measured, model=MODEL, cluster=cluster, assumptions=ASSUMPTIONS)
     assert fitted.name == "calibrated"
@@ -117,11 +119,13 @@ def test_link_fit_recovers_latency_and_rate_and_the_cluster_uses_them():
     seconds = [70e-6 + b / 2.5e9 for b in sizes]
     assert fit_link(sizes, seconds) == pytest.approx(truth)
     # the measured link moves the collective terms and nothing else
-    layout = Layout(data=2, model=4)
+    parallelism = Parallelism.of(data=2, model=4)
     slow = cpu_cluster(8, cores=2, link={"gb_per_s": 0.25, "latency_us": 700.0})
-    base = estimate(MODEL, cpu_cluster(8, cores=2, link=truth), layout, global_batch=BATCH,
+    base = estimate(MODEL, cpu_cluster(8, cores=2, link=truth), parallelism, global_batch=BATCH,
                     seq_len=SEQ, assumptions=ASSUMPTIONS)  # fmt: skip
-    worse = estimate(MODEL, slow, layout, global_batch=BATCH, seq_len=SEQ, assumptions=ASSUMPTIONS)
+    worse = estimate(
+        MODEL, slow, parallelism, global_batch=BATCH, seq_len=SEQ, assumptions=ASSUMPTIONS
+    )
     comm = {"tensor_parallel", "data_parallel"}
     for b, w in zip(base.time, worse.time, strict=True):
         assert (w.value > 5 * b.value) if b.name in comm else (w.value == b.value), b.name
@@ -149,7 +153,8 @@ def test_calibrated_cpu_prediction_holds_on_three_unseen_meshes():
     (base, *unseen), cpu = _measure([CALIBRATE_ON, *UNSEEN])
     cluster = cpu_cluster(8, cores=CORES, **cpu)
     link = cpu["link"]
-    measured = {"profile": {"step_time_s": base}, "layout": layout_of(_config(CALIBRATE_ON), 8),
+    measured = {"profile": {"step_time_s": base},
+                "parallelism": parallelism_of(_config(CALIBRATE_ON), 8),
                 "global_batch": BATCH, "seq_len": SEQ}  # fmt: skip
     fitted = calibrate(measured, model=MODEL, cluster=cluster, assumptions=ASSUMPTIONS)
     rows = []
@@ -163,3 +168,17 @@ def test_calibrated_cpu_prediction_holds_on_three_unseen_meshes():
           f"calibrated on {CALIBRATE_ON}: {base:.3f} s, efficiency "
           f"{fitted.compute_efficiency:.3g}\n{table}")  # fmt: skip
     assert all(abs(e) <= TOLERANCE for *_, e in rows), table
+
+
+def test_a_calibration_under_its_old_key_still_reads():
+    cluster = hardware.cluster("h100", devices_per_node=8)
+    parallelism = Parallelism.of(data=2, model=4)
+    new = {"profile": {"step_time_s": 1.0}, "parallelism": parallelism, "global_batch": BATCH,
+           "seq_len": SEQ}  # fmt: skip
+    old = {
+        **{k: v for k, v in new.items() if k != "parallelism"},
+        "layout": {"data": 2, "model": 4},
+    }
+    want = calibrate(new, model=MODEL, cluster=cluster)
+    with pytest.warns(DeprecationWarning, match=r"calibration\['layout'\] is deprecated"):
+        assert calibrate(old, model=MODEL, cluster=cluster) == want

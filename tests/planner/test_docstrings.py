@@ -4,8 +4,7 @@ import doctest
 
 import pytest
 
-from shardfuse import axes, hardware, models
-from shardfuse.models import spec
+from shardfuse import axes, hardware, model_spec, models
 from shardfuse.planner import (
     calibrate,
     cli,
@@ -21,8 +20,8 @@ from shardfuse.planner import (
     search,
 )
 
-MODULES = [axes, hardware, models, spec, options, cost, memory, constraints, plans, search, cli,
-           efficiency, comm, pipeline_time, published, calibrate]  # fmt: skip
+MODULES = [axes, hardware, models, model_spec, options, cost, memory, constraints, plans, search,
+           cli, efficiency, comm, pipeline_time, published, calibrate]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

@@ -92,7 +92,7 @@ def _plan(case):
     plans = example.plan_for_cpu(mesh=mesh, zero=zero, remat=remat, schedule=schedule,
                                  microbatch_size=example.GLOBAL_BATCH // (data * fsdp * micro),
                                  top_k=1000)  # fmt: skip
-    found = [p for p in plans if p.layout.virtual_stages == virtual]
+    found = [p for p in plans if p.parallelism.options.virtual_stages == virtual]
     assert found, f"the planner returned no plan for {case}"
     return found[0]
 

@@ -35,19 +35,21 @@ def test_plan_builds_its_mesh(axis_type):
         p.mesh(jax.devices()[:4])
 
 
-def test_plan_keyword_arguments():
+def test_plan_run_options():
+    """A plan converts itself into the run's options (what `parallelize` and the trainer take);
+    the layers' options derive from them."""
     p = plan(TINY, EIGHT, global_batch=8, seq_len=64, zero=3, remat="full", mesh={"fsdp": 2})[0]
-    assert p.zero_kwargs() == {"zero": 3, "fsdp_axis": "fsdp"}
-    assert p.remat_kwargs() == {"remat": "full"}
-    kwargs = p.layer_kwargs()
-    assert kwargs["model_axis"] == "model" and kwargs["sequence_axis"] == "sequence"
-    assert kwargs["data_axis"] == "data" and kwargs["zero"] == 3
-    assert p.pipeline_kwargs() == dict(schedule=p.layout.schedule, pipeline_axis="pipeline",
-                                       num_microbatches=p.layout.num_microbatches,
-                                       virtual_stages=p.layout.virtual_stages)  # fmt: skip
-    assert p.accumulate_kwargs() == dict(num_microbatches=p.layout.num_microbatches,
-                                         data_axis="data", zero=3, fsdp_axis="fsdp")  # fmt: skip
-    assert p.context_parallel_kwargs() == {"strategy": p.layout.cp_strategy}
+    options = p.run_options()
+    assert (options.zero, options.remat) == (3, "full")
+    assert options.replace(mesh_shape=None) == p.parallelism.options
+    assert options.sequence_parallel == p.assumptions.sequence_parallel
+    assert options.mesh_shape == p.mesh_shape
+    layer = p.layer_options(dtype="bfloat16")
+    assert layer == options.layer_options(None, dtype="bfloat16")
+    assert (layer.model_axis, layer.sequence_axis, layer.data_axis, layer.fsdp_axis) == (
+        "model", "sequence", "data", "fsdp"
+    )  # fmt: skip
+    assert (layer.zero, layer.remat) == (3, "full")
 
 
 def test_cli_table_and_explain(capsys):
@@ -159,3 +161,25 @@ def test_infeasible_pins_name_the_rule(capsys):
             "--schedule interleaved --virtual-stages 3").split()  # fmt: skip
     assert _run(argv) == cli.EXIT_NO_PLAN
     assert "num_layers=32 % (pipeline=2 x virtual=3) != 0" in capsys.readouterr().err
+
+
+def test_the_names_of_earlier_releases_are_deprecated():
+    """ "layout" is the ring's token order: the planner's `Layout` is `Parallelism` (the run's
+    options embedded), `Plan.layout` `Plan.parallelism`, `layout_constraints`
+    `parallelism_constraints`, `sf.train.layout_of` `parallelism_of`; the old names warn."""
+    import shardfuse as sf
+    from shardfuse.planner import Parallelism
+    from shardfuse.train import TrainConfig
+
+    with pytest.warns(DeprecationWarning, match="sf.planner.Layout is deprecated"):
+        old = sf.planner.Layout(fsdp=2, zero=3, num_microbatches=2)
+    assert old == Parallelism.of(fsdp=2, zero=3, num_microbatches=2)
+    assert old.options == sf.parallel.RunOptions(zero=3, num_microbatches=2)
+    p = plan(TINY, EIGHT, global_batch=8, seq_len=64)[0]
+    with pytest.warns(DeprecationWarning, match="Plan.layout is deprecated"):
+        assert p.layout is p.parallelism
+    with pytest.warns(DeprecationWarning, match="layout_constraints is deprecated"):
+        assert sf.planner.layout_constraints is sf.planner.parallelism_constraints
+    config = TrainConfig(mesh={"data": 8})
+    with pytest.warns(DeprecationWarning, match="sf.train.layout_of is deprecated"):
+        assert sf.train.layout_of(config, 8) == sf.train.parallelism_of(config, 8)

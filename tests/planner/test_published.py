@@ -4,21 +4,21 @@ Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT
 models of 1.7B to 1T parameters on 32 to 3072 A100 80GB GPUs (Selene), with
 their tensor (t), pipeline (p) and data (d = GPUs / (t p)) sizes, batch and
-achieved teraFLOP/s per GPU. The rows live in `shardfuse.models.NARAYANAN_2021_TABLE1`.
+achieved teraFLOP/s per GPU. The rows live in `shardfuse.planner.published.NARAYANAN_2021_TABLE1`.
 
 With the paper's own (t, p, d, batch) and its setting (`Assumptions.megatron_2021()`:
 fp16, activation recomputation, no flash attention, no overlap of the
 tensor-parallel and data-parallel communication), the predicted TFLOP/s per
 GPU must be within 15% of the paper's; asked to choose, the planner's best
-plan must be predicted at least as fast as the paper's layout and fit in 80 GB.
+plan must be predicted at least as fast as the paper's parallelism and fit in 80 GB.
 """
 
 import pytest
 
 from shardfuse import hardware, models
-from shardfuse.planner import Assumptions, plan
+from shardfuse.planner import Assumptions, plan, published
 
-TABLE1 = {run.model: run for run in models.NARAYANAN_2021_TABLE1}
+TABLE1 = {run.model: run for run in published.NARAYANAN_2021_TABLE1}
 DEFAULT_ROWS = ("gpt-1.7b",)  # the rest under -m slow (a few seconds each)
 
 
@@ -30,7 +30,7 @@ def _rows():
 
 
 def _paper_plan(run):
-    """The paper's layout: its t, p, d and batch; microbatch 1; 1F1B or interleaved."""
+    """The paper's parallelism: its t, p, d and batch; microbatch 1; 1F1B or interleaved."""
     model = models.get(run.model)
     cluster = hardware.cluster(run.device, nodes=run.gpus // 8)
     mesh = dict(model=run.tensor, pipeline=run.pipeline, data=run.data, fsdp=1, sequence=1)
@@ -65,4 +65,4 @@ def test_planner_choice_is_at_least_as_fast_and_fits(name):
     best = plan(model, cluster, global_batch=run.global_batch, seq_len=run.seq_len,
                 assumptions=Assumptions.megatron_2021(), top_k=1)[0]  # fmt: skip
     assert best.step_time_s <= paper.step_time_s * (1 + 1e-9)
-    assert best.memory_bytes <= 80e9 and best.layout.num_devices == run.gpus
+    assert best.memory_bytes <= 80e9 and best.parallelism.num_devices == run.gpus

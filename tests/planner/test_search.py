@@ -10,10 +10,10 @@ from shardfuse import hardware, models
 from shardfuse.planner import (
     MESH_AXES,
     Assumptions,
-    Layout,
+    Parallelism,
     PlanningError,
     estimate,
-    layout_constraints,
+    parallelism_constraints,
     plan,
 )
 from shardfuse.planner.cost import axis_link, mean_visible_keys
@@ -24,23 +24,25 @@ TINY = models.ModelSpec("tiny", hidden=64, heads=4, kv_heads=2, head_dim=16, ffn
 
 
 def _check(p, model, cluster, global_batch, seq_len):
-    lay = p.layout
+    lay = p.parallelism
     sizes = p.mesh_shape
     assert list(sizes) == list(MESH_AXES)
     assert lay.num_devices == cluster.num_devices
-    assert layout_constraints(model, lay, global_batch=global_batch, seq_len=seq_len) == []
+    assert parallelism_constraints(model, lay, global_batch=global_batch, seq_len=seq_len) == []
     assert model.heads % sizes["model"] == 0 and model.ffn_hidden % sizes["model"] == 0
     assert model.num_layers >= sizes["pipeline"]  # p may not divide L (balanced stages), v may
     assert (
-        lay.virtual_stages == 1 or model.num_layers % (sizes["pipeline"] * lay.virtual_stages) == 0
+        lay.options.virtual_stages == 1
+        or model.num_layers % (sizes["pipeline"] * lay.options.virtual_stages) == 0
     )
     assert seq_len % (sizes["sequence"] * sizes["model"]) == 0
     assert (
-        global_batch == sizes["data"] * sizes["fsdp"] * lay.microbatch_size * lay.num_microbatches
+        global_batch
+        == sizes["data"] * sizes["fsdp"] * lay.microbatch_size * lay.options.num_microbatches
     )
-    assert (sizes["fsdp"] > 1) == (lay.zero > 0)
+    assert (sizes["fsdp"] > 1) == (lay.options.zero > 0)
     if sizes["pipeline"] > 1:
-        assert lay.num_microbatches >= sizes["pipeline"]
+        assert lay.options.num_microbatches >= sizes["pipeline"]
     assert p.memory_bytes <= p.estimate.memory_limit_bytes
     assert p.memory_bytes == pytest.approx(sum(t.value for t in p.estimate.memory))
     assert p.step_time_s == pytest.approx(sum(t.value for t in p.estimate.time))
@@ -72,15 +74,22 @@ def test_restricted_options_are_respected():
     plans = plan("llama3-8b", cluster, global_batch=64, seq_len=8192, zero=3, remat=("full",),
                  mesh={"pipeline": 2}, schedule="interleaved", top_k=5)  # fmt: skip
     for p in plans:
-        assert (p.layout.zero, p.layout.remat, p.layout.pipeline) == (3, "full", 2)
-        assert p.layout.schedule == "interleaved" and p.layout.virtual_stages in (2, 4)
+        assert (
+            p.parallelism.options.zero,
+            p.parallelism.options.remat,
+            p.parallelism.pipeline,
+        ) == (3, "full", 2)
+        assert (
+            p.parallelism.options.schedule == "interleaved"
+            and p.parallelism.options.virtual_stages in (2, 4)
+        )
 
 
 def test_a_model_that_cannot_fit_says_what_would():
     with pytest.raises(PlanningError) as info:
         plan("llama3-405b", hardware.cluster("h100"), global_batch=8, seq_len=8192)
     message = str(info.value)
-    assert "no layout of llama3-405b" in message and "fits in 72 GB" in message
+    assert "no plan of llama3-405b" in message and "fits in 72 GB" in message
     assert "more devices (about" in message and "nodes of 8" in message
     # restricted to a policy that keeps everything and no ZeRO: both are named as the way out
     with pytest.raises(PlanningError, match=r"remat='full'.*ZeRO-3"):
@@ -116,16 +125,16 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_bad_types_and_layouts():
-    with pytest.raises(TypeError, match="model=3 must be a shardfuse.models.ModelShape"):
+    with pytest.raises(TypeError, match="model=3 must be a shardfuse.models.ModelSpec"):
         plan(3, hardware.cluster("h100"), global_batch=8, seq_len=64)
     with pytest.raises(ValueError, match="model 'gpt5' is not one of"):
         plan("gpt5", hardware.cluster("h100"), global_batch=8, seq_len=64)
     with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved'"):
-        Layout(pipeline=2, virtual_stages=2)
-    with pytest.raises(ValueError, match="remat='x' must be one of"):
-        Layout(remat="x")
+        Parallelism.of(pipeline=2, virtual_stages=2)
+    with pytest.raises(ValueError, match="remat='x' is not a remat policy"):
+        Parallelism.of(remat="x")
     with pytest.raises(ValueError, match="has 8 devices, the cluster 16"):
-        estimate(TINY, hardware.cluster("h100", nodes=2), Layout(data=8), global_batch=8,
+        estimate(TINY, hardware.cluster("h100", nodes=2), Parallelism.of(data=8), global_batch=8,
                  seq_len=64)  # fmt: skip
 
 
@@ -134,7 +143,7 @@ def test_search_of_1024_devices_is_fast():
     plans = plan("llama3-405b", hardware.cluster("h100", nodes=128), global_batch=1024,
                  seq_len=8192)  # fmt: skip
     elapsed = time.process_time() - start
-    assert plans[0].layout.num_devices == 1024
+    assert plans[0].parallelism.num_devices == 1024
     assert elapsed < 10.0, f"search took {elapsed:.1f} s of CPU"
 
 
@@ -143,13 +152,13 @@ def test_search_of_1024_devices_is_fast():
 
 def test_axis_links_follow_the_node_boundary():
     c = hardware.cluster("h100", nodes=4)
-    lay = Layout(data=4, model=8)
+    lay = Parallelism.of(data=4, model=8)
     assert (
         axis_link(c, lay, "model")[2] == "NVLink 4" and axis_link(c, lay, "data")[2] != "NVLink 4"
     )
     assert axis_link(c, lay, "model")[0] == 450e9 and axis_link(c, lay, "data")[0] == 50e9
     torus = hardware.cluster("tpu-v5p", devices_per_node=64)
-    assert axis_link(torus, Layout(data=8, model=8), "model")[0] == 200e9  # two ICI links
+    assert axis_link(torus, Parallelism.of(data=8, model=8), "model")[0] == 200e9  # two ICI links
 
 
 def test_causal_halving_and_windows():
@@ -158,8 +167,8 @@ def test_causal_halving_and_windows():
     assert mean_visible_keys(8, None, False) == 8
     model = models.get("llama3-8b")
     c = hardware.cluster("h100")
-    skip = estimate(model, c, Layout(fsdp=8, zero=3), global_batch=8, seq_len=8192)
-    full = estimate(model, c, Layout(fsdp=8, zero=3), global_batch=8, seq_len=8192,
+    skip = estimate(model, c, Parallelism.of(fsdp=8, zero=3), global_batch=8, seq_len=8192)
+    full = estimate(model, c, Parallelism.of(fsdp=8, zero=3), global_batch=8, seq_len=8192,
                     assumptions=Assumptions(causal_skip=False))  # fmt: skip
     assert skip.model_flops == full.model_flops and skip.hardware_flops < full.hardware_flops
 
@@ -168,12 +177,13 @@ def test_more_recomputation_costs_time_and_saves_memory():
     model, c = models.get("llama3-8b"), hardware.cluster("h100")
     out = {}
     for policy in ("none", "dots", "selective", "full"):
-        lay = Layout(fsdp=8, zero=3, remat=policy, num_microbatches=4)
+        lay = Parallelism.of(fsdp=8, zero=3, remat=policy, num_microbatches=4)
         out[policy] = estimate(model, c, lay, global_batch=4, seq_len=8192)
     mem = [out[p].memory_bytes for p in ("none", "dots", "selective", "full")]
     flops = [out[p].hardware_flops for p in ("none", "dots", "selective", "full")]
     assert mem == sorted(mem, reverse=True) and flops == sorted(flops)
-    z = {s: estimate(model, c, Layout(fsdp=8, zero=s, remat="full"), global_batch=8, seq_len=4096)
+    z = {s: estimate(model, c, Parallelism.of(fsdp=8, zero=s, remat="full"), global_batch=8,
+                     seq_len=4096)
          for s in (1, 2, 3)}  # fmt: skip
     # ZeRO-2 reduce-scatters each layer's gradient inside the layer scan's backward
     # (sf.parallel.accumulate): one layer's whole gradient beside the shards, not the model's
@@ -186,16 +196,19 @@ def test_pipeline_bubble_per_schedule():
     bubble = {}
     async_ = Assumptions(pipeline_executor="async", pipeline_recompute=False)
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-        lay = Layout(pipeline=4, model=2, schedule=schedule, virtual_stages=v, num_microbatches=8)
+        lay = Parallelism.of(
+            pipeline=4, model=2, schedule=schedule, virtual_stages=v, num_microbatches=8
+        )
         e = estimate(model, c, lay, global_batch=8, seq_len=4096, assumptions=async_)
         bubble[schedule] = next(t.value for t in e.time if t.name == "pipeline_bubble")
     assert bubble["gpipe"] == pytest.approx(bubble["1f1b"])
     assert bubble["interleaved"] == pytest.approx(bubble["1f1b"] / 2)
     assert bubble["zb-h1"] == pytest.approx(bubble["1f1b"] / 3)
-    gpipe = estimate(model, c, Layout(pipeline=4, model=2, schedule="gpipe", num_microbatches=8),
+    gpipe = estimate(model, c, Parallelism.of(pipeline=4, model=2, schedule="gpipe",
+                                              num_microbatches=8),
                      global_batch=8, seq_len=4096)  # fmt: skip
-    onef = estimate(model, c, Layout(pipeline=4, model=2, num_microbatches=8), global_batch=8,
-                    seq_len=4096)  # fmt: skip
+    onef = estimate(model, c, Parallelism.of(pipeline=4, model=2, num_microbatches=8),
+                    global_batch=8, seq_len=4096)  # fmt: skip
     assert gpipe.memory_bytes > onef.memory_bytes  # 8 microbatches in flight instead of 4
 
 
@@ -203,13 +216,14 @@ def test_lockstep_pipeline_is_the_executor_table():
     """shardfuse's executor: the step lasts the schedule IR's lockstep work (every stage one F
     and one B per tick, the head in the last stage's F ticks); the backward reruns the stage
     forward (residuals="recompute"), with or without collectives in the stage."""
-    from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table
+    from shardfuse.parallel.pipeline.lockstep import lockstep_table
+    from shardfuse.parallel.pipeline.schedule import HEAD, B, F
     from shardfuse.planner import pipeline_time
 
     a = Assumptions()
     for model_axis in (1, 2):
         for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
-            lay = Layout(pipeline=8, model=model_axis, schedule=schedule, virtual_stages=v,
+            lay = Parallelism.of(pipeline=8, model=model_axis, schedule=schedule, virtual_stages=v,
                          num_microbatches=16)  # fmt: skip
             out = pipeline_time.pipeline_terms(
                 lay, a, [Term("compute", 3.0, "")], head_s=0.25, send_bytes=0.0,
@@ -231,7 +245,7 @@ def test_materialised_scores_are_counted():
     """Without flash attention "none" keeps the softmax scores: Korthikanti et al.'s 5 a s^2 b
     per layer (bytes), divided over the model axis."""
     model, c = models.get("llama3-8b"), hardware.cluster("h100")
-    lay = Layout(fsdp=4, model=2, zero=3, num_microbatches=8)
+    lay = Parallelism.of(fsdp=4, model=2, zero=3, num_microbatches=8)
     sizes = dict(global_batch=8, seq_len=2048)
     flash = estimate(model, c, lay, **sizes)
     scores = estimate(model, c, lay, assumptions=Assumptions(flash_attention=False), **sizes)
@@ -259,34 +273,34 @@ def test_uneven_pipeline_stages_are_planned():
     assert tiny[0].mesh_shape["pipeline"] == 4
     from shardfuse.planner.memory import slowest_stage_layers
 
-    assert slowest_stage_layers(ten, tiny[0].layout) == 3
-    assert slowest_stage_layers(even, Layout(pipeline=16)) == 8.0
+    assert slowest_stage_layers(ten, tiny[0].parallelism) == 3
+    assert slowest_stage_layers(even, Parallelism.of(pipeline=16)) == 8.0
     # per-device parameters: the padded stage's 8 layers (as 128 over 16), not 126 / 16
     from shardfuse.planner.memory import params_per_device
 
-    layout, a = Layout(pipeline=16, fsdp=64, model=8), Assumptions()
-    assert params_per_device(model, layout, a) == params_per_device(even, layout, a)
+    parallelism, a = Parallelism.of(pipeline=16, fsdp=64, model=8), Assumptions()
+    assert params_per_device(model, parallelism, a) == params_per_device(even, parallelism, a)
 
 
 def test_zero2_with_accumulation_reduce_scatters_every_microbatch():
     """shardfuse's accumulate(zero=2) reduce-scatters in every microbatch's backward (m a step,
     each hidden behind its own backward) and gathers the updated shards after the step;
     Megatron's distributed optimizer ("step") reduce-scatters once."""
-    from shardfuse.planner import Assumptions, Layout, estimate
+    from shardfuse.planner import Assumptions, Parallelism, estimate
     from shardfuse.ring_time import ring_collective_s
 
     model, cluster = models.get("llama3-8b"), hardware.cluster("h100", nodes=2)
-    layout = Layout(fsdp=16, zero=2, num_microbatches=4, microbatch_size=1)
+    parallelism = Parallelism.of(fsdp=16, zero=2, num_microbatches=4, microbatch_size=1)
     terms = {}
     for mode in ("microbatch", "step"):
         a = Assumptions(zero2_scatter=mode)
-        e = estimate(model, cluster, layout, global_batch=64, seq_len=2048, assumptions=a)
+        e = estimate(model, cluster, parallelism, global_batch=64, seq_len=2048, assumptions=a)
         terms[mode] = {t.name: t for t in e.time}
     from shardfuse.planner.cost import axis_link
     from shardfuse.planner.memory import params_per_device
 
-    bw, lat, _ = axis_link(cluster, layout, "fsdp")
-    one = ring_collective_s(16, params_per_device(model, layout, Assumptions()) * 2, bw, lat)
+    bw, lat, _ = axis_link(cluster, parallelism, "fsdp")
+    one = ring_collective_s(16, params_per_device(model, parallelism, Assumptions()) * 2, bw, lat)
     assert terms["microbatch"]["data_parallel"].total == pytest.approx(4 * one)
     assert terms["microbatch"]["fsdp_gather"].value == pytest.approx(one)  # exposed
     assert terms["step"]["data_parallel"].total == pytest.approx(2 * one)
@@ -337,8 +351,45 @@ def test_branch_and_bound_skips_only_what_cannot_be_chosen(monkeypatch, seed):
         monkeypatch.setattr(search, "BOUND", False)
         exhaustive = plan(model, cluster, **kwargs)
         monkeypatch.setattr(search, "BOUND", True)
-        assert [(p.layout, p.step_time_s) for p in pruned] == [
-            (p.layout, p.step_time_s) for p in exhaustive
+        assert [(p.parallelism, p.step_time_s) for p in pruned] == [
+            (p.parallelism, p.step_time_s) for p in exhaustive
         ], (model, cluster.describe(), kwargs)
         compared += 1
     assert compared >= 4
+
+
+def test_the_zero3_prefetch_is_priced():
+    """`RunOptions(prefetch=True)`: the forward rerun (hardware FLOPs, as "full" but the last
+    layer), the layer inputs kept (as "full"), the next layer's gathered weights, two
+    gathers per microbatch; searched only when asked, with ZeRO-3 over fsdp only."""
+    model, c = models.get("llama3-8b"), hardware.cluster("h100")
+    kwargs = dict(global_batch=8, seq_len=4096)
+    base = Parallelism.of(fsdp=8, zero=3)
+    plain, fetched = (estimate(model, c, base.replace(prefetch=p), **kwargs) for p in (False, True))
+    full = estimate(model, c, base.replace(remat="full"), **kwargs)
+    L = model.num_layers
+    assert fetched.hardware_flops - plain.hardware_flops == pytest.approx(
+        (full.hardware_flops - plain.hardware_flops) * (L - 1) / L, rel=1e-12
+    )
+    term = lambda e, group, name: {t.name: t for t in getattr(e, group)}[name]  # noqa: E731
+    assert term(fetched, "memory", "activations").value == term(full, "memory", "activations").value
+    layer = model.layer_params() * Assumptions().param_bytes
+    small_vocab = model.replace(vocab_size=1000)  # the logits below the layer's working set
+    working = [
+        term(estimate(small_vocab, c, base.replace(prefetch=p), **kwargs), "memory",
+             "layer_working_set").value
+        for p in (False, True)
+    ]  # fmt: skip
+    assert working[1] - working[0] == pytest.approx(layer, rel=1e-12)
+    both = estimate(model, c, base.replace(remat="full", prefetch=True), **kwargs)
+    assert term(both, "time", "fsdp_gather").total == term(plain, "time", "fsdp_gather").total
+    assert term(full, "time", "fsdp_gather").total == pytest.approx(
+        1.5 * term(plain, "time", "fsdp_gather").total
+    )
+    assert parallelism_constraints(model, Parallelism.of(fsdp=8, zero=2, prefetch=True), **kwargs)
+    plans = plan(TINY, hardware.cluster("h100"), global_batch=8, seq_len=64, prefetch=True)
+    assert plans and all(p.parallelism.options.prefetch for p in plans)
+    assert all(p.parallelism.options.zero == 3 for p in plans)
+    assert plans[0].run_options().prefetch
+    default = plan(TINY, hardware.cluster("h100"), global_batch=8, seq_len=64, top_k=50)
+    assert not any(p.parallelism.options.prefetch for p in default)

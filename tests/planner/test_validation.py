@@ -2,7 +2,7 @@
 
 Each run of `shardfuse.planner.published.RUNS` (Korthikanti et al. 2022,
 MegaScale 2024, Llama 3 2024, PaLM 2022, MaxText on TPU v5p/v5e, MT-NLG 2022:
-A100, H100, TPU v4, v5p, v5e), with its published layout pinned and its
+A100, H100, TPU v4, v5p, v5e), with its published parallelism pinned and its
 system's assumptions preset, must be predicted within 15% (relative) of the
 published MFU or TFLOP/s per device. The efficiencies were fitted only to
 Narayanan et al. 2021 Table 1 (tests/planner/test_published.py), which none
@@ -15,7 +15,7 @@ import pytest
 from shardfuse import hardware
 from shardfuse.planner import plan
 from shardfuse.planner.options import Assumptions
-from shardfuse.planner.published import RUNS, layout_of, predict
+from shardfuse.planner.published import RUNS, parallelism_of, predict
 
 TOLERANCE = 0.15
 # Known misses (measured errors in the README table), not hidden by loosening the tolerance.
@@ -23,7 +23,7 @@ MISSES = {
     "Korthikanti 22B": "+15.4%: 8 GPUs, batch 4 (0.9 s steps): per-step overheads the model "
     "lacks (kernel launches, small tensor-parallel GEMMs below the MAMF shapes)",
     "MT-NLG 530B": "+28%: DeepSpeed's pipeline engine of 2021 was slower than Megatron's "
-    "(the same layout in Narayanan et al. 2021 Table 1 reached 163 TFLOP/s)",
+    "(the same parallelism in Narayanan et al. 2021 Table 1 reached 163 TFLOP/s)",
     "Llama 3 405B 128K": "-29%: flash attention at 131K tokens taken at FlashAttention-2's 35% "
     "of the H100 peak; Meta's kernels ran faster (virtual stages not published, pinned at 2)",
     "MaxText 32B v5e": "-24%: 66.9% MFU with full remat means 89% of peak in the matmuls, "
@@ -59,13 +59,13 @@ def test_published_run_within_15_percent(run):
 
 
 def test_the_pinned_layout_is_what_plan_returns():
-    """`plan` with every field pinned returns exactly the published layout (PaLM: 12-way model
+    """`plan` with every field pinned returns exactly the published parallelism (PaLM: 12-way model
     parallelism at s = 2048 without sequence parallelism)."""
     run = next(r for r in RUNS if r.name == "PaLM 540B")
     cluster = hardware.cluster(run.device, nodes=run.nodes, devices_per_node=run.devices_per_node)
-    layout = layout_of(run)
+    parallelism = parallelism_of(run)
     best = plan(run.model, cluster, global_batch=run.global_batch, seq_len=run.seq_len,
-                assumptions=Assumptions.preset(run.preset), mesh=layout.mesh_shape, top_k=1,
+                assumptions=Assumptions.preset(run.preset), mesh=parallelism.mesh_shape, top_k=1,
                 **run.options)[0]  # fmt: skip
-    assert best.layout == layout
+    assert best.parallelism == parallelism
     assert best.mfu == pytest.approx(predict(run)[0])

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
-from shardfuse.planner import Layout
+from shardfuse.planner import Parallelism
 from shardfuse.profile import api, hlo, report, timeline
 from shardfuse.profile import cli as profile_cli
 
@@ -96,8 +96,8 @@ def test_advice_rules_fire():
         device_busy_s={"0": 0.5, "1": 0.5, "2": 0.9, "3": 0.9},
         trace_step_time_s=step,
     )
-    layout = Layout(pipeline=2, model=16, num_microbatches=8)
-    lines = report.advice(fields, layout, devices_per_node=8, seq_len=1024)
+    parallelism = Parallelism.of(pipeline=2, model=16, num_microbatches=8)
+    lines = report.advice(fields, parallelism, devices_per_node=8, seq_len=1024)
     text = "\n".join(lines)
     assert "all-reduce takes 25% of the step" in text
     assert "tensor parallelism model=16 spans more than one node" in text
@@ -106,7 +106,7 @@ def test_advice_rules_fire():
     assert "devices idle 50%" in text
     fields["collectives"] = {"all-reduce": {"calls": 1, "seconds": 0.1}}
     fields["categories"]["idle"] = 0.1
-    quiet = report.advice(fields, Layout(data=2, model=4), devices_per_node=8, seq_len=1024)
+    quiet = report.advice(fields, Parallelism.of(data=2, model=4), devices_per_node=8, seq_len=1024)
     assert quiet == ()
 
 
@@ -115,6 +115,10 @@ def test_profile_rejects_bad_counts():
         sf.profile(jax.jit(jnp.sin), jnp.ones(2), steps=0)
     with pytest.raises(ValueError, match="warmup=-1"):
         sf.profile(jax.jit(jnp.sin), jnp.ones(2), warmup=-1)
+    # layout= (the planner's layout of earlier releases) is a deprecated keyword: parallelism=
+    with pytest.warns(DeprecationWarning, match=r"profile\(layout=\.\.\.\) is deprecated"):
+        with pytest.raises(ValueError, match="steps=0"):
+            sf.profile(jax.jit(jnp.sin), jnp.ones(2), steps=0, layout=Parallelism())
 
 
 def test_cli_profiles_train_lm_on_data2_model4(tmp_path, capsys):

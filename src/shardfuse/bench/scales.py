@@ -11,7 +11,7 @@ The model figures themselves (and their sources) live in `shardfuse.models`.
 import dataclasses
 
 from shardfuse.flops import FWD, MODES
-from shardfuse.models import MODELS, ModelShape
+from shardfuse.models import MODELS, ModelSpec
 
 GRID_MODES = ("longest", "all", None)
 
@@ -47,7 +47,7 @@ class Scale:
         """Batch size at `seq_len`: constant tokens per batch, at least 1."""
         return max(1, self.tokens_per_batch // seq_len)
 
-    def scaled(self, model: ModelShape) -> ModelShape:
+    def scaled(self, model: ModelSpec) -> ModelSpec:
         """`model` with heads, widths and window divided by `divisor` (at least 1)."""
         d = self.divisor
 
@@ -63,7 +63,7 @@ class Scale:
             window=down(model.window),
         )
 
-    def models_scaled(self) -> list[ModelShape]:
+    def models_scaled(self) -> list[ModelSpec]:
         """The run's models, scaled."""
         return [self.scaled(MODELS[name]) for name in self.models]
 

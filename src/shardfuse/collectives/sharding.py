@@ -18,13 +18,11 @@ default of `jax.make_mesh`) or `Auto`. Two facts shape the helpers:
 runs with every axis Auto (`auto_mesh` is the concrete mesh to hand to
 `jax.shard_map`), and the outputs come back sharded as `out_specs` on `mesh`:
 typed Explicit shardings when the inputs are typed on an Explicit mesh (or a
-mesh context is set), a sharding constraint otherwise. `renamed_keywords` maps
-deprecated keyword names onto new ones.
+mesh context is set), a sharding constraint otherwise.
 """
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -181,54 +179,6 @@ def run_on_mesh(fn, mesh, out_specs):
         )(*args)
 
     return run
-
-
-def renamed_keywords(**old_to_new):
-    """Decorator: deprecated keyword `old` still works as `new` for one release.
-
-    Passing `old` warns with a DeprecationWarning naming `new`; passing both
-    raises TypeError. On an `__init__` the messages name the class. Used by the
-    global wrappers and the layers alike.
-
-    Example:
-      >>> @renamed_keywords(seq_axis="sequence_axis")
-      ... def attend(*, sequence_axis="sequence"):
-      ...     return sequence_axis
-      >>> import warnings
-      >>> with warnings.catch_warnings(record=True) as caught:
-      ...     warnings.simplefilter("always")
-      ...     attend(seq_axis="ring")
-      'ring'
-      >>> print(caught[0].message)
-      attend(seq_axis=...) is deprecated and will be removed in the next release: use sequence_axis=
-    """
-
-    def decorate(fn):
-        is_init = fn.__name__ == "__init__"
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            name = type(args[0]).__name__ if is_init else fn.__name__
-            for old, new in old_to_new.items():
-                if old not in kwargs:
-                    continue
-                if new in kwargs:
-                    raise TypeError(
-                        f"{name}() got both {old}= (deprecated) and {new}=: pass {new}= only"
-                    )
-                warnings.warn(
-                    f"{name}({old}=...) is deprecated and will be removed in the next "
-                    f"release: use {new}=",
-                    DeprecationWarning,
-                    # An __init__ is reached through the class's (NNX metaclass) __call__.
-                    stacklevel=3 if is_init else 2,
-                )
-                kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
 
 
 # ---- placing arrays for a layer, manual regions, input checks ------------------------------

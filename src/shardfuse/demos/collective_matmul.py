@@ -27,9 +27,9 @@ AXIS = "model"
 
 def _prediction(op: str) -> str:
     from shardfuse.collectives.collective_matmul import cost_model
-    from shardfuse.models import get as model_shape
+    from shardfuse.models import get as model_spec
 
-    model = model_shape("llama3-70b")
+    model = model_spec("llama3-70b")
     sizes = (
         (model.hidden, model.ffn_hidden)
         if op == "all_gather_matmul"

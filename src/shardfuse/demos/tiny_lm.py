@@ -20,7 +20,7 @@ from flax import nnx
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.layers import place_on_mesh
 from shardfuse.layers.loss import token_loss
-from shardfuse.models.spec import ModelSpec
+from shardfuse.model_spec import ModelSpec
 from shardfuse.models.transformer import Transformer
 
 

@@ -1,6 +1,6 @@
 """Demo section: a small training run (`shardfuse.train.Trainer`, as examples/train_lm.py runs)."""
 
-from shardfuse.models.spec import ModelSpec
+from shardfuse.model_spec import ModelSpec
 from shardfuse.train import TrainConfig, Trainer
 
 

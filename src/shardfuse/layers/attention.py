@@ -24,8 +24,9 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.ring_attention import LAYOUTS, ring_attention, ring_positions
-from shardfuse.collectives.sharding import renamed_keywords
+from shardfuse._keywords import renamed_keywords
+from shardfuse.collectives.ring_attention import ring_attention, ring_positions
+from shardfuse.collectives.ring_attention.layouts import check_layout
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
@@ -193,8 +194,7 @@ class ParallelSelfAttention(nnx.Module):
             raise ValueError(
                 f"head_dim={head_dim} must be even for rotary embeddings (or rope_theta=None)"
             )
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout={layout!r} must be one of {tuple(LAYOUTS)}")
+        check_layout(layout)
         self.features, self.num_heads, self.num_kv_heads, self.head_dim = (
             features,
             num_heads,

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardfuse._keywords import passes_keywords
-from shardfuse.collectives.sharding import renamed_keywords
+from shardfuse._keywords import passes_keywords, renamed_keywords
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
 from shardfuse.layers import remat as remat_lib

@@ -28,6 +28,13 @@ sharded buffer; the parameters stay replicated for the forward.
 
 Whatever the stage, the fsdp axis is a data-parallel axis for activations:
 the batch is split over `(data, fsdp)` (`batch_axes`).
+
+This module is ZeRO's home on the model's side of the optimizer boundary:
+the stages (`ZERO_STAGES`, `check_zero`), a stage and its axis resolved on a
+mesh (`zero_options`, `ZeroOptions`), and what happens to parameters and
+gradients inside the forward and backward passes. The other side, the
+shardings of the optimizer state and of the accumulated gradients and the
+optimizer itself, is `shardfuse.parallel.zero`, which takes a `ZeroOptions`.
 """
 
 import contextlib
@@ -81,12 +88,31 @@ class ZeroOptions:
         return self.fsdp_axis if self.stage == 3 else None
 
 
-def zero_options(mesh, *, zero, fsdp_axis, reshard_after_forward, reduce_dtype) -> ZeroOptions:
-    """Checked `ZeroOptions` for a layer on `mesh`.
+def fsdp_axis_on(mesh, fsdp_axis) -> str | None:
+    """`fsdp_axis` as it shards on `mesh`: None for None, and for the default "fsdp" on a
+    mesh that lacks it (an absent axis has size 1).
 
-    `fsdp_axis` may be None; its default "fsdp" becomes None on a mesh that
-    lacks it (an absent axis has size 1). An explicitly chosen name must be
-    an axis of the mesh.
+    Raises:
+      ValueError: an explicitly chosen name that is not an axis of the mesh.
+    """
+    if fsdp_axis is None or fsdp_axis in mesh.axis_names:
+        return fsdp_axis
+    if fsdp_axis == DEFAULT_FSDP_AXIS:
+        return None
+    raise ValueError(
+        f"fsdp_axis={fsdp_axis!r} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)}"
+    )
+
+
+def zero_options(mesh, *, zero, fsdp_axis=DEFAULT_FSDP_AXIS, reshard_after_forward=True,
+                 reduce_dtype=jnp.float32) -> ZeroOptions:  # fmt: skip
+    """Checked `ZeroOptions` on `mesh`: of a layer, of the optimizer state, of the gradients.
+
+    The one place a ZeRO stage and its axis are checked and resolved; every
+    entry point that takes `zero=` calls it (`LayerOptions.zero_options`,
+    `sf.parallel.ZeroOptimizer`, `sf.parallel.accumulate`). A `zero` that is a
+    `ZeroOptions` already (a run's, resolved once by `parallelize`) is returned
+    as it is. `fsdp_axis`: `fsdp_axis_on`.
 
     Raises:
       ValueError: `zero` not in 0..3, or `fsdp_axis` not an axis of the mesh.
@@ -101,16 +127,11 @@ def zero_options(mesh, *, zero, fsdp_axis, reshard_after_forward, reduce_dtype) 
       >>> options.param_axis, fsdp.kernel_spec(jax.P(None, "model"), options, 0)
       ('fsdp', P('fsdp', 'model'))
     """
+    if isinstance(zero, ZeroOptions):
+        return zero
     stage = check_zero(zero)
-    if fsdp_axis is not None and fsdp_axis not in mesh.axis_names:
-        if fsdp_axis != DEFAULT_FSDP_AXIS:
-            raise ValueError(
-                f"fsdp_axis={fsdp_axis!r} is not an axis of the mesh; its axes are "
-                f"{tuple(mesh.axis_names)}"
-            )
-        fsdp_axis = None
     reduce = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
-    return ZeroOptions(stage, fsdp_axis, bool(reshard_after_forward), reduce)
+    return ZeroOptions(stage, fsdp_axis_on(mesh, fsdp_axis), bool(reshard_after_forward), reduce)
 
 
 def batch_axes(data_axis, fsdp_axis):

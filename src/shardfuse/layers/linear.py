@@ -38,7 +38,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from shardfuse.collectives.sharding import renamed_keywords
+from shardfuse._keywords import renamed_keywords
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
 from shardfuse.layers.parallel_matmul import column_matmul

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
-from shardfuse.collectives.sharding import renamed_keywords
+from shardfuse._keywords import renamed_keywords
 from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
 from shardfuse.layers.linear import ColumnParallelLinear, default_bias_init, default_kernel_init

@@ -11,7 +11,8 @@ form a user of one layer expects
 keyword that is given overrides the matching field of `options`; one that is
 not given leaves it alone (not given differs from None: `model_axis=None`
 means "no tensor parallelism"). `resolve(options, **keywords)` is the rule,
-`option_keywords` the decorator that applies it to a layer's `__init__`.
+`option_keywords` the decorator that applies it to a layer's `__init__`
+(`shardfuse._keywords`, where every keyword-forwarding decorator lives).
 Layer-specific arguments (sizes, `heads`, `gather_output`, `use_bias`,
 initializers, `causal`, `window`, ...) are ordinary keywords.
 
@@ -29,7 +30,9 @@ Fields (defaults in parentheses); anything else raises a `ValueError` or
 - `reduce_dtype` (float32): dtype of the ZeRO-3 gradient reduction; a floating
   dtype, or None: the compute dtype.
 - `remat` ("none"): activation checkpointing of a block or of each layer of a
-  `Stack`, a policy of `shardfuse.layers.remat`.
+  `Stack`, a policy of `shardfuse.layers.remat` (`shardfuse.flops.REMAT_POLICIES`).
+- `prefetch` (False): a `Stack` of ZeRO-3 blocks gathers layer l + 1's weights
+  while layer l computes (`shardfuse.layers.prefetch`); other layers ignore it.
 - `dtype` (None): compute dtype, floating, or None: the inputs' dtype.
 - `param_dtype` (float32): storage dtype of the parameters, floating.
 - `precision` (None): of the matmuls; None (HIGHEST for float32, DEFAULT for
@@ -51,36 +54,16 @@ be an axis of the mesh (checked when a layer is built on it).
 
 import dataclasses
 import functools
-import inspect
 
 import jax.numpy as jnp
 from jax import lax
 
-from shardfuse import axes
+from shardfuse import _keywords, axes
+from shardfuse._keywords import UNSET
+from shardfuse.flops import check_remat
 from shardfuse.kernels import registry
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding, fsdp
-from shardfuse.layers import remat as remat_lib
-
-
-class _Unset:
-    """The type of `UNSET`: a keyword that was not given."""
-
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self):
-        return "UNSET"
-
-    def __reduce__(self):
-        return (_Unset, ())
-
-
-UNSET = _Unset()  # "not given": the default of every option keyword of a layer
 
 _AXIS_FIELDS = ("model_axis", "data_axis", "sequence_axis", "fsdp_axis")
 
@@ -158,6 +141,7 @@ class LayerOptions:
     reshard_after_forward: bool = True
     reduce_dtype: object = jnp.dtype(jnp.float32)
     remat: str = "none"
+    prefetch: bool = False
     dtype: object = None
     param_dtype: object = jnp.dtype(jnp.float32)
     precision: lax.Precision | None = None
@@ -186,6 +170,8 @@ class LayerOptions:
         for field in ("reshard_after_forward",):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field}={getattr(self, field)!r} must be True or False")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch={self.prefetch!r} must be True or False")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise TypeError(
                 f"sequence_parallel={self.sequence_parallel!r} must be True, False or None "
@@ -194,7 +180,7 @@ class LayerOptions:
         set_("reduce_dtype", _floating_dtype(self.reduce_dtype, "reduce_dtype", optional=True))
         set_("dtype", _floating_dtype(self.dtype, "dtype", optional=True))
         set_("param_dtype", _floating_dtype(self.param_dtype, "param_dtype", optional=False))
-        set_("remat", remat_lib.check_policy(self.remat))
+        set_("remat", check_remat(self.remat))
         set_("precision", matmul_base.check_precision(self.precision))
         set_(
             "implementation",
@@ -321,49 +307,10 @@ def resolve(options: LayerOptions | None = None, **keywords) -> LayerOptions:
     return options.replace(**given) if given else options
 
 
-def option_keywords(init):
-    """Decorator of a layer's `__init__`: accepts every `LayerOptions` field as a keyword.
-
-    The decorated `__init__(self, ..., options: LayerOptions, ...)` receives
-    `options` already resolved (`resolve`: the caller's `options=`, or the
-    defaults, with the option keywords the caller gave applied) and never
-    sees the option keywords themselves. The signature shown by `help` and
-    `inspect.signature` lists them, defaulting to `UNSET`.
-
-    Example usage::
-
-      >>> from shardfuse.layers import options as options_lib
-      >>> class Layer:
-      ...     @options_lib.option_keywords
-      ...     def __init__(self, width, *, options):
-      ...         self.options = options
-      >>> Layer(8, zero=2).options.zero
-      2
-    """
-    signature = inspect.signature(init)
-    params = list(signature.parameters.values())
-    if "options" not in signature.parameters:
-        raise TypeError(f"{init.__qualname__} must take an `options` keyword")
-    own = set(signature.parameters)
-    clash = own & (set(FIELDS) - {"options"})
-    if clash:
-        raise TypeError(f"{init.__qualname__} takes option fields {sorted(clash)} itself")
-
-    @functools.wraps(init)
-    def wrapper(self, *args, options=None, **kwargs):
-        given = {name: kwargs.pop(name) for name in FIELDS if name in kwargs}
-        return init(self, *args, options=resolve(options, **given), **kwargs)
-
-    # help() / inspect.signature: the option keywords after `options`, before `rngs`
-    index = next(i for i, p in enumerate(params) if p.name == "options")
-    extra = [
-        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=UNSET) for name in FIELDS
-    ]
-    options_param = params[index].replace(default=None)
-    wrapper.__signature__ = signature.replace(
-        parameters=[*params[:index], options_param, *extra, *params[index + 1 :]]
-    )
-    return wrapper
+# Decorator of a layer's `__init__(self, ..., options, ...)`: every `LayerOptions` field is
+# also a keyword, overriding that field of `options=` (`resolve`); the `__init__` receives
+# the resolved options (`shardfuse._keywords.option_keywords`, the one mechanism).
+option_keywords = _keywords.option_keywords(FIELDS, resolve)
 
 
 def require_mesh(options: LayerOptions, layer: str):

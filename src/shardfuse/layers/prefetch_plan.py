@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.flops import check_remat
 from shardfuse.layers import _sharding, fsdp
-from shardfuse.layers import remat as remat_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +220,7 @@ def make_plan(blocks, mesh, *, layer_axis=None, remat: str = "none"):
         fsdp_axis,
         blocks.io_spec(),
         _keyword_specs(blocks),
-        remat_lib.check_policy(remat),
+        check_remat(remat),
         nnx.graphdef(blocks),
     )
 

@@ -42,11 +42,13 @@ temp memory of a `Stack`'s grad step is 3.4-4.1x less under "selective"
 `shardfuse/bench/suites/bench_memory.py` has the table.
 """
 
+import warnings
+
 import jax
 
+from shardfuse import flops
+from shardfuse.flops import check_remat
 from shardfuse.layers import fsdp
-
-POLICIES = ("none", "full", "selective", "dots", "offload")
 
 # checkpoint_name tags of the linear layers' outputs (what "selective" keeps).
 LINEAR_OUTPUT_NAMES = (
@@ -60,13 +62,6 @@ LINEAR_OUTPUT_NAMES = (
 ATTENTION_CORE_NAME = "attention_core"
 # every matmul output (what "dots" keeps)
 MATMUL_OUTPUT_NAMES = (*LINEAR_OUTPUT_NAMES, ATTENTION_CORE_NAME)
-
-
-def check_policy(policy: str) -> str:
-    """Returns `policy`; ValueError naming the valid policies otherwise."""
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise ValueError(f"remat={policy!r} is not a remat policy; valid: {POLICIES}")
-    return policy
 
 
 def offload_supported(device=None) -> tuple[bool, str]:
@@ -86,7 +81,7 @@ def offload_supported(device=None) -> tuple[bool, str]:
 
 def jax_policy(policy: str):
     """The `jax.checkpoint` policy of a named `policy` (None for "full")."""
-    check_policy(policy)
+    check_remat(policy)
     policies = jax.checkpoint_policies
     if policy == "full":
         return None
@@ -130,7 +125,7 @@ def checkpoint(fn, policy: str, *, prevent_cse: bool = True, zero=None):
 
     Args:
       fn: a function of arrays (a layer's forward, a scan body).
-      policy: one of `POLICIES`.
+      policy: one of `REMAT_POLICIES` (the list: `shardfuse.flops`).
       prevent_cse: as `jax.checkpoint`; False is safe (and faster) inside `lax.scan`.
       zero: None, or the `shardfuse.layers.fsdp.ZeroOptions` of the layer `fn` runs.
 
@@ -150,9 +145,27 @@ def checkpoint(fn, policy: str, *, prevent_cse: bool = True, zero=None):
       1.0
     """
     gathered = zero is not None and zero.param_axis is not None
-    if check_policy(policy) == "none":
+    if check_remat(policy) == "none":
         return fsdp.reshard_after_forward(fn, zero) if gathered else fn
     jax_fn_policy = jax_policy(policy)
     if gathered and not zero.reshard_after_forward:
         jax_fn_policy = _keeping_gathered(jax_fn_policy)
     return jax.checkpoint(fn, policy=jax_fn_policy, prevent_cse=prevent_cse)
+
+
+# Names of earlier releases: the list and its check live in `shardfuse.flops`.
+_DEPRECATED = {"POLICIES": ("REMAT_POLICIES", "sf.flops.REMAT_POLICIES"),
+               "check_policy": ("check_remat", "sf.flops.check_remat")}  # fmt: skip
+
+
+def __getattr__(name):
+    if name in _DEPRECATED:
+        attribute, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"sf.layers.remat.{name} is deprecated and will be removed in the next release: "
+            f"use {instead}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(flops, attribute)
+    raise AttributeError(f"module 'shardfuse.layers.remat' has no attribute {name!r}")

@@ -140,8 +140,8 @@ class Stack(nnx.Module):
         (what `nnx.get_partition_spec` reads) gives their sharding.
       num_layers: L >= 1.
       options: a `LayerOptions`: the stack reads its `mesh` (that of the blocks'
-        parameters) and `remat`; option keywords override them (`mesh=`,
-        `remat=`). The blocks are `make_block`'s: to give them the same
+        parameters), `remat` and `prefetch`; option keywords override them (`mesh=`,
+        `remat=`, `prefetch=`). The blocks are `make_block`'s: to give them the same
         options, build them with `options.replace(remat="none")` (the stack
         applies the policy per layer; a block's own `remat` would apply it a
         second time, inside).
@@ -150,7 +150,7 @@ class Stack(nnx.Module):
         or the pipeline axis ("pipeline"), whose size must divide L.
       remat: activation checkpointing of each layer: "none", "full",
         "selective", "dots" or "offload" (`shardfuse.layers.remat`).
-      prefetch: ZeRO-3 blocks only: gather layer l+1's weights while layer l
+      prefetch: (an option) ZeRO-3 blocks only: gather layer l+1's weights while layer l
         computes (forward) and layer l-1's while layer l's backward runs,
         one `jax.custom_vjp` over the layer scan that keeps only the sharded
         weights and each layer's input for the backward
@@ -221,14 +221,11 @@ class Stack(nnx.Module):
         *,
         options: options_lib.LayerOptions | None = None,
         layer_axis: str | None = None,
-        prefetch: bool = False,
         stage_layers=None,
         rngs: nnx.Rngs,
     ):
         mesh = options_lib.require_mesh(options, "Stack")
-        remat = options.remat
-        if not isinstance(prefetch, bool):
-            raise ValueError(f"prefetch={prefetch!r} must be True or False")
+        remat, prefetch = options.remat, options.prefetch
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r} must be a positive integer")
         if layer_axis is not None:

@@ -1,14 +1,14 @@
-"""Models: the spec of a decoder-only transformer (data) and the one model built from it.
+"""Models: the one decoder-only transformer built from a `ModelSpec`, its checkpoints, generation.
 
-`shardfuse.models.spec` is a data module at the bottom of the package (sizes
-of published models, `ModelSpec`, the published runs); its names are
-re-exported here eagerly, so that the planner, `shardfuse.flops` and the
-benchmarks read specs without importing Flax or the layers.
+The model's shape, `ModelSpec` (sizes and architecture options) and the
+shapes of published models (`get`, `names`, `MODELS`), live at the bottom of
+the package in `shardfuse.model_spec`, where `shardfuse.flops`, the cost
+models and the planner read them; they are re-exported here.
 `shardfuse.models.transformer` holds `Transformer`, the NNX model a spec
-describes, built from `shardfuse.layers`; it is imported lazily, on first use
-of one of its names (`sf.models.Transformer`). `shardfuse.models.hf` reads and
-writes Hugging Face checkpoints (`load_hf`, `save_hf`), `shardfuse.models.generation`
-generates text with a sharded KV cache (`generate`); both lazy too.
+describes, built from `shardfuse.layers`; `shardfuse.models.hf` reads and
+writes Hugging Face checkpoints (`load_hf`, `save_hf`; `hf_config` the
+`config.json` half), `shardfuse.models.generation` generates text with a
+sharded KV cache (`generate`).
 
 Example:
   >>> from shardfuse import models
@@ -18,42 +18,28 @@ Example:
   2
 """
 
-import importlib
+import warnings
 
-from shardfuse.models.spec import (
+from shardfuse.model_spec import (
     ACTIVATIONS,
     MODELS,
-    NARAYANAN_2021_TABLE1,
     NORMS,
     POSITIONS,
-    ModelShape,
     ModelSpec,
-    PublishedRun,
     get,
     names,
 )
-
-# name -> submodule defining it, imported on first access (PEP 562): the model pulls in
-# Flax and the layers, which the data readers of this package must not depend on.
-_LAZY = {
-    "Transformer": "transformer",
-    "LMHead": "transformer",
-    "token_loss": "transformer",
-    "load_hf": "hf",
-    "save_hf": "hf",
-    "generate": "generation",
-}
+from shardfuse.models.generation import generate
+from shardfuse.models.hf import load_hf, save_hf
+from shardfuse.models.transformer import LMHead, Transformer, token_loss
 
 __all__ = [
     "ACTIVATIONS",
     "MODELS",
-    "NARAYANAN_2021_TABLE1",
     "NORMS",
     "POSITIONS",
     "LMHead",
-    "ModelShape",
     "ModelSpec",
-    "PublishedRun",
     "Transformer",
     "generate",
     "get",
@@ -63,15 +49,18 @@ __all__ = [
     "token_loss",
 ]
 
+# Names of earlier releases: name -> (the value now, what to use).
+_DEPRECATED = {"ModelShape": (ModelSpec, "sf.models.ModelSpec")}
+
 
 def __getattr__(name):
-    if name in _LAZY:
-        module = importlib.import_module(f"shardfuse.models.{_LAZY[name]}")
-        value = getattr(module, name)
-        globals()[name] = value
+    if name in _DEPRECATED:
+        value, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"sf.models.{name} is deprecated and will be removed in the next release: use "
+            f"{instead}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return value
     raise AttributeError(f"module 'shardfuse.models' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))

@@ -40,7 +40,7 @@ from shardfuse.layers import (
 from shardfuse.layers import options as options_lib
 from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack, check_head
-from shardfuse.models.spec import ModelSpec
+from shardfuse.model_spec import ModelSpec
 
 
 class TiedUnembed(nnx.Module):

@@ -10,6 +10,9 @@
   parameters (ZeRO-3).
 - `accumulate` (`accumulate.py`): token-weighted gradient accumulation over
   microbatches, reduced once per step.
+- `RunOptions` (`options.py`): the choices of a run (ZeRO stage, remat,
+  prefetch, microbatches, pipeline schedule, ring layout), each checked once;
+  the layers' `LayerOptions` derive from them.
 - `parallelize` (`parallelize.py`): a `ModelSpec` and `RunOptions` (or a
   planner `Plan`, which converts itself) -> the model, the optimizer and the
   jitted step, each parallelism applied once in one documented order.
@@ -25,7 +28,8 @@ bottom-level varying-axes helpers (`shardfuse.kernels.vma`), as every level does
 from shardfuse.parallel import distributed
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.checkpoint import Checkpointer
-from shardfuse.parallel.parallelize import Run, RunOptions, parallelize
+from shardfuse.parallel.options import RunOptions
+from shardfuse.parallel.parallelize import Run, parallelize
 from shardfuse.parallel.pipeline import (
     SCHEDULES,
     Pipeline,

@@ -57,8 +57,8 @@ from shardfuse import axes
 from shardfuse.collectives.sharding import entry_axes, is_spec, spec_axes
 from shardfuse.kernels.vma import to_varying, varying_axes
 from shardfuse.layers import fsdp as fsdp_lib
-from shardfuse.layers.fsdp import check_zero
 from shardfuse.parallel import zero as zero_lib
+from shardfuse.parallel.pipeline.schedule import check_count
 
 SCATTER_MODES = ("microbatch", "step")
 
@@ -139,7 +139,7 @@ def accumulate(
     num_microbatches: int = 1,
     *,
     mesh,
-    zero: int = 0,
+    zero=0,
     fsdp_axis: str | None = axes.FSDP,
     data_axis: str | None = axes.DATA,
     batch_spec=None,
@@ -165,7 +165,9 @@ def accumulate(
       num_microbatches: M >= 1; each device's batch rows split into M.
       mesh: the mesh of the model.
       zero: ZeRO stage 0 to 3 (`shardfuse.parallel.zero`): the gradients
-        come out sharded like the parameters (0, 1, 3) or over fsdp (2, 3).
+        come out sharded like the parameters (0, 1, 3) or over fsdp (2, 3); or
+        the run's `shardfuse.layers.fsdp.ZeroOptions`, resolved on the mesh
+        already (then `fsdp_axis` is not read).
       fsdp_axis: the ZeRO axis (default "fsdp"; ignored when the mesh lacks it).
       data_axis: the data-parallel axis (default "data"; ignored when absent).
       batch_spec: PartitionSpec of the batch arrays (one for all, or a pytree
@@ -207,11 +209,9 @@ def accumulate(
       >>> grads["up"]["kernel"][...].shape
       (8, 16)
     """
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
-        raise TypeError(f"num_microbatches={num_microbatches!r} must be an int >= 1")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
-    zero = check_zero(zero)
+    num_microbatches = check_count("num_microbatches", num_microbatches)
+    resolved = fsdp_lib.zero_options(mesh, zero=zero, fsdp_axis=fsdp_axis)
+    zero, fsdp_axis = resolved.stage, resolved.fsdp_axis
     if scatter not in SCATTER_MODES:
         raise ValueError(f"scatter={scatter!r} must be one of {SCATTER_MODES}")
     if scatter == "step" and zero == 3:
@@ -219,7 +219,6 @@ def accumulate(
             "scatter='step' needs zero <= 2: under zero=3 the layers reduce-scatter each "
             "weight's gradient in their backward, once per microbatch"
         )
-    fsdp_axis = zero_lib.fsdp_axis_of(mesh, fsdp_axis)
     if data_axis is not None and data_axis not in mesh.axis_names:
         if data_axis != axes.DATA:
             raise ValueError(
@@ -239,7 +238,7 @@ def accumulate(
         check_batch(batch, batch_specs, mesh, num_microbatches)
         graphdef, params, rest = nnx.split(model, wrt, ...)
         param_specs = zero_lib.param_specs(params)
-        grad_specs = zero_lib.sharded_specs(params, mesh, zero, fsdp_axis, stage=2)
+        grad_specs = zero_lib.sharded_specs(params, mesh, resolved, stage=2)
         rest_specs = zero_lib.param_specs(rest)
         gather_dims = _plain_gather_dims(model, params, mesh, fsdp_axis if zero == 3 else None)
         reduce_axes = set()

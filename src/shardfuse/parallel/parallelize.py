@@ -14,11 +14,14 @@ run; `parallelize` applies each parallelism once, in this order:
 5. **ZeRO-3** parameter sharding over `fsdp` (`zero=3`), in the layers;
 6. **the optimizer**, born sharded: ZeRO-1/2/3 state over `fsdp` (`sf.parallel.ZeroOptimizer`);
 7. **the step**, jitted: the pipeline schedule over its microbatches, or
-   token-weighted gradient accumulation over `microbatches` (`sf.parallel.accumulate`,
-   the ZeRO-2 gradient reduce-scatter in the backward), then the optimizer update.
+   token-weighted gradient accumulation over `num_microbatches`
+   (`sf.parallel.accumulate`, the ZeRO-2 gradient reduce-scatter in the
+   backward), then the optimizer update; token weights (a padding mask) are
+   an optional argument of the step, as of `accumulate` and `Pipeline.loss`.
 
-Steps 2-5 are keywords of the one `Transformer` constructor (the layers take
-them from one `sf.layers.LayerOptions`); steps 6-7 wrap it. `parallel` does not
+Steps 2-5 are the one `Transformer` constructor's: its `sf.layers.LayerOptions`
+are derived from the run's (`RunOptions.layer_options`, `prefetch` among them);
+steps 6-7 wrap it. `parallel` does not
 read plans: a planner `Plan` converts itself (`Plan.run_options()`), and
 `parallelize` takes anything with that method.
 """
@@ -33,71 +36,13 @@ from jax.sharding import PartitionSpec as P
 from shardfuse import axes
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.layers.loss import token_loss
-from shardfuse.layers.remat import POLICIES as _REMAT
-from shardfuse.models.spec import ModelSpec
+from shardfuse.model_spec import ModelSpec
 from shardfuse.models.transformer import Transformer
 from shardfuse.parallel.accumulate import accumulate
+from shardfuse.parallel.options import RunOptions
 from shardfuse.parallel.pipeline.api import Pipeline
 from shardfuse.parallel.pipeline.balance import balance_stages
-from shardfuse.parallel.pipeline.schedule import SCHEDULES, check_schedule
 from shardfuse.parallel.zero import ZeroOptimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How a training run is laid out: what `parallelize` applies, besides the mesh.
-
-    Fields:
-      zero: ZeRO stage 0..3 over the `fsdp` axis.
-      remat: activation checkpointing policy of each layer (`shardfuse.layers.remat.POLICIES`).
-      microbatches: pipeline microbatches (pipeline axis > 1), else gradient
-        accumulation steps.
-      schedule: pipeline schedule (`sf.parallel.SCHEDULES`).
-      virtual_stages: model chunks per pipeline stage (interleaved schedules).
-      sequence_parallel: Megatron sequence parallelism over `model`.
-      layout: ring layout of the sequence over `sequence` ("zigzag", ...).
-      mesh_shape: the mesh sizes these options were made for (a plan's), or
-        None; `parallelize` checks them against its mesh.
-
-    Example usage::
-
-      >>> from shardfuse.parallel import RunOptions
-      >>> RunOptions(zero=3, microbatches=2).replace(remat="full").remat
-      'full'
-      >>> RunOptions(zero=4)
-      Traceback (most recent call last):
-      ...
-      ValueError: zero=4 must be 0, 1, 2 or 3
-    """
-
-    zero: int = 0
-    remat: str = "none"
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = True
-    layout: str = "zigzag"
-    mesh_shape: dict | None = None
-
-    def __post_init__(self):
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={self.zero!r} must be 0, 1, 2 or 3")
-        if self.remat not in _REMAT:
-            raise ValueError(f"remat={self.remat!r} must be one of {_REMAT}")
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ValueError(f"microbatches={self.microbatches!r} must be an int >= 1")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} must be one of {tuple(SCHEDULES)}")
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
-            raise ValueError(f"virtual_stages={self.virtual_stages!r} must be an int >= 1")
-
-    def replace(self, **changes) -> "RunOptions":
-        """A copy with `changes` (checked again)."""
-        return dataclasses.replace(self, **changes)
-
-    def run_options(self) -> "RunOptions":
-        """Itself (the conversion `parallelize` calls on a plan)."""
-        return self
 
 
 @dataclasses.dataclass
@@ -107,10 +52,12 @@ class Run:
     Fields:
       model: the `sf.models.Transformer`, born sharded.
       optimizer: the `sf.parallel.ZeroOptimizer` over it.
-      step: the jitted step `(model, optimizer, rows) -> loss`: `rows` int
-        `[B, T + 1]` (tokens `rows[:, :-1]`, targets `rows[:, 1:]`, natural
-        order); it updates the model and optimizer in place and returns the
-        mean token loss before the update.
+      step: the jitted step `(model, optimizer, rows, weights=None) -> loss`:
+        `rows` int `[B, T + 1]` (tokens `rows[:, :-1]`, targets `rows[:, 1:]`,
+        natural order), `weights` `[B, T]` the targets' token weights (a
+        padding mask: 0 for padding; None: every token 1), as `accumulate` and
+        `Pipeline.loss` take them; it updates the model and optimizer in place
+        and returns the token-weighted mean loss before the update.
       mesh: the mesh.
       options: the `RunOptions` applied.
       stage_layers: the layers per pipeline stage when uneven, else None.
@@ -176,10 +123,10 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
       rngs: `nnx.Rngs` of the parameters (default `nnx.Rngs(0)`).
       init: None (new parameters), or a callable building the model from its
         parameters elsewhere, called with the keywords `parallelize` gives
-        `sf.models.Transformer` (`mesh=`, `zero=`, `remat=`, `pipelined=`,
-        `stage_layers=`, ...; not `rngs`), e.g.
-        `functools.partial(sf.models.hf.load_hf, path)`; it must return a
-        `Transformer` of `spec` (checked).
+        `sf.models.Transformer` (`mesh=`, `options=` the run's
+        `sf.layers.LayerOptions`, `pipelined=`, `stage_layers=`, `layout=`, ...;
+        not `rngs`), e.g. `functools.partial(sf.models.hf.load_hf, path)`; it
+        must return a `Transformer` of `spec` (checked).
       **model_kwargs: other keywords of `sf.models.Transformer` (e.g. `dtype`).
 
     Returns:
@@ -188,8 +135,9 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
     Raises:
       TypeError: `plan_or_options` is neither options nor a plan.
       ValueError: the plan's mesh is not `mesh`; `init` built a model of
-        another spec; uneven pipeline stages with
-        `virtual_stages > 1`; sizes the mesh does not divide (from the layers).
+        another spec; a schedule the pipeline axis cannot run (`Pipeline`);
+        uneven pipeline stages with `virtual_stages > 1`; sizes the mesh does
+        not divide (from the layers).
 
     Example usage::
 
@@ -212,20 +160,11 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
     # 2. pipeline stages (uneven layer counts balanced)
     stages = _size(mesh, axes.PIPELINE)
     pipelined = stages > 1
-    if pipelined:
-        if spec.num_layers < stages:
-            raise ValueError(
-                f"spec.num_layers={spec.num_layers} is fewer than the mesh's {stages} pipeline "
-                "stages (each stage needs a layer): a smaller pipeline axis, or more layers"
-            )
-        try:
-            check_schedule(options.schedule, stages, options.microbatches, options.virtual_stages)
-        except ValueError as e:  # named as the options spell them
-            raise ValueError(
-                f"RunOptions(schedule={options.schedule!r}, microbatches={options.microbatches}, "
-                f"virtual_stages={options.virtual_stages}) on a pipeline axis of {stages}: "
-                f"{str(e).replace('num_microbatches', 'microbatches')}"
-            ) from None
+    if pipelined and spec.num_layers < stages:
+        raise ValueError(
+            f"spec.num_layers={spec.num_layers} is fewer than the mesh's {stages} pipeline "
+            "stages (each stage needs a layer): a smaller pipeline axis, or more layers"
+        )
     stage_layers = None
     if pipelined and spec.num_layers % (stages * options.virtual_stages):
         if options.virtual_stages > 1:
@@ -234,75 +173,97 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
                 f"{options.virtual_stages}: uneven stages run with virtual_stages=1"
             )
         stage_layers = balance_stages([1.0] * spec.num_layers, stages)
-    # 3-5. tensor / sequence / context / data parallelism, remat, ZeRO-3: the layers' options
-    layout_kwargs = dict(
+    # 3-5. tensor / sequence / context / data parallelism, remat, ZeRO-3 (and its prefetch):
+    # the layers' options, derived from the run's
+    layer_options = options.layer_options(mesh)
+    model_keywords = dict(
         mesh=mesh,
-        zero=options.zero,
-        remat=options.remat,
+        options=layer_options,
         pipelined=pipelined,
         stage_layers=stage_layers,
         layout=options.layout,
-        sequence_parallel=options.sequence_parallel,
         **model_kwargs,
     )
     if init is None:
-        model = Transformer(spec, rngs=nnx.Rngs(0) if rngs is None else rngs, **layout_kwargs)
+        model = Transformer(spec, rngs=nnx.Rngs(0) if rngs is None else rngs, **model_keywords)
     else:
-        model = init(**layout_kwargs)
+        model = init(**model_keywords)
         if getattr(model, "spec", None) != spec:
             raise ValueError(
                 f"init built a model of spec {getattr(model, 'spec', None)!r}, not spec={spec!r}"
             )
-    # 6. the optimizer, its state sharded by ZeRO stage
+    pipeline = _pipeline_of(mesh, options) if pipelined else None
+    if pipeline is not None:
+        pipeline(model.blocks)  # the schedule checked against the pipeline axis, now
+    # 6. the optimizer, its state sharded by ZeRO stage (the stage and its axis resolved on
+    # the mesh once, the layers' own, for the optimizer and the gradients alike)
+    zero = layer_options.zero_options()
     tx = optax.adamw(3e-3) if optimizer is None else optimizer
-    zero_optimizer = ZeroOptimizer(model, tx, mesh=mesh, zero=options.zero)
+    zero_optimizer = ZeroOptimizer(model, tx, mesh=mesh, zero=zero)
     # 7. the step
-    step = nnx.jit(_step_fn(mesh, options, pipelined))
+    step = nnx.jit(_step_fn(mesh, options, zero, pipeline))
     return Run(model, zero_optimizer, step, mesh, options, stage_layers)
 
 
-def _step_fn(mesh, options: RunOptions, pipelined: bool):
+def _pipeline_of(mesh, options: RunOptions):
+    """`blocks -> Pipeline` of the run's schedule over the mesh's pipeline axis."""
+
+    def pipeline(blocks):
+        return Pipeline(
+            blocks,
+            mesh=mesh,
+            schedule=options.schedule,
+            num_microbatches=options.num_microbatches,
+            virtual_stages=options.virtual_stages,
+        )
+
+    return pipeline
+
+
+def _step_fn(mesh, options: RunOptions, zero, pipeline):
     ring = _size(mesh, axes.SEQUENCE)
     batch = tuple(a for a in axes.BATCH_AXES if a in mesh.axis_names) or None
     sequence = axes.SEQUENCE if axes.SEQUENCE in mesh.axis_names else None
     batch_spec = P(batch, sequence)
 
-    def step(model, optimizer, rows):
+    def step(model, optimizer, rows, weights=None):
         tokens, targets = rows[:, :-1], rows[:, 1:]
         if ring > 1:  # ring order along T; the loss does not care about order
             tokens = to_ring_layout(tokens, ring, options.layout)
             targets = to_ring_layout(targets, ring, options.layout)
-        if pipelined:
+            if weights is not None:
+                weights = to_ring_layout(weights, ring, options.layout)
+        if pipeline is not None:
 
-            def pipelined_loss(model):
-                pipe = Pipeline(  # built from the model being differentiated
-                    model.blocks,
-                    mesh=mesh,
-                    schedule=options.schedule,
-                    num_microbatches=options.microbatches,
-                    virtual_stages=options.virtual_stages,
-                )
-                return pipe.loss(
-                    model.embed_tokens(tokens), targets, head=model.head, targets_spec=batch_spec
+            def pipelined_loss(model):  # the pipeline of the model being differentiated
+                return pipeline(model.blocks).loss(
+                    model.embed_tokens(tokens),
+                    targets,
+                    head=model.head,
+                    weights=weights,
+                    targets_spec=batch_spec,
                 )
 
             loss, grads = nnx.value_and_grad(pipelined_loss)(model)
         else:
 
             def per_shard_loss(model, batch):
-                return token_loss(model(batch["tokens"]), batch["targets"])
+                return token_loss(model(batch["tokens"]), batch["targets"], batch.get("weights"))
 
+            batch = {"tokens": tokens, "targets": targets}
+            if weights is not None:
+                batch["weights"] = weights
             loss, grads = accumulate(
                 per_shard_loss,
-                options.microbatches,
+                options.num_microbatches,
                 mesh=mesh,
-                zero=options.zero,
+                zero=zero,
                 batch_spec=batch_spec,
-            )(model, {"tokens": tokens, "targets": targets})
+            )(model, batch)
         optimizer.update(model, grads)
         return loss
 
     return step
 
 
-__all__ = ["Run", "RunOptions", "parallelize"]
+__all__ = ["Run", "parallelize"]

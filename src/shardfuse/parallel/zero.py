@@ -1,4 +1,4 @@
-"""ZeRO stages by name: which training state is sharded over the `fsdp` mesh axis.
+"""ZeRO on the optimizer's side: which training state is sharded over the `fsdp` mesh axis.
 
 ZeRO (Rajbhandari et al. 2020) over an `fsdp` axis, whose devices split the
 batch like data-parallel devices:
@@ -11,7 +11,13 @@ batch like data-parallel devices:
 | 3 | sharded, gathered just in time per layer | sharded (reduce-scattered) | sharded |
 
 The optimizer state is `ZeroOptimizer`'s, the gradients `accumulate(zero=...)`'s
-(`shardfuse.parallel.accumulate`), the parameters the layers' (`zero=3`).
+(`shardfuse.parallel.accumulate`), the parameters the layers' (`zero=3`). The
+stages, their check and a stage resolved on a mesh (`ZeroOptions`), and what
+ZeRO does inside the forward and backward passes, live on the model's side of
+the optimizer boundary, `shardfuse.layers.fsdp`; this module is the other side:
+the shardings of the state and of the gradients, the optimizer, `init`. Each
+entry point resolves its `zero=` once (`fsdp.zero_options`), and takes a
+`ZeroOptions` resolved already as it is (`parallelize` resolves the run's once).
 
 "Sharded" adds the fsdp axis to an array's PartitionSpec on its first
 dimension that it divides (`shard_spec`); an array with no such dimension
@@ -29,6 +35,8 @@ ZeRO-1/2). `init` creates a model (and optimizer) in one jitted program
 with `out_shardings`, so no device ever holds more than its shards.
 """
 
+import warnings
+
 import jax
 import optax
 from flax import nnx
@@ -38,19 +46,19 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
 from shardfuse.collectives.sharding import entry_axes, is_spec, place
-from shardfuse.layers.fsdp import check_zero
+from shardfuse.layers.fsdp import ZeroOptions, fsdp_axis_on, zero_options
 from shardfuse.layers.stack import STACKED
 
 
 def fsdp_axis_of(mesh, fsdp_axis):
-    """`fsdp_axis` if the mesh has it (None for an absent default); ValueError for a wrong name."""
-    if fsdp_axis is None or fsdp_axis in mesh.axis_names:
-        return fsdp_axis
-    if fsdp_axis == axes.FSDP:
-        return None
-    raise ValueError(
-        f"fsdp_axis={fsdp_axis!r} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)}"
+    """Deprecated: `shardfuse.layers.fsdp.fsdp_axis_on`, the one rule of the fsdp axis."""
+    warnings.warn(
+        "sf.parallel.zero.fsdp_axis_of is deprecated and will be removed in the next release: "
+        "use sf.layers.fsdp.fsdp_axis_on",
+        DeprecationWarning,
+        stacklevel=2,
     )
+    return fsdp_axis_on(mesh, fsdp_axis)
 
 
 def shard_spec(spec, shape, mesh, axis, *, first_dim: int = 0) -> P:
@@ -87,17 +95,18 @@ def param_specs(state):
     return jax.tree.map(lambda s: P() if s is None else s, specs, is_leaf=is_spec)
 
 
-def sharded_specs(state, mesh, zero: int, fsdp_axis, *, stage: int = 1):
+def sharded_specs(state, mesh, zero: ZeroOptions, *, stage: int = 1):
     """Specs of a state (params, gradients or optimizer moments) under ZeRO `zero`.
 
-    Arrays are sharded over `fsdp_axis` (`shard_spec`) when `zero >= stage`
-    (1 for the optimizer state, 2 for gradients), else they keep their own
-    specs (`param_specs`). A `Stack`'s stacked parameters (metadata
+    Arrays are sharded over `zero.fsdp_axis` (`shard_spec`) when `zero.stage >=
+    stage` (1 for the optimizer state, 2 for gradients), else they keep their
+    own specs (`param_specs`). A `Stack`'s stacked parameters (metadata
     `STACKED`) are sharded on a dimension after the layer axis where one
     divides.
     """
     specs = param_specs(state)
-    if check_zero(zero) < stage or fsdp_axis is None:
+    fsdp_axis = zero.fsdp_axis
+    if zero.stage < stage or fsdp_axis is None:
         return specs
     arrays = nnx.as_pure(state)
     first_dims = nnx.as_pure(
@@ -139,7 +148,9 @@ class ZeroOptimizer(nnx.Optimizer):
         `shardfuse.layers` do; `nnx.Param(..., out_sharding=spec, mesh=mesh)`).
       tx: an optax `GradientTransformation`.
       mesh: the mesh.
-      zero: ZeRO stage 0 to 3.
+      zero: ZeRO stage 0 to 3, or the `shardfuse.layers.fsdp.ZeroOptions` of the
+        run (a stage and its axis, resolved on the mesh: then `fsdp_axis` is
+        not read).
       fsdp_axis: the axis the state is sharded over (default "fsdp";
         ignored when the mesh lacks it).
       wrt: the variables to optimize (default `nnx.Param`).
@@ -160,25 +171,23 @@ class ZeroOptimizer(nnx.Optimizer):
       P('fsdp', 'model')
     """
 
-    def __init__(self, model, tx, *, mesh, zero: int = 1, fsdp_axis=axes.FSDP, wrt=nnx.Param):
-        self.zero = check_zero(zero)
+    def __init__(self, model, tx, *, mesh, zero=1, fsdp_axis=axes.FSDP, wrt=nnx.Param):
+        resolved = zero_options(mesh, zero=zero, fsdp_axis=fsdp_axis)
+        self.zero, self.fsdp_axis = resolved.stage, resolved.fsdp_axis
         self.mesh = mesh
-        self.fsdp_axis = fsdp_axis_of(mesh, fsdp_axis)
         self.graph = None
         self.tx = tx
         self.wrt = wrt
         replicated = NamedSharding(mesh, P())
         self.step = OptState(jax.device_put(jax.numpy.zeros((), jax.numpy.uint32), replicated))
-        create, params = optimizer_state_program(
-            model, tx, mesh=mesh, zero=self.zero, fsdp_axis=self.fsdp_axis, wrt=wrt
-        )
+        create, params = optimizer_state_program(model, tx, mesh=mesh, zero=resolved, wrt=wrt)
         self.opt_state = nnx.data(to_opt_state(create(params)))
 
     def update(self, model, grads, /, **kwargs):
         """Updates the state and the model's parameters from `grads` (see the class docstring)."""
         state = nnx.state(model, self.wrt)
         own_specs = param_specs(state)
-        shard_specs = sharded_specs(state, self.mesh, self.zero, self.fsdp_axis)
+        shard_specs = sharded_specs(state, self.mesh, ZeroOptions(self.zero, self.fsdp_axis))
         params = put(nnx.as_pure(state), shard_specs, self.mesh)
         grads = put(nnx.as_pure(nnx.state(grads, self.wrt)), shard_specs, self.mesh)
         updates, new_state = self.tx.update(
@@ -191,7 +200,7 @@ class ZeroOptimizer(nnx.Optimizer):
         return updates
 
 
-def optimizer_state_program(model, tx, *, mesh, zero: int = 1, fsdp_axis=axes.FSDP, wrt=nnx.Param):
+def optimizer_state_program(model, tx, *, mesh, zero=1, fsdp_axis=axes.FSDP, wrt=nnx.Param):
     """`(create, params)`: `create(params)` is the jitted `tx.init` that `ZeroOptimizer` runs.
 
     Its `out_shardings` put every state array that mirrors a parameter on
@@ -217,11 +226,10 @@ def optimizer_state_program(model, tx, *, mesh, zero: int = 1, fsdp_axis=axes.FS
       >>> create(params)[0].mu["kernel"].sharding.spec
       P('fsdp', 'model')
     """
-    zero = check_zero(zero)
-    fsdp_axis = fsdp_axis_of(mesh, fsdp_axis)
+    zero = zero_options(mesh, zero=zero, fsdp_axis=fsdp_axis)
     replicated = NamedSharding(mesh, P())
     params = nnx.as_pure(nnx.state(model, wrt))
-    specs = sharded_specs(nnx.state(model, wrt), mesh, zero, fsdp_axis)
+    specs = sharded_specs(nnx.state(model, wrt), mesh, zero)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     abstract = jax.eval_shape(tx.init, params)
     out_shardings = optax.tree_map_params(

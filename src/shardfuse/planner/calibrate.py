@@ -1,10 +1,12 @@
 """Fit the cost model's efficiency to a measured step: `sf.plan(..., calibration=...)`.
 
-A calibration is one measured training step of a known layout on the
-cluster being planned: `{"profile": <sf.profile Profile, its to_json() dict,
-or a path to that JSON>, "layout": <Layout or its dict>, "global_batch": B,
-"seq_len": s}` (batch and length default to the plan's). The measured compute
-(the profile's matmul + attention categories) fixes the matmul efficiency:
+A calibration is one measured training step of a known mesh and options on
+the cluster being planned: `{"profile": <sf.profile Profile, its to_json()
+dict, or a path to that JSON>, "parallelism": <Parallelism, or the flat dict
+`Parallelism.of` takes>, "global_batch": B, "seq_len": s}` ("layout", the key
+of earlier releases, is still read, with a DeprecationWarning; batch and
+length default to the plan's). The measured compute (the profile's matmul +
+attention categories) fixes the matmul efficiency:
 `efficiency = predicted compute at efficiency 1 / measured compute`; without
 categories (a bare `{"step_time_s": ...}`) the efficiency is the one whose
 predicted step time equals the measured one (bisection: the step time falls
@@ -21,9 +23,10 @@ of one transfer and its bytes per second (`fit_link`);
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
-from shardfuse.planner.options import Assumptions, Layout
+from shardfuse.planner.options import Assumptions, Parallelism
 
 
 def _measured(profile) -> dict:
@@ -41,20 +44,28 @@ def calibrate(calibration, *, model, cluster, assumptions: Assumptions | None = 
     """`assumptions` with the efficiency fitted to the measured step of `calibration`.
 
     Raises:
-      ValueError: a calibration without a layout or a measured time, or a layout
-        of another device count.
+      ValueError: a calibration without a parallelism or a measured time, or a
+        parallelism of another device count.
     """
     from shardfuse.planner.cost import estimate
 
     a = assumptions or Assumptions()
-    if not isinstance(calibration, dict) or "layout" not in calibration:
+    if isinstance(calibration, dict) and "layout" in calibration:
+        warnings.warn(
+            "calibration['layout'] is deprecated and will be removed in the next release: use "
+            "calibration['parallelism']",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        calibration = {"parallelism": calibration["layout"], **calibration}
+    if not isinstance(calibration, dict) or "parallelism" not in calibration:
         raise ValueError(
             "calibration must be a dict with 'profile' (a Profile, its JSON or a path) and "
-            f"'layout' (the measured Layout); got {calibration!r:.200}"
+            f"'parallelism' (the measured Parallelism); got {calibration!r:.200}"
         )
-    layout = calibration["layout"]
-    if isinstance(layout, dict):
-        layout = Layout(**layout)
+    parallelism = calibration["parallelism"]
+    if isinstance(parallelism, dict):
+        parallelism = Parallelism.of(**parallelism)
     measured = _measured(calibration.get("profile", calibration))
     batch = calibration.get("global_batch", global_batch)
     length = calibration.get("seq_len", seq_len)
@@ -65,7 +76,7 @@ def calibrate(calibration, *, model, cluster, assumptions: Assumptions | None = 
     categories = measured.get("categories") or {}
     compute_s = sum(categories.get(k, 0.0) for k in ("matmul", "attention"))
     if compute_s > 0:
-        predicted = estimate(model, cluster, layout, assumptions=ideal, **kwargs).time[0].value
+        predicted = estimate(model, cluster, parallelism, assumptions=ideal, **kwargs).time[0].value
         efficiency = min(1.0, predicted / compute_s)
     else:
         target = float(measured["step_time_s"])
@@ -73,7 +84,10 @@ def calibrate(calibration, *, model, cluster, assumptions: Assumptions | None = 
         for _ in range(60):
             mid = (lo * hi) ** 0.5
             trial = dataclasses.replace(a, compute_efficiency=mid)
-            if estimate(model, cluster, layout, assumptions=trial, **kwargs).step_time_s > target:
+            if (
+                estimate(model, cluster, parallelism, assumptions=trial, **kwargs).step_time_s
+                > target
+            ):
                 lo = mid
             else:
                 hi = mid

@@ -1,10 +1,10 @@
-"""`shardfuse plan`: the best parallel layouts for a model on a cluster, as a table or JSON.
+"""`shardfuse plan`: the fastest mesh and options for a model on a cluster, as a table or JSON.
 
     shardfuse plan --model llama3-70b --device h100 --nodes 8 --seq 8192 --batch 512
     shardfuse plan ... --json            # a list of plans, best first (assumptions included)
     shardfuse plan ... --explain         # every term of the best plan, why the next lost
     shardfuse plan --model palm ... --mesh data=2,fsdp=256,model=12 --microbatch-size 4 \
-        --zero 3 --remat full --assumptions palm      # pin any field of the layout
+        --zero 3 --remat full --assumptions palm      # pin any field of the Parallelism
 
 `--model` takes a name of `shardfuse.models` or a JSON object of
 `ModelSpec` fields (`{"name": "mine", "hidden": 4096, ...}`, or `@file.json`).
@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=only.format("pipeline schedules"))  # fmt: skip
     parser.add_argument("--cp-strategy", action="append", choices=CP_STRATEGIES,
                         help=only.format("context-parallel strategies"))  # fmt: skip
+    parser.add_argument("--prefetch", choices=("off", "on", "both"), default="off",
+                        help="the ZeRO-3 layer prefetch: off (default), on, or both")  # fmt: skip
     parser.add_argument("--mesh", type=parse_mesh, default={},
                         help=f"pin mesh sizes, AXIS=SIZE,... with AXIS in {', '.join(MESH_AXES)}"
                         " (the other axes are searched)")  # fmt: skip
@@ -102,7 +104,7 @@ def parse_mesh(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def load_model(text: str) -> models.ModelShape:
+def load_model(text: str) -> models.ModelSpec:
     """A model from a name, a JSON object of `ModelSpec` fields, or `@path` to one.
 
     Raises:
@@ -185,6 +187,7 @@ def main(args) -> int:
             mesh=args.mesh,
             microbatch_size=args.microbatch_size,
             virtual_stages=args.virtual_stages,
+            prefetch={"off": False, "on": True, "both": (False, True)}[args.prefetch],
         )
     except PlanningError as error:
         print(f"shardfuse plan: {error}", file=sys.stderr)

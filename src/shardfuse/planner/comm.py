@@ -19,7 +19,8 @@ the backward compute that its parameter gathers left free.
 - context_parallel: ring attention sends K/V `C - 1` times forward and 2 (C - 1)
   times backward (K/V and dK/dV), hidden behind `(C - 1) / C` of the attention.
 - fsdp_gather (ZeRO-3): the parameters all-gathered every microbatch's forward
-  and backward (and the remat forward), prefetched behind the layers' compute.
+  and backward (and the remat forward, but with the layer prefetch), prefetched
+  behind the layers' compute.
 - data_parallel: the gradient reduction: all-reduce over data x fsdp (ZeRO-0/1),
   reduce-scatter over fsdp then all-reduce of the shards over data and
   all-gather of the new parameters (ZeRO-2; with accumulation and
@@ -36,6 +37,7 @@ the backward compute that its parameter gathers left free.
 
 from shardfuse.planner.terms import Term
 from shardfuse.ring_time import ring_collective_s as ring
+from shardfuse.ring_time import ring_transfer_s
 
 
 def exposed_term(name, total, window, overlap, what):
@@ -60,11 +62,12 @@ def exposed_term(name, total, window, overlap, what):
     return Term(name, max(0.0, total - hidden), formula, total)
 
 
-def tensor_parallel_term(*, T, mb, s, C, h, act, layer_microbatches, remat, link, matmul_s,
-                         a, overlap):  # fmt: skip
-    """The tensor-parallel collectives of the step (see the module docstring)."""
+def tensor_parallel_term(*, T, mb, s, C, h, act, layer_microbatches, reruns_forward, link,
+                         matmul_s, a, overlap):  # fmt: skip
+    """The tensor-parallel collectives of the step (see the module docstring); 4 more per
+    layer when the backward reruns its forward (`reruns_forward`: remat "full", prefetch)."""
     bw, lat, name = link
-    collectives = 8 + (4 if remat == "full" else 0)
+    collectives = 8 + (4 if reruns_forward else 0)
     per_layer = ring(T, mb * s / C * h * act, bw, lat) * collectives
     total = layer_microbatches * per_layer
     window = (T - 1) / T * matmul_s if a.tp_overlap else 0.0
@@ -73,15 +76,47 @@ def tensor_parallel_term(*, T, mb, s, C, h, act, layer_microbatches, remat, link
     return exposed_term("tensor_parallel", total, window, overlap, what), collectives
 
 
-def data_parallel_terms(*, layout, params_dev, a, links, compute_s, overlap):
+def context_parallel_term(model, parallelism, a, *, mb_tokens, layer_microbatches,
+                          reruns_forward, link, attention_s, overlap):  # fmt: skip
+    """The context-parallel attention's K/V traffic over `sequence` (module docstring):
+    Ulysses' all-to-alls, exposed; a ring's K/V sends (once more when the backward
+    reruns the forward), hidden behind `(C - 1) / C` of the attention `attention_s`."""
+    C, T, act = parallelism.sequence, parallelism.model, a.activation_bytes
+    bw, lat, name = link
+    kv_heads = max(model.kv_heads / T, 1.0)
+    kv_bytes = mb_tokens * kv_heads * model.head_dim * 2 * act
+    strategy = parallelism.cp_strategy
+    if strategy == "ulysses":
+        q_bytes = mb_tokens * model.heads / T * model.head_dim * act
+        local = 2 * q_bytes + kv_bytes  # q, out and k, v
+        cp = layer_microbatches * 2 * ring(C, local, bw, lat)
+        window = 0.0
+    else:  # ring, ulysses_ring (modelled as ring), all_gather
+        hops = 3 + (1 if reruns_forward else 0)
+        cp = layer_microbatches * hops * ring_transfer_s(C, kv_bytes, bw, lat)
+        overlapped = a.cp_overlap and strategy != "all_gather"
+        window = (C - 1) / C * attention_s if overlapped else 0.0
+    what = f"{strategy} attention over sequence={C} on {name}: K/V traffic"
+    return exposed_term("context_parallel", cp, window, overlap, what)
+
+
+def data_parallel_terms(*, parallelism, params_dev, a, links, compute_s, overlap):
     """`fsdp_gather` (ZeRO-3) and `data_parallel` (the gradient reduction) terms."""
-    D, F, m, z = layout.data, layout.fsdp, layout.num_microbatches, layout.zero
+    D, F, m, z = (
+        parallelism.data,
+        parallelism.fsdp,
+        parallelism.options.num_microbatches,
+        parallelism.options.zero,
+    )
     (bw_d, lat_d, name_d), (bw_f, lat_f, name_f) = links
     g = params_dev * a.grad_comm_bytes
     terms = []
     backward_s = compute_s * 2.0 / 3.0
     if z == 3:
-        gathers = 2 + (1 if layout.remat == "full" else 0)
+        # forward and backward; the remat forward once more, but with the prefetch, whose
+        # backward reruns each layer with the weights it gathered for it
+        options = parallelism.options
+        gathers = 2 + (1 if options.remat == "full" and not options.prefetch else 0)
         total = m * gathers * ring(F, g, bw_f, lat_f)
         what = (f"{m} microbatches x {gathers} all-gathers of the {g / 1e9:.3g} GB parameters "
                 f"over fsdp={F} on {name_f}, prefetched behind the layers")  # fmt: skip
@@ -100,7 +135,7 @@ def data_parallel_terms(*, layout, params_dev, a, links, compute_s, overlap):
                 bw, lat = (bw_f, lat_f) if F > 1 else (bw_d, lat_d)
             total = ring(D * F, g, bw, lat, factor=2.0)
             what = f"all-reduce of {g / 1e9:.3g} GB gradients over data x fsdp={D * F}"
-        elif m > 1 and layout.pipeline == 1 and a.zero2_scatter == "microbatch":
+        elif m > 1 and parallelism.pipeline == 1 and a.zero2_scatter == "microbatch":
             # accumulate(zero=2): each microbatch's backward reduce-scatters its own
             # gradients (hidden behind that backward); the updated shards are
             # all-gathered after the optimizer step, with no compute beside them.

@@ -1,14 +1,16 @@
-"""The divisibility rules a layout must keep: heads, MLP, sequence, layers, batch, ZeRO.
+"""The divisibility rules a `Parallelism` must keep: heads, MLP, sequence, layers, batch, ZeRO.
 
 Each message names the rule it breaks and the values (`heads=32 % model=3 != 0`):
-a pinned layout the planner cannot run is refused with these messages.
+a pinned parallelism the planner cannot run is refused with these messages.
 """
 
-from shardfuse.models import ModelShape
-from shardfuse.planner.options import Assumptions, Layout
+from shardfuse.model_spec import ModelSpec
+from shardfuse.planner.options import Assumptions, Parallelism
 
 
-def sequence_shards(layout: Layout, assumptions: Assumptions | None = None) -> tuple[int, int]:
+def sequence_shards(
+    parallelism: Parallelism, assumptions: Assumptions | None = None
+) -> tuple[int, int]:
     """`(ring chunks, model)`: how many pieces the sequence is cut into by what shards it.
 
     The sequence axis cuts it into `C` pieces (`2 C` for a zigzag ring); the model
@@ -18,32 +20,42 @@ def sequence_shards(layout: Layout, assumptions: Assumptions | None = None) -> t
     model parallelism at s = 2048).
     """
     a = assumptions or Assumptions()
-    C = layout.sequence
-    ring = 2 * C if C > 1 and layout.cp_strategy != "ulysses" else C
-    return ring, layout.model if a.sequence_parallel else 1
+    C = parallelism.sequence
+    ring = 2 * C if C > 1 and parallelism.cp_strategy != "ulysses" else C
+    return ring, parallelism.model if a.sequence_parallel else 1
 
 
-def layout_constraints(
-    model: ModelShape,
-    layout: Layout,
+def parallelism_constraints(
+    model: ModelSpec,
+    parallelism: Parallelism,
     *,
     global_batch: int,
     seq_len: int,
     assumptions: Assumptions | None = None,
 ):
-    """The divisibility rules `layout` breaks (empty when valid), as messages.
+    """The divisibility rules `parallelism` breaks (empty when valid), as messages.
 
     Example:
       >>> from shardfuse import models
-      >>> from shardfuse.planner.constraints import layout_constraints
-      >>> from shardfuse.planner.options import Assumptions, Layout
-      >>> errors = layout_constraints(models.get("llama3-8b"), Layout(model=3), global_batch=8,
-      ...                             seq_len=64)
+      >>> from shardfuse.planner.constraints import parallelism_constraints
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
+      >>> errors = parallelism_constraints(models.get("llama3-8b"), Parallelism(model=3),
+      ...                                  global_batch=8, seq_len=64)
       >>> errors[0]
       'heads=32 % model=3 != 0'
     """
-    P, D, F, C, T = (layout.pipeline, layout.data, layout.fsdp, layout.sequence, layout.model)
-    v, mb, m = layout.virtual_stages, layout.microbatch_size, layout.num_microbatches
+    P, D, F, C, T = (
+        parallelism.pipeline,
+        parallelism.data,
+        parallelism.fsdp,
+        parallelism.sequence,
+        parallelism.model,
+    )
+    v, mb, m = (
+        parallelism.options.virtual_stages,
+        parallelism.microbatch_size,
+        parallelism.options.num_microbatches,
+    )
     errors = []
     if model.heads % T:
         errors.append(f"heads={model.heads} % model={T} != 0")
@@ -51,11 +63,11 @@ def layout_constraints(
         errors.append(f"ffn_hidden={model.ffn_hidden} % model={T} != 0")
     if model.kv_heads % T and T % model.kv_heads:
         errors.append(f"kv_heads={model.kv_heads} and model={T}: neither divides the other")
-    ring, by_model = sequence_shards(layout, assumptions)
+    ring, by_model = sequence_shards(parallelism, assumptions)
     if seq_len % (ring * by_model):
         what = f" x model={T} (sequence parallelism)" if by_model > 1 else ""
         errors.append(f"seq_len={seq_len} % (sequence chunks={ring}{what}) != 0")
-    if C > 1 and layout.cp_strategy == "ulysses":
+    if C > 1 and parallelism.cp_strategy == "ulysses":
         kv = max(model.kv_heads // T, 1)
         if (model.heads // T) % C or kv % C:
             errors.append(f"ulysses: heads per device {model.heads // T} and kv {kv} % {C}")
@@ -70,10 +82,19 @@ def layout_constraints(
         )
     if P > 1 and m < P:
         errors.append(f"num_microbatches={m} < pipeline={P}")
-    if layout.schedule == "interleaved" and m % P:
+    if parallelism.options.schedule == "interleaved" and m % P:
         errors.append(f"interleaved: num_microbatches={m} % pipeline={P} != 0")
-    if layout.zero == 3 and (model.hidden % F or model.ffn_hidden % F):
+    if parallelism.options.zero == 3 and (model.hidden % F or model.ffn_hidden % F):
         errors.append(f"zero=3: hidden={model.hidden} and ffn_hidden % fsdp={F} != 0")
-    if (F > 1) != (layout.zero > 0):
-        errors.append(f"zero={layout.zero} with fsdp={F}: ZeRO needs fsdp > 1 and fsdp > 1 ZeRO")
+    if parallelism.options.prefetch and (parallelism.options.zero != 3 or F == 1 or P > 1):
+        errors.append(
+            f"prefetch=True needs zero=3 over fsdp > 1 and no pipeline (zero="
+            f"{parallelism.options.zero}, fsdp={F}, pipeline={P})"
+        )
+    if parallelism.options.prefetch and parallelism.options.remat == "offload":
+        errors.append("prefetch=True with remat='offload': not modelled")
+    if (F > 1) != (parallelism.options.zero > 0):
+        errors.append(
+            f"zero={parallelism.options.zero} with fsdp={F}: ZeRO needs fsdp > 1 and fsdp > 1 ZeRO"
+        )
     return errors

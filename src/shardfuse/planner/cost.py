@@ -45,31 +45,32 @@ import dataclasses
 from shardfuse import flops
 from shardfuse.flops import mean_visible_keys as mean_visible_keys  # its old home
 from shardfuse.hardware import Cluster
-from shardfuse.models import ModelShape
-from shardfuse.planner.comm import data_parallel_terms, exposed_term, tensor_parallel_term
-from shardfuse.planner.efficiency import attention_efficiency
-from shardfuse.planner.memory import (
-    memory_terms,
-    params_per_device,
-    saved_elements_per_token,
-    slowest_stage_layers,
+from shardfuse.model_spec import ModelSpec
+from shardfuse.planner.comm import (
+    context_parallel_term,
+    data_parallel_terms,
+    exposed_term,
+    tensor_parallel_term,
 )
-from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.memory import memory_terms, params_per_device, saved_elements_per_token
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism
 from shardfuse.planner.pipeline_time import PIPELINED, pipeline_terms
+from shardfuse.planner.step import Step
 from shardfuse.planner.terms import Term
-from shardfuse.ring_time import ring_bandwidth, ring_collective_s, ring_transfer_s
+from shardfuse.ring_time import ring_bandwidth
 
 # Elementwise traffic per token and layer, in h-sized tensors read or written (two
 # norms: 2 x (h in, h out); two residual adds: 2 x (2h in, h out)), and per
 # attention score without flash attention (QK^T out, softmax in/out, dropout mask,
 # dropout out, AV in).
 ELEMENTWISE_H_PASSES = 10
+ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """The cost of one layout: FLOPs, time and memory terms, and their totals.
+    """The cost of one parallelism: FLOPs, time and memory terms, and their totals.
 
     Attributes:
       model_flops: FLOPs of the step by the model (MFU numerator), all devices.
@@ -98,7 +99,7 @@ class Estimate:
         return self.memory_bytes <= self.memory_limit_bytes
 
 
-def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float, str]:
+def axis_link(cluster: Cluster, parallelism: Parallelism, axis: str) -> tuple[float, float, str]:
     """`(bytes/s, latency s, link name)` of the ring over mesh axis `axis`.
 
     Devices are laid out in `MESH_AXES` order (innermost fastest); an axis whose
@@ -109,13 +110,13 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
     Example:
       >>> from shardfuse import hardware
       >>> from shardfuse.planner.cost import axis_link
-      >>> from shardfuse.planner.options import Layout
+      >>> from shardfuse.planner.options import Parallelism
       >>> c = hardware.cluster("h100", nodes=2)
-      >>> layout = Layout(data=2, model=8)
-      >>> axis_link(c, layout, "model")[2], axis_link(c, layout, "data")[2]
+      >>> parallelism = Parallelism.of(data=2, model=8)
+      >>> axis_link(c, parallelism, "model")[2], axis_link(c, parallelism, "data")[2]
       ('NVLink 4', 'InfiniBand NDR')
     """
-    sizes = layout.mesh_shape
+    sizes = parallelism.mesh_shape
     stride = 1
     for inner in reversed(MESH_AXES):
         if inner == axis:
@@ -129,21 +130,149 @@ def axis_link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, float
     return bandwidth, link.latency_us * 1e-6, link.name
 
 
+def compute_term(step: Step) -> Term:
+    """The matmuls and attention cores: the step's hardware FLOPs at the rates they reach.
+
+    What the search's bound reads too: it is the same for every mesh of a cluster.
+    """
+    n, rate, attention_flops = step.n, step.rate, step.attention_flops
+    compute = (step.hardware_flops - attention_flops) / n / rate + attention_flops / n / (
+        step.attention_rate
+    )
+    peak = step.peak_flops / 1e12
+    attention = ""
+    if step.attention_rate != rate:
+        attention = (
+            f"; the {attention_flops:.3e} of attention at "
+            f"{step.attention_rate / step.peak_flops:.3g}"
+        )
+    return Term(
+        "compute",
+        compute,
+        f"{step.hardware_flops:.3e} hardware FLOPs / {n} devices / ({peak:g} TFLOP/s x "
+        f"{step.efficiency:.3g} matmul efficiency of {step.cluster.device.name}{attention})",
+    )
+
+
+def elementwise_term(step: Step) -> Term:
+    """Memory-bound elementwise work (norms, residual adds, activation, and the softmax over
+    materialised scores without flash attention): each op reads and writes its tensors once
+    per pass; backward ~2 passes, a recomputed forward 1 more."""
+    model, a, T = step.model, step.a, step.T
+    act = a.activation_bytes
+    token_split = T if a.sequence_parallel else 1
+    mlp_io = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden / T
+    traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
+    if not a.flash_attention:
+        traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
+    passes = 3 + (1 if step.reruns_forward else 0)
+    hbm = step.cluster.device.hbm_gb_per_s * 1e9
+    token_layers = step.tokens / (step.D * step.F * step.C * step.P) * model.num_layers
+    return Term(
+        "elementwise",
+        token_layers * traffic * passes / hbm,
+        f"{traffic / 1e3:.4g} kB per token and layer x {passes} passes x "
+        f"{token_layers:.4g} token-layers / {hbm / 1e9:g} GB/s HBM",
+    )
+
+
+def tensor_parallel(step: Step) -> Term:
+    """The tensor-parallel collectives over `model` (`comm.tensor_parallel_term`)."""
+    term, _ = tensor_parallel_term(
+        T=step.T, mb=step.mb, s=step.s, C=step.C, h=step.model.hidden,
+        act=step.a.activation_bytes, layer_microbatches=step.m * step.layers_dev,
+        reruns_forward=step.reruns_forward, link=axis_link(step.cluster, step.parallelism, "model"),
+        matmul_s=step.matmul_s, a=step.a, overlap=step.overlap,
+    )  # fmt: skip
+    return term
+
+
+def context_parallel(step: Step) -> Term:
+    """Context-parallel attention's traffic over `sequence` (`comm.context_parallel_term`)."""
+    return context_parallel_term(
+        step.model, step.parallelism, step.a, mb_tokens=step.mb_tokens,
+        layer_microbatches=step.m * step.layers_dev, reruns_forward=step.reruns_forward,
+        link=axis_link(step.cluster, step.parallelism, "sequence"),
+        attention_s=step.attention_s, overlap=step.overlap,
+    )  # fmt: skip
+
+
+def offload(step: Step, per_token: dict, compute_s: float) -> Term:
+    """remat="offload": the saved activations to the host and back, beside the compute."""
+    a, L = step.a, step.model.num_layers
+    moved = 2 * step.tokens / step.n * L * (per_token["full_layer"] - per_token["saved"])
+    moved = moved * a.activation_bytes
+    t_host = moved / (a.offload_gb_per_s * 1e9)
+    what = f"{moved / 1e9:.3g} GB to the host and back at {a.offload_gb_per_s:g} GB/s"
+    return exposed_term("offload", t_host, compute_s, step.overlap, what)
+
+
+def pipeline(step: Step, terms: list) -> list:
+    """The pipeline's terms (`pipeline_time`): uneven stages' imbalance, its recompute,
+    sends and bubble; `terms` the step's terms so far (the stage work among them)."""
+    model, a, T, P, L = step.model, step.a, step.T, step.P, step.model.num_layers
+    mb_tokens, layers_dev = step.mb_tokens, step.layers_dev
+    head_s = flops.TRAINING_OVER_FORWARD * flops.logits_flops(model) * mb_tokens / T / step.rate
+    send = mb_tokens * model.hidden * a.activation_bytes / (T if a.sequence_parallel else 1)
+    out = []
+    if layers_dev * P != L:  # uneven stages: every tick runs as long as the fullest one
+        work = sum(t.value for t in terms if t.name in PIPELINED)
+        out.append(Term(
+            "pipeline_imbalance", (layers_dev * P / L - 1) * work,
+            f"{L} layers over {P} stages, the fullest {layers_dev:g} "
+            f"(sf.parallel.balance_stages): ({layers_dev:g} x {P} / {L} - 1) x the stage "
+            f"work {work:.3g} s",
+        ))  # fmt: skip
+    out += pipeline_terms(
+        step.parallelism, a, terms + out, head_s=head_s, send_bytes=send, overlap=step.overlap,
+        link=axis_link(step.cluster, step.parallelism, "pipeline"),
+    )  # fmt: skip
+    return out
+
+
+def data_parallel(step: Step, params_dev: float, compute_s: float) -> list:
+    """ZeRO-3's gathers and the gradient reduction over `data` and `fsdp` (`comm`)."""
+    return data_parallel_terms(
+        parallelism=step.parallelism, params_dev=params_dev, a=step.a, compute_s=compute_s,
+        overlap=step.overlap,
+        links=tuple(axis_link(step.cluster, step.parallelism, axis) for axis in ("data", "fsdp")),
+    )  # fmt: skip
+
+
+def optimizer_term(step: Step, params_dev: float) -> Term:
+    """The optimizer update, memory-bound: Adam reads the gradient, the master weights and
+    both moments and writes the last three and the weights the step reads, once per step,
+    on this device's ZeRO shard."""
+    a = step.a
+    shard = step.F if step.parallelism.options.zero >= 1 else 1
+    touched = a.grad_bytes + 2 * a.optimizer_bytes + a.param_bytes
+    hbm = step.cluster.device.hbm_gb_per_s * 1e9
+    return Term("optimizer", params_dev / shard * touched / hbm, f"{params_dev:.4g} params / "
+                f"{shard} x {touched} B read and written / {hbm / 1e9:g} GB/s HBM")  # fmt: skip
+
+
 def estimate(
-    model: ModelShape,
+    model: ModelSpec,
     cluster: Cluster,
-    layout: Layout,
+    parallelism: Parallelism,
     *,
     global_batch: int,
     seq_len: int,
     assumptions: Assumptions | None = None,
 ) -> Estimate:
-    """FLOPs, step time and memory of one training step of `model` under `layout`.
+    """FLOPs, step time and memory of one training step of `model` under `parallelism`.
+
+    The step time is the sum of the named terms of the module docstring, each
+    one function of the step's `Step` (its sizes and rates, derived once):
+    `compute_term`, `elementwise_term`, `tensor_parallel` (T > 1),
+    `context_parallel` (C > 1), `offload` (remat "offload"), `pipeline` (P > 1),
+    `data_parallel` (D x F > 1) and `optimizer_term`; the memory is
+    `memory.memory_terms`.
 
     Args:
       model: the transformer.
-      cluster: the devices (their count must equal `layout.num_devices`).
-      layout: the mesh sizes and options.
+      cluster: the devices (their count must equal `parallelism.num_devices`).
+      parallelism: the mesh sizes and options.
       global_batch: sequences per step (B).
       seq_len: tokens per sequence (s).
       assumptions: efficiency, precision and overlap (default `Assumptions()`).
@@ -152,168 +281,50 @@ def estimate(
       The `Estimate`, every term named.
 
     Raises:
-      ValueError: the layout's device count differs from the cluster's.
+      ValueError: the parallelism's device count differs from the cluster's.
 
     Example:
       >>> from shardfuse import hardware, models
       >>> from shardfuse.planner.cost import estimate
-      >>> from shardfuse.planner.options import Layout
-      >>> e = estimate(models.get("llama3-8b"), hardware.cluster("h100"), Layout(fsdp=8, zero=3,
-      ...              remat="full", num_microbatches=2), global_batch=16, seq_len=4096)
+      >>> from shardfuse.planner.options import Parallelism
+      >>> e = estimate(models.get("llama3-8b"), hardware.cluster("h100"), Parallelism.of(fsdp=8,
+      ...              zero=3, remat="full", num_microbatches=2), global_batch=16, seq_len=4096)
       >>> 0 < e.mfu < 1, e.fits
       (True, True)
     """
-    a = assumptions or Assumptions()
-    if layout.num_devices != cluster.num_devices:
-        raise ValueError(
-            f"layout {layout.mesh_shape} has {layout.num_devices} devices, "
-            f"the cluster {cluster.num_devices}"
-        )
-    n = cluster.num_devices
-    P, D, F, C, T = (layout.pipeline, layout.data, layout.fsdp, layout.sequence, layout.model)
-    mb, m = layout.microbatch_size, layout.num_microbatches
-    h, L = model.hidden, model.num_layers
-    B, s = global_batch, seq_len
-    peak_flops = flops.peak_flops_per_s(cluster.device, a.compute_dtype)
-    peak = peak_flops / 1e12
-    efficiency = a.efficiency_for(cluster.device)
-    overlap = a.overlap_for(cluster.device)
-    rate = peak_flops * efficiency
-
-    # ---- FLOPs (shardfuse.flops) ----
-    visible = mean_visible_keys(s, model.window, a.causal_skip)
-    tokens = B * s
-    model_flops = flops.model_flops(model, seq_len=s, batch=B)
-    hardware_flops = flops.hardware_flops(
-        model, seq_len=s, batch=B, remat=layout.remat, causal_skip=a.causal_skip
-    )
-    # Attention cores run as flash-attention kernels (their own efficiency) or, without
-    # flash attention, as batched matmuls; recomputed once more under "full",
-    # "selective" and "offload" remat.
-    attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
-    reruns = 1 if layout.remat in ("full", "selective", "offload") else 0
-    attention_flops = (flops.TRAINING_OVER_FORWARD + reruns) * tokens * L * attention_hw
-    attention_rate = rate
-    if a.flash_attention and a.compute_efficiency is None:
-        attention_rate = peak_flops * attention_efficiency(cluster.device)
-    compute = (hardware_flops - attention_flops) / n / rate + attention_flops / n / attention_rate
-    layers_dev = slowest_stage_layers(model, layout)  # L / P, or the balancer's fullest stage
-    training = flops.TRAINING_OVER_FORWARD
-    # forward + backward matmuls and attention cores
-    matmul_time = training * tokens * L * flops.layer_matmul_flops(model) / n / rate
-    attention_time = training * tokens * L * attention_hw / n / attention_rate
-
-    # ---- communication ----
-    act = a.activation_bytes
-    mb_tokens = mb * s / C  # tokens of one microbatch on one device (before the model axis)
-    time_terms = [
-        Term(
-            "compute",
-            compute,
-            f"{hardware_flops:.3e} hardware FLOPs / {n} devices / ({peak:g} TFLOP/s x "
-            f"{efficiency:.3g} matmul efficiency of {cluster.device.name}"
-            + (
-                f"; the {attention_flops:.3e} of attention at {attention_rate / peak_flops:.3g}"
-                if attention_rate != rate
-                else ""
-            )
-            + ")",
-        )
-    ]
-    layer_microbatches = m * layers_dev
-    if T > 1:
-        tp_term, tp_collectives = tensor_parallel_term(
-            T=T, mb=mb, s=s, C=C, h=h, act=act, layer_microbatches=layer_microbatches,
-            remat=layout.remat, link=axis_link(cluster, layout, "model"), matmul_s=matmul_time,
-            a=a, overlap=overlap,
-        )  # fmt: skip
-        time_terms.append(tp_term)
-    if C > 1:
-        bw, lat, name = axis_link(cluster, layout, "sequence")
-        kv_heads = max(model.kv_heads / T, 1.0)
-        kv_bytes = mb_tokens * kv_heads * model.head_dim * 2 * act
-        strategy = layout.cp_strategy
-        if strategy == "ulysses":
-            q_bytes = mb_tokens * model.heads / T * model.head_dim * act
-            local = 2 * q_bytes + kv_bytes  # q, out and k, v
-            cp = layer_microbatches * 2 * ring_collective_s(C, local, bw, lat)
-            window = 0.0
-        else:  # ring, ulysses_ring (modelled as ring), all_gather
-            hops = 3 + (1 if layout.remat == "full" else 0)
-            cp = layer_microbatches * hops * ring_transfer_s(C, kv_bytes, bw, lat)
-            overlapped = a.cp_overlap and strategy != "all_gather"
-            window = (C - 1) / C * attention_time if overlapped else 0.0
-        what = f"{strategy} attention over sequence={C} on {name}: K/V traffic"
-        time_terms.append(exposed_term("context_parallel", cp, window, overlap, what))
-    per_token = saved_elements_per_token(model, layout, a, s)
-    # Memory-bound elementwise work (norms, residual adds, activation, and the
-    # softmax over materialised scores without flash attention): each op reads
-    # and writes its tensors once per pass; backward ~2 passes, recompute 1 more.
-    token_split = T if a.sequence_parallel else 1
-    mlp_io = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden / T
-    traffic = (ELEMENTWISE_H_PASSES * h / token_split + mlp_io) * act
-    if not a.flash_attention:
-        traffic += model.heads / T * visible * SOFTMAX_PASSES * act
-    passes = 3 + (1 if layout.remat == "full" else 0)
-    hbm = cluster.device.hbm_gb_per_s * 1e9
-    elementwise = tokens / (D * F * C * P) * L * traffic * passes / hbm
-    time_terms.insert(
-        1,
-        Term(
-            "elementwise",
-            elementwise,
-            f"{traffic / 1e3:.4g} kB per token and layer x {passes} passes x "
-            f"{tokens / (D * F * C * P) * L:.4g} token-layers / {hbm / 1e9:g} GB/s HBM",
-        ),
-    )
-    if layout.remat == "offload":
-        moved = 2 * tokens / n * L * (per_token["full_layer"] - per_token["saved"]) * act
-        t_host = moved / (a.offload_gb_per_s * 1e9)
-        what = f"{moved / 1e9:.3g} GB to the host and back at {a.offload_gb_per_s:g} GB/s"
-        time_terms.append(exposed_term("offload", t_host, compute, overlap, what))
-    if P > 1:
-        head_s = flops.TRAINING_OVER_FORWARD * flops.logits_flops(model) * mb_tokens / T / rate
-        send = mb_tokens * h * act / (T if a.sequence_parallel else 1)
-        if layers_dev * P != L:  # uneven stages: every tick runs as long as the fullest one
-            work = sum(t.value for t in time_terms if t.name in PIPELINED)
-            time_terms.append(Term(
-                "pipeline_imbalance", (layers_dev * P / L - 1) * work,
-                f"{L} layers over {P} stages, the fullest {layers_dev:g} "
-                f"(sf.parallel.balance_stages): ({layers_dev:g} x {P} / {L} - 1) x the stage "
-                f"work {work:.3g} s",
-            ))  # fmt: skip
-        time_terms += pipeline_terms(
-            layout, a, time_terms, head_s=head_s, send_bytes=send, overlap=overlap,
-            link=axis_link(cluster, layout, "pipeline"),
-        )  # fmt: skip
-    params_dev = params_per_device(model, layout, a)
-    if D * F > 1:
-        time_terms += data_parallel_terms(
-            layout=layout, params_dev=params_dev, a=a, compute_s=compute, overlap=overlap,
-            links=(axis_link(cluster, layout, "data"), axis_link(cluster, layout, "fsdp")),
-        )  # fmt: skip
-    # The optimizer update is memory-bound: Adam reads the gradient, the master
-    # weights and both moments and writes the last three and the weights the step
-    # reads, once per step, on this device's ZeRO shard.
-    shard = F if layout.zero >= 1 else 1
-    touched = a.grad_bytes + 2 * a.optimizer_bytes + a.param_bytes
-    update = params_dev / shard * touched / hbm
-    time_terms.append(Term("optimizer", update, f"{params_dev:.4g} params / {shard} x {touched} "
-                           f"B read and written / {hbm / 1e9:g} GB/s HBM"))  # fmt: skip
-    step_time = sum(t.value for t in time_terms)
-
-    # ---- memory ----
-    memory = memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev, s)
-    memory_bytes = sum(t.value for t in memory)
-    limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
+    step = Step.of(model, cluster, parallelism, global_batch=global_batch, seq_len=seq_len,
+                   assumptions=assumptions)  # fmt: skip
+    a, s = step.a, step.s
+    per_token = saved_elements_per_token(model, parallelism, a, s)
+    params_dev = params_per_device(model, parallelism, a)
+    compute = compute_term(step)
+    time = [compute, elementwise_term(step)]
+    if step.T > 1:
+        time.append(tensor_parallel(step))
+    if step.C > 1:
+        time.append(context_parallel(step))
+    if parallelism.options.remat == "offload":
+        time.append(offload(step, per_token, compute.value))
+    if step.P > 1:
+        time += pipeline(step, time)
+    if step.D * step.F > 1:
+        time += data_parallel(step, params_dev, compute.value)
+    time.append(optimizer_term(step, params_dev))
+    step_time = sum(t.value for t in time)
+    memory = memory_terms(model, parallelism, a, params_dev, per_token, step.mb_tokens,
+                          step.layers_dev, s)  # fmt: skip
+    model_flops = flops.model_flops(model, seq_len=s, batch=step.B)
+    n = step.n
     return Estimate(
         model_flops=model_flops,
-        hardware_flops=hardware_flops,
-        time=tuple(time_terms),
+        hardware_flops=step.hardware_flops,
+        time=tuple(time),
         memory=tuple(memory),
         step_time_s=step_time,
-        memory_bytes=memory_bytes,
-        mfu=flops.mfu(model_flops, step_time_s=step_time, devices=n, peak_flops_per_s=peak_flops),
-        tflops_per_device=hardware_flops / n / step_time / 1e12,
-        memory_limit_bytes=limit,
+        memory_bytes=sum(t.value for t in memory),
+        mfu=flops.mfu(
+            model_flops, step_time_s=step_time, devices=n, peak_flops_per_s=step.peak_flops
+        ),  # fmt: skip
+        tflops_per_device=step.hardware_flops / n / step_time / 1e12,
+        memory_limit_bytes=cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction),
     )

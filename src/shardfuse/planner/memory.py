@@ -14,10 +14,10 @@ See `cost` for the notation.
 
 import functools
 
-from shardfuse.models import ModelShape
+from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel.pipeline.balance import balance_stages
-from shardfuse.parallel.pipeline.schedule import lockstep_table
-from shardfuse.planner.options import Assumptions, Layout
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
+from shardfuse.planner.options import Assumptions, Parallelism
 from shardfuse.planner.terms import Term
 
 # The terms alive only through the backward pass (freed before the optimizer update).
@@ -49,12 +49,12 @@ def collective_buffers(model_size: int) -> float:
 
 
 def saved_elements_per_token(
-    model: ModelShape, layout: Layout, a: Assumptions, seq_len: int = 1
+    model: ModelSpec, parallelism: Parallelism, a: Assumptions, seq_len: int = 1
 ) -> dict:
     """Elements each block keeps per token for its backward pass, per device, by policy.
 
     Returns `{"full_layer": ..., "saved": ..., "lse": ..., "scores": ..., "qkvo": ...}`:
-    a whole layer's saved tensors (the "none" policy), what `layout.remat`
+    a whole layer's saved tensors (the "none" policy), what `parallelism.options.remat`
     keeps, the float32 row statistics of flash attention, the bytes of
     materialised scores per token (no flash attention: Korthikanti et al.
     2022's `5 a s^2 b` per layer, i.e. `attention_scores_bytes_per_key` bytes
@@ -64,12 +64,12 @@ def saved_elements_per_token(
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.memory import saved_elements_per_token
-      >>> from shardfuse.planner.options import Assumptions, Layout
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
       >>> tiny = models.ModelSpec("t", 64, 8, 4, 8, 128, num_layers=1, vocab_size=128)
-      >>> saved_elements_per_token(tiny, Layout(remat="full"), Assumptions())["saved"]
+      >>> saved_elements_per_token(tiny, Parallelism.of(remat="full"), Assumptions())["saved"]
       64.0
     """
-    t = layout.model
+    t = parallelism.model
     h, d, f = model.hidden, model.head_dim, model.ffn_hidden
     heads = model.heads / t
     kv_heads = max(model.kv_heads / t, 1.0)
@@ -78,7 +78,7 @@ def saved_elements_per_token(
     # "none": what autodiff keeps, counted in shardfuse's layers with
     # `jax.ad_checkpoint.print_saved_residuals`: six h-sized tensors per token
     # (block input, norms' inputs and outputs, residual), q, k, v, the attention
-    # output twice (kernel layout and o-proj input), and six f-sized SwiGLU
+    # output twice (kernel parallelism and o-proj input), and six f-sized SwiGLU
     # intermediates; a GELU MLP keeps its two (Korthikanti et al. 2022).
     residual = 6 * h / token_split
     qkv = (heads + 2 * kv_heads) * d
@@ -87,7 +87,9 @@ def saved_elements_per_token(
     up = (2 if swiglu else 1) * f / t  # the MLP up-projection's output
     scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key * seq_len
     full = residual + qkv + out + mlp
-    policy = layout.remat
+    # The ZeRO-3 layer prefetch keeps each layer's input only, as "full" does (the policy
+    # applies inside the layer's rerun, in its backward working set).
+    policy = "full" if parallelism.options.prefetch else parallelism.options.remat
     if policy == "none":
         saved = full
     elif policy in ("selective", "dots"):
@@ -107,7 +109,7 @@ def _stage_layers(num_layers: int, stages: int) -> tuple:
     return balance_stages([1.0] * num_layers, stages)
 
 
-def slowest_stage_layers(model: ModelShape, layout: Layout) -> float:
+def slowest_stage_layers(model: ModelSpec, parallelism: Parallelism) -> float:
     """Layers of the fullest pipeline stage: `L / P`, or where P does not divide L the
     most of `sf.parallel.balance_stages`'s split (layers of equal cost), which a
     `Stack(stage_layers=...)` pads every stage to.
@@ -115,28 +117,28 @@ def slowest_stage_layers(model: ModelShape, layout: Layout) -> float:
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.memory import slowest_stage_layers
-      >>> from shardfuse.planner.options import Layout
-      >>> slowest_stage_layers(models.get("llama3-405b"), Layout(pipeline=16))  # 126 layers
+      >>> from shardfuse.planner.options import Parallelism
+      >>> slowest_stage_layers(models.get("llama3-405b"), Parallelism.of(pipeline=16))  # 126 layers
       8
     """
-    L, P = model.num_layers, layout.pipeline
+    L, P = model.num_layers, parallelism.pipeline
     if L % P == 0:
         return L / P
     return max(_stage_layers(L, P))
 
 
-def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+def params_per_device(model: ModelSpec, parallelism: Parallelism, a: Assumptions) -> float:
     """Parameters one device holds before ZeRO: a stage's layers over T, the embedding tables.
 
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.memory import params_per_device
-      >>> from shardfuse.planner.options import Assumptions, Layout
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
       >>> model = models.get("llama3-8b")
-      >>> params_per_device(model, Layout(), Assumptions()) == model.num_params()
+      >>> params_per_device(model, Parallelism(), Assumptions()) == model.num_params()
       True
     """
-    T, P, h, V = layout.model, layout.pipeline, model.hidden, model.vocab_size
+    T, P, h, V = parallelism.model, parallelism.pipeline, model.hidden, model.vocab_size
     layer = (model.layer_params() - 2 * h) / T + 2 * h
     table_in = V * h / (T if a.embedding_sharded else 1)
     table_out = V * h / T
@@ -144,38 +146,39 @@ def params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> floa
         tables = table_in + (0 if model.tied_embeddings else table_out)
     else:  # first stage: input table, last stage: output table (tied: a copy on each)
         tables = max(table_in, table_out)
-    return slowest_stage_layers(model, layout) * layer + tables + h
+    return slowest_stage_layers(model, parallelism) * layer + tables + h
 
 
-def table_params_per_device(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+def table_params_per_device(model: ModelSpec, parallelism: Parallelism, a: Assumptions) -> float:
     """The embedding and output tables' parameters on one device (`params_per_device`'s).
 
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.memory import table_params_per_device
-      >>> from shardfuse.planner.options import Assumptions, Layout
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
       >>> model = models.get("llama3-8b")
-      >>> table_params_per_device(model, Layout(model=8), Assumptions()) == 2 * 128256 * 4096 / 8
+      >>> table_params_per_device(model, Parallelism(model=8), Assumptions()) == 2 * 128256 * 512
       True
     """
-    layer = (model.layer_params() - 2 * model.hidden) / layout.model + 2 * model.hidden
-    layers = slowest_stage_layers(model, layout) * layer
-    return params_per_device(model, layout, a) - layers - model.hidden
+    layer = (model.layer_params() - 2 * model.hidden) / parallelism.model + 2 * model.hidden
+    layers = slowest_stage_layers(model, parallelism) * layer
+    return params_per_device(model, parallelism, a) - layers - model.hidden
 
 
-def state_bytes(model: ModelShape, layout: Layout, a: Assumptions) -> float:
+def state_bytes(model: ModelSpec, parallelism: Parallelism, a: Assumptions) -> float:
     """Parameters + gradients + optimizer state per device: the memory no microbatching reduces.
 
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.memory import state_bytes
-      >>> from shardfuse.planner.options import Assumptions, Layout
-      >>> states = state_bytes(models.get("llama3-8b"), Layout(fsdp=8, zero=3), Assumptions())
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
+      >>> states = state_bytes(models.get("llama3-8b"), Parallelism.of(fsdp=8, zero=3),
+      ...                      Assumptions())
       >>> round(states / 1e9, 2)
       18.07
     """
-    params = params_per_device(model, layout, a)
-    F, z = layout.fsdp, layout.zero
+    params = params_per_device(model, parallelism, a)
+    F, z = parallelism.fsdp, parallelism.options.zero
     return params * (
         a.param_bytes / (F if z >= 3 else 1)
         + a.grad_bytes / (F if z >= 2 else 1)
@@ -183,7 +186,9 @@ def state_bytes(model: ModelShape, layout: Layout, a: Assumptions) -> float:
     )
 
 
-def zero_update_term(params_dev: float, layout: Layout, a: Assumptions, backward=0.0) -> Term:
+def zero_update_term(
+    params_dev: float, parallelism: Parallelism, a: Assumptions, backward=0.0
+) -> Term:
     """ZeRO-1/2/3's optimizer update on fsdp shards: its working memory beyond the backward's.
 
     The update runs on the shards: the gradient shard, the new parameters and
@@ -198,14 +203,14 @@ def zero_update_term(params_dev: float, layout: Layout, a: Assumptions, backward
 
     Example:
       >>> from shardfuse.planner.memory import zero_update_term
-      >>> from shardfuse.planner.options import Assumptions, Layout
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
       >>> a = Assumptions.float32(donate=False)
-      >>> zero_update_term(1e6, Layout(fsdp=4, zero=1), a).value
+      >>> zero_update_term(1e6, Parallelism.of(fsdp=4, zero=1), a).value
       7000000.0
-      >>> zero_update_term(1e6, Layout(fsdp=4, zero=1), a, backward=5e6).value
+      >>> zero_update_term(1e6, Parallelism.of(fsdp=4, zero=1), a, backward=5e6).value
       2000000.0
     """
-    F, z = layout.fsdp, layout.zero
+    F, z = parallelism.fsdp, parallelism.options.zero
     shards = 3 * params_dev * a.param_bytes / F
     gathered = params_dev * a.param_bytes if (z < 3 and not a.donate) else 0.0
     update = shards + gathered
@@ -229,41 +234,45 @@ def zero_update_term(params_dev: float, layout: Layout, a: Assumptions, backward
     )
 
 
-def attention_tiles(model: ModelShape, layout: Layout, mb_tokens: float, seq_len: int) -> float:
+def attention_tiles(
+    model: ModelSpec, parallelism: Parallelism, mb_tokens: float, seq_len: int
+) -> float:
     """Bytes of the flash-attention backward's float32 tiles (p and ds) of one block.
 
     The xla kernel's backward holds two `[b, heads / T, bq, bk]` float32
     tiles at a time (`b` sequences of the microbatch); tiles are 256 wide, or
-    half the local sequence under ring attention's zigzag layout (a tile never
+    half the local sequence under ring attention's zigzag parallelism (a tile never
     straddles its two chunks). On TPU and GPU the Pallas and Triton kernels
     keep them in on-chip memory; the term is small for long sequences anyway.
 
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.memory import attention_tiles
-      >>> from shardfuse.planner.options import Layout
+      >>> from shardfuse.planner.options import Parallelism
       >>> tiny = models.ModelSpec("t", 64, 8, 4, 8, 128, num_layers=1, vocab_size=128)
-      >>> attention_tiles(tiny, Layout(), mb_tokens=256, seq_len=128)  # 2 sequences, 64-wide
+      >>> attention_tiles(tiny, Parallelism(), mb_tokens=256, seq_len=128)  # 2 sequences, 64-wide
       524288.0
     """
-    local = seq_len / layout.sequence
-    block = min(256.0, local / 2 if layout.sequence > 1 or layout.cp_strategy == "ring" else local)
+    local = seq_len / parallelism.sequence
+    block = min(
+        256.0, local / 2 if parallelism.sequence > 1 or parallelism.cp_strategy == "ring" else local
+    )
     sequences = mb_tokens / local
-    return 2 * sequences * model.heads / layout.model * block * block * 4
+    return 2 * sequences * model.heads / parallelism.model * block * block * 4
 
 
 @functools.lru_cache(maxsize=4096)
-def _peak_in_flight(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+def _peak_in_flight(schedule: str, stages: int, num_microbatches: int, virtual: int) -> float:
     """The most microbatches any stage holds from F to B in the lockstep table (the search
     asks for the same few tables tens of thousands of times).
 
     >>> _peak_in_flight("gpipe", 2, 4, 1), _peak_in_flight("1f1b", 2, 4, 1)
     (4.0, 3.0)
     """
-    return float(max(lockstep_table(schedule, stages, microbatches, virtual).in_flight()))
+    return float(max(lockstep_table(schedule, stages, num_microbatches, virtual).in_flight()))
 
 
-def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev, seq_len):
+def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers_dev, seq_len):
     """The memory `Term`s of `cost.estimate` (see the module docstring); bytes per device.
 
     Persistent: parameters, gradients, optimizer state (per ZeRO stage) and,
@@ -277,14 +286,19 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
     Example:
       >>> from shardfuse import hardware, models
       >>> from shardfuse.planner.cost import estimate
-      >>> from shardfuse.planner.options import Layout
-      >>> e = estimate(models.get("llama3-8b"), hardware.cluster("h100"), Layout(fsdp=8, zero=3),
-      ...              global_batch=8, seq_len=4096)
+      >>> from shardfuse.planner.options import Parallelism
+      >>> e = estimate(models.get("llama3-8b"), hardware.cluster("h100"),
+      ...              Parallelism.of(fsdp=8, zero=3), global_batch=8, seq_len=4096)
       >>> [t.name for t in e.memory][:3]
       ['parameters', 'gradients', 'optimizer']
     """
-    F, P, T, m = layout.fsdp, layout.pipeline, layout.model, layout.num_microbatches
-    z, v = layout.zero, layout.virtual_stages
+    F, P, T, m = (
+        parallelism.fsdp,
+        parallelism.pipeline,
+        parallelism.model,
+        parallelism.options.num_microbatches,
+    )
+    z, v = parallelism.options.zero, parallelism.options.virtual_stages
     act, h = a.activation_bytes, model.hidden
     shard = lambda stage: F if z >= stage else 1  # noqa: E731
     params = params_dev * a.param_bytes / shard(3)
@@ -295,7 +309,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         # scan's backward (`fsdp.scatter_gradient`): the sharded buffer, one layer's whole
         # gradient (in `layer_working_set`), and the tables outside the Stack (embedding,
         # head), reduce-scattered once their whole gradient is done.
-        tables = table_params_per_device(model, layout, a)
+        tables = table_params_per_device(model, parallelism, a)
         grads += tables * a.grad_bytes * (1 - 1 / F)
         grads_formula += f" + the tables' whole gradients ({tables:.4g} x {a.grad_bytes} B)"
     elif z == 2 and F > 1:
@@ -313,7 +327,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         ),
     ]
     saved = per_token["saved"] * act + per_token["scores"]
-    if layout.remat in ("none", "dots"):
+    if parallelism.options.remat in ("none", "dots") and not parallelism.options.prefetch:
         saved += per_token["lse"] * 4
     chunk = layers_dev / v  # the layers one pipeline tick runs (a stage's chunk)
     stage = mb_tokens * saved * chunk  # one microbatch's saved activations, one chunk
@@ -327,7 +341,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         # the stage forward in its backward tick (`Pipeline(residuals="recompute")`).
         # The executor's lockstep table: stage 0 holds its microbatches from F to B,
         # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe.
-        in_flight = _peak_in_flight(layout.schedule, P, m, v)
+        in_flight = _peak_in_flight(parallelism.options.schedule, P, m, v)
         inputs = in_flight * mb_tokens * h / T * act
         activations = inputs + stage
         what = (
@@ -335,7 +349,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
             f"(stage inputs) + one microbatch's recomputed chunk: {mb_tokens:g} tokens x "
             f"{saved / act:.4g} elements x {act} B x {chunk:g} layers"
         )
-    terms.append(Term("activations", activations, f"{what} (remat={layout.remat})"))
+    terms.append(Term("activations", activations, f"{what} (remat={parallelism.options.remat})"))
     if P > 1:
         # the [m, b, T, F] pipeline input, its gradient and the stage outputs; the tick's
         # weight gradient beside its accumulator
@@ -364,7 +378,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         )
     )
     qkvo = per_token["qkvo"]
-    tiles = attention_tiles(model, layout, mb_tokens, seq_len) if a.flash_attention else 0.0
+    tiles = attention_tiles(model, parallelism, mb_tokens, seq_len) if a.flash_attention else 0.0
     parts = [f"{mb_tokens:g} tokens x {qkvo:g} (q, k, v, o) x {act} B"]
     work = mb_tokens * qkvo * act + tiles
     if tiles:
@@ -375,8 +389,12 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         parts.append(f"{buffers:.3g} [{mb_tokens:g}, {h}] collective-matmul buffers")
     if z == 3 and F > 1:
         layer = model.layer_params() / T * a.param_bytes
-        work += 3 * layer
-        parts.append("3 gathered layers (two weights, one whole gradient)")
+        if parallelism.options.prefetch:  # the next layer's weights, gathered meanwhile
+            work += 4 * layer
+            parts.append("4 gathered layers (two weights, the next layer's, one whole gradient)")
+        else:
+            work += 3 * layer
+            parts.append("3 gathered layers (two weights, one whole gradient)")
     elif z == 2 and F > 1 and P == 1:
         work += model.layer_params() / T * a.grad_bytes
         parts.append("one layer's whole gradient (before its reduce-scatter)")
@@ -394,7 +412,7 @@ def memory_terms(model, layout, a, params_dev, per_token, mb_tokens, layers_dev,
         # other terms, with any policy (ratio 0.87-0.94 in the grid, 0.77 without); the
         # cause is not identified.
         backward = sum(t.value for t in terms if t.name in BACKWARD_TRANSIENT) if z < 3 else 0.0
-        terms.append(zero_update_term(params_dev, layout, a, backward))
+        terms.append(zero_update_term(params_dev, parallelism, a, backward))
     if not a.donate:
         outputs = params + params_dev * a.optimizer_bytes / shard(1)
         terms.append(Term("outputs", outputs, "new parameters and optimizer state (not donated)"))

@@ -1,8 +1,10 @@
-"""The knobs a plan sets (`Layout`) and the assumptions the cost model makes (`Assumptions`).
+"""The knobs a plan sets (`Parallelism`) and the assumptions the cost model makes (`Assumptions`).
 
-A `Layout` is one point of the search space: the mesh sizes over the axes
-`pipeline, data, fsdp, sequence, model` (outermost to innermost) and the
-options of the layers, the pipeline and ZeRO. `Assumptions` are the numbers
+A `Parallelism` is one point of the search space: the mesh sizes over the axes
+`pipeline, data, fsdp, sequence, model` (outermost to innermost), the run's
+options (`sf.parallel.RunOptions`: ZeRO, remat, prefetch, microbatches, the
+pipeline schedule) and the planner's own choices (microbatch size,
+context-parallel strategy). `Assumptions` are the numbers
 the cost model cannot know from the model and the hardware tables: the
 fraction of peak FLOP/s a matmul reaches (default: per hardware generation,
 `planner.efficiency`), the precision, which collectives overlap with compute
@@ -15,18 +17,21 @@ executor runs. Presets (`Assumptions.preset(name)`, `PRESETS`): "shardfuse"
 
 import dataclasses
 import functools
+import warnings
 
 from shardfuse.axes import MESH_AXES as MESH_AXES  # outermost -> innermost
 from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes the FLOPs
+from shardfuse.layers.fsdp import ZERO_STAGES as ZERO_STAGES  # their one home
+from shardfuse.parallel.options import RunOptions
 from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
 
 PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO2_SCATTER = ("microbatch", "step")
-ZERO_STAGES = (0, 1, 2, 3)
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
 
-def _positive_int(name, value):
+def check_positive_int(name, value):
+    """ValueError naming `name` unless `value` is an int >= 1 (a size, a batch, a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
 
@@ -36,28 +41,39 @@ def _choice(name, value, valid):
         raise ValueError(f"{name}={value!r} must be one of {valid}")
 
 
+# The fields of `RunOptions` a search point sets (the rest keep their defaults or follow
+# the assumptions: `sequence_parallel`), by the keyword `Parallelism.of` routes to them.
+RUN_CHOICES = ("zero", "remat", "prefetch", "num_microbatches", "schedule", "virtual_stages")
+
+
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """One parallel layout: mesh sizes and the options of the layers, pipeline and ZeRO.
+class Parallelism:
+    """One point of the search space: the mesh sizes, the run's options, and the planner's own.
+
+    The run's choices are one `sf.parallel.RunOptions` (`options`: ZeRO stage,
+    remat, prefetch, microbatches, pipeline schedule, virtual stages), checked
+    there, not copied here; `Parallelism.of(...)` takes them as keywords, and
+    `replace` changes them like the other fields.
 
     Attributes:
       pipeline, data, fsdp, sequence, model: mesh axis sizes.
-      zero: ZeRO stage over the `fsdp` axis (0: replicated; 1: optimizer state,
-        2: + gradients, 3: + parameters sharded).
-      remat: activation checkpointing policy of each block ("none", "full",
-        "selective", "dots", "offload").
-      schedule: pipeline schedule ("gpipe", "1f1b", "interleaved", "zb-h1").
+      options: the run's `sf.parallel.RunOptions` (its `zero` over the `fsdp`
+        axis: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters
+        sharded; `remat` of each block; `prefetch` of the ZeRO-3 layers;
+        `num_microbatches` per step per replica, pipeline microbatches or
+        gradient accumulation steps; ...). Its `sequence_parallel` is not
+        read: the cost model follows `Assumptions.sequence_parallel`, which
+        `Plan.run_options()` hands on.
       microbatch_size: sequences per microbatch per data replica.
-      num_microbatches: microbatches per step per replica (pipeline microbatches,
-        or gradient accumulation steps without a pipeline).
-      virtual_stages: model chunks per pipeline stage (interleaved schedule).
       cp_strategy: context-parallel attention over `sequence` ("ring",
         "all_gather", "ulysses", "ulysses_ring").
 
     Example:
-      >>> from shardfuse.planner.options import Layout
-      >>> Layout(data=2, model=4).num_devices
+      >>> from shardfuse.planner.options import Parallelism
+      >>> Parallelism.of(data=2, model=4).num_devices
       8
+      >>> Parallelism.of(fsdp=8, zero=3, num_microbatches=2).options.zero
+      3
     """
 
     pipeline: int = 1
@@ -65,26 +81,29 @@ class Layout:
     fsdp: int = 1
     sequence: int = 1
     model: int = 1
-    zero: int = 0
-    remat: str = "none"
-    schedule: str = "1f1b"
+    options: RunOptions = RunOptions()
     microbatch_size: int = 1
-    num_microbatches: int = 1
-    virtual_stages: int = 1
     cp_strategy: str = "ring"
 
     def __post_init__(self):
-        for name in (*MESH_AXES, "microbatch_size", "num_microbatches", "virtual_stages"):
-            _positive_int(name, getattr(self, name))
-        _choice("zero", self.zero, ZERO_STAGES)
-        _choice("remat", self.remat, REMAT_POLICIES)
-        _choice("schedule", self.schedule, SCHEDULES)
+        for name in (*MESH_AXES, "microbatch_size"):
+            check_positive_int(name, getattr(self, name))
+        if not isinstance(self.options, RunOptions):
+            raise TypeError(f"options={self.options!r} must be an sf.parallel.RunOptions")
         _choice("cp_strategy", self.cp_strategy, CP_STRATEGIES)
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs schedule='interleaved', "
-                f"not {self.schedule!r}"
-            )
+
+    @classmethod
+    def of(cls, **fields) -> "Parallelism":
+        """A `Parallelism` from flat keywords: mesh sizes, `microbatch_size`, `cp_strategy`,
+        and the `RunOptions` fields (`zero=`, `remat=`, ...) for its `options`."""
+        return cls().replace(**fields)
+
+    def replace(self, **changes) -> "Parallelism":
+        """A copy with `changes`, the `RunOptions` fields among them set on `options`."""
+        run = {name: changes.pop(name) for name in RUN_CHOICES if name in changes}
+        if run:
+            changes["options"] = changes.get("options", self.options).replace(**run)
+        return dataclasses.replace(self, **changes)
 
     @functools.cached_property
     def mesh_shape(self) -> dict[str, int]:
@@ -104,6 +123,24 @@ class Layout:
         """Data-parallel replicas: `data * fsdp` (each sees `global_batch / replicas` sequences)."""
         return self.data * self.fsdp
 
+    def choices(self) -> dict:
+        """The choices a plan makes beyond the mesh, flat: the run's options it sets,
+        `microbatch_size` and `cp_strategy` (a plan's JSON "options")."""
+        run = {name: getattr(self.options, name) for name in RUN_CHOICES}
+        return dict(run, microbatch_size=self.microbatch_size, cp_strategy=self.cp_strategy)
+
+
+def Layout(**fields) -> Parallelism:  # noqa: N802 (the class it was)
+    """Deprecated: `Parallelism.of(**fields)` (the planner's layout is now `Parallelism`:
+    "layout" is the ring's token order)."""
+    warnings.warn(
+        "sf.planner.Layout is deprecated and will be removed in the next release: use "
+        "sf.planner.Parallelism (Parallelism.of(**fields) takes the same keywords)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return Parallelism.of(**fields)
+
 
 @dataclasses.dataclass(frozen=True)
 class Assumptions:
@@ -120,7 +157,7 @@ class Assumptions:
         `efficiency.overlap_fraction` (GPUs 0.85, TPUs 0.95, CPUs 0: stated).
       pipeline_executor: "lockstep" (shardfuse's executor: scans over the
         schedule's `LockstepTable`, a `ppermute` every tick, every stage one F and
-        one B per tick: `schedule.lockstep_work`) or "async" (Megatron-style: stages run their
+        one B per tick: `lockstep.lockstep_work`) or "async" (Megatron-style: stages run their
         own order, the bubble is the schedule's closed form).
       pipeline_recompute: a backward tick reruns the stage forward from the kept
         stage input (`Pipeline(residuals="recompute")`, the default); False:

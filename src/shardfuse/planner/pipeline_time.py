@@ -4,20 +4,14 @@
 scans over ticks with a `ppermute` between neighbouring stages every tick:
 every stage runs the same slots in a tick (an F, the head where the last
 stage needs it, a B), so the step lasts the table's lockstep work,
-`schedule.lockstep_work` (the sum over ticks of the largest stage's work),
+`lockstep.lockstep_work` (the sum over ticks of the largest stage's work),
 which this module reads rather than a closed form of its own. An "async"
 executor (Megatron's) pays the schedule's closed-form bubble,
 `schedule.closed_form_bubble`.
 """
 
-from shardfuse.parallel.pipeline.schedule import (
-    HEAD,
-    B,
-    F,
-    closed_form_bubble,
-    lockstep_table,
-    lockstep_work,
-)
+from shardfuse.parallel.pipeline.lockstep import lockstep_table, lockstep_work
+from shardfuse.parallel.pipeline.schedule import HEAD, B, F, closed_form_bubble
 
 
 def num_ticks(schedule: str, p: int, m: int, v: int = 1) -> int:
@@ -35,11 +29,11 @@ def num_ticks(schedule: str, p: int, m: int, v: int = 1) -> int:
 PIPELINED = ("compute", "elementwise", "tensor_parallel", "context_parallel", "offload")
 
 
-def pipeline_terms(layout, a, terms, *, head_s, send_bytes, link, overlap):
+def pipeline_terms(parallelism, a, terms, *, head_s, send_bytes, link, overlap):
     """`pipeline_recompute`, `pipeline_p2p` and `pipeline_bubble` `Term`s of a pipelined step.
 
     Args:
-      layout, a: the layout (`pipeline > 1`) and the `Assumptions`.
+      parallelism, a: the parallelism (`pipeline > 1`) and the `Assumptions`.
       terms: the step's time terms so far (`PIPELINED` ones are the stage work).
       head_s: seconds of the head (logits, loss, their backward) per microbatch.
       send_bytes: bytes of one stage-boundary activation.
@@ -48,16 +42,17 @@ def pipeline_terms(layout, a, terms, *, head_s, send_bytes, link, overlap):
     """
     from shardfuse.planner.terms import Term
 
+    options = parallelism.options
     P, m, v, schedule = (
-        layout.pipeline,
-        layout.num_microbatches,
-        layout.virtual_stages,
-        (layout.schedule),
+        parallelism.pipeline,
+        options.num_microbatches,
+        options.virtual_stages,
+        options.schedule,
     )
     work = sum(t.value for t in terms if t.name in PIPELINED)
     # The forward's share of the stage work: one of three passes, one of four when
     # "full" remat already reruns it.
-    forward = work / (4.0 if layout.remat == "full" else 3.0)
+    forward = work / (4.0 if options.remat == "full" else 3.0)
     backward = work - forward
     out = []
     recompute = forward if a.pipeline_recompute else 0.0

@@ -1,30 +1,30 @@
-"""`Plan`: a layout with its predicted cost, and the keyword arguments that run it.
+"""`Plan`: a `Parallelism` with its predicted cost, and the options that run it.
 
-A plan is data: the mesh sizes and options (`Layout`), the estimate that
+A plan is data: the mesh sizes and options (`Parallelism`), the estimate that
 ranked it (`Estimate`, every term named), and the inputs it was made for. It
-builds its `jax.sharding.Mesh` (`plan.mesh(devices)`) and hands the options to
-the layers, `sf.layers.Stack`, the pipeline and gradient accumulation as plain
-keyword dicts, so that a training script needs no hand-written glue.
+builds its `jax.sharding.Mesh` (`plan.mesh(devices)`) and converts itself
+into the run's options (`plan.run_options()`, an `sf.parallel.RunOptions`:
+what `sf.parallel.parallelize` and the `Trainer` take; `plan.layer_options()`
+the layers' share of them), so that a training script needs no hand-written glue.
 """
 
 import dataclasses
+import warnings
 
-from shardfuse import axes
 from shardfuse.hardware import Cluster
-from shardfuse.models import ModelShape
-from shardfuse.parallel.parallelize import RunOptions
+from shardfuse.model_spec import ModelSpec
 from shardfuse.planner.cost import Estimate
-from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A parallel layout for `model` on `cluster`, with its predicted cost.
+    """A `Parallelism` (mesh sizes and options) for `model` on `cluster`, with its predicted cost.
 
     Attributes:
       model, cluster: what it was planned for.
       global_batch, seq_len: sequences per step and tokens per sequence.
-      layout: mesh sizes and options.
+      parallelism: mesh sizes and options.
       estimate: the predicted FLOPs, step time, memory and their terms.
       assumptions: what the cost model assumed.
 
@@ -41,18 +41,29 @@ class Plan:
       True
     """
 
-    model: ModelShape
+    model: ModelSpec
     cluster: Cluster
     global_batch: int
     seq_len: int
-    layout: Layout
+    parallelism: Parallelism
     estimate: Estimate
     assumptions: Assumptions
 
     @property
     def mesh_shape(self) -> dict[str, int]:
         """Axis name -> size, outermost (`pipeline`) to innermost (`model`)."""
-        return self.layout.mesh_shape
+        return self.parallelism.mesh_shape
+
+    @property
+    def layout(self) -> Parallelism:
+        """Deprecated: `parallelism` ("layout" is the ring's token order)."""
+        warnings.warn(
+            "Plan.layout is deprecated and will be removed in the next release: use "
+            "Plan.parallelism",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.parallelism
 
     @property
     def step_time_s(self) -> float:
@@ -94,35 +105,40 @@ class Plan:
         import jax
 
         devices = list(jax.devices() if devices is None else devices)
-        n = self.layout.num_devices
+        n = self.parallelism.num_devices
         if len(devices) != n:
             raise ValueError(f"devices has {len(devices)} devices, the plan needs {n}")
         shape = tuple(self.mesh_shape[axis] for axis in MESH_AXES)
         kwargs = {} if axis_types is None else {"axis_types": tuple(axis_types)}
         return jax.make_mesh(shape, MESH_AXES, devices=devices, **kwargs)
 
-    def layer_kwargs(self) -> dict:
-        """Keyword arguments of `sf.layers.ParallelTransformerBlock` (and the other layers).
+    def run_options(self):
+        """The plan as `sf.parallel.RunOptions`: what `sf.parallel.parallelize` applies.
 
-        The axis names, Megatron sequence parallelism, the ring layout, and the
-        ZeRO options (`zero_kwargs`). `layer_options` gives the same as one
-        `sf.layers.LayerOptions` (all but the ring layout, an attention keyword).
+        Its `parallelism.options` (ZeRO stage, remat, prefetch, microbatches,
+        pipeline schedule and virtual stages), with the sequence parallelism the
+        cost model assumed and the mesh sizes (`parallelize` checks its mesh
+        against them).
+
+        Example usage::
+
+          >>> import shardfuse as sf
+          >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
+          ...                global_batch=64, seq_len=4096)[0]
+          >>> options = best.run_options()
+          >>> options.replace(mesh_shape=None) == best.parallelism.options
+          True
+          >>> options.mesh_shape == best.mesh_shape
+          True
         """
-        return dict(
-            model_axis=axes.MODEL,
-            sequence_axis=axes.SEQUENCE,
-            data_axis=axes.DATA,
-            sequence_parallel=self.assumptions.sequence_parallel,
-            layout="zigzag",
-            **self.zero_kwargs(),
+        return self.parallelism.options.replace(
+            sequence_parallel=self.assumptions.sequence_parallel,  # as the cost model assumed
+            mesh_shape=dict(self.mesh_shape),
         )
 
     def layer_options(self, mesh=None, **changes):
-        """The plan's `sf.layers.LayerOptions`: axes, sequence parallelism, ZeRO and remat.
-
-        Args:
-          mesh: the mesh the layers are built on (e.g. `plan.mesh()`), or None.
-          **changes: fields to set besides (e.g. `dtype=jnp.bfloat16`).
+        """The plan's `sf.layers.LayerOptions` (`run_options().layer_options`): ZeRO, remat,
+        sequence parallelism, for layers built by hand on `mesh`; `changes` set other fields.
 
         The remat policy is that of each layer of a `sf.layers.Stack`: build the
         blocks inside it with `options.replace(remat="none")`.
@@ -133,79 +149,11 @@ class Plan:
           >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
           ...                global_batch=64, seq_len=4096)[0]
           >>> options = best.layer_options()
-          >>> (options.zero, options.remat) == (best.layout.zero, best.layout.remat)
+          >>> (options.zero, options.remat) == (best.parallelism.options.zero,
+          ...                                   best.parallelism.options.remat)
           True
         """
-        from shardfuse.layers.options import LayerOptions  # (the planner sits above the layers)
-
-        return LayerOptions(
-            mesh=mesh,
-            model_axis=axes.MODEL,
-            sequence_axis=axes.SEQUENCE,
-            data_axis=axes.DATA,
-            fsdp_axis=axes.FSDP,
-            zero=self.layout.zero,
-            remat=self.layout.remat,
-            sequence_parallel=self.assumptions.sequence_parallel,
-        ).replace(**changes)
-
-    def run_options(self):
-        """The plan as `sf.parallel.RunOptions`: what `sf.parallel.parallelize` applies.
-
-        ZeRO stage, remat, microbatches, pipeline schedule and virtual stages,
-        sequence parallelism, and the mesh sizes (`parallelize` checks its mesh
-        against them).
-
-        Example usage::
-
-          >>> import shardfuse as sf
-          >>> best = sf.plan(sf.models.get("llama3-8b"), sf.hardware.cluster("h100", nodes=1),
-          ...                global_batch=64, seq_len=4096)[0]
-          >>> options = best.run_options()
-          >>> (options.zero, options.microbatches) == (best.layout.zero,
-          ...                                          best.layout.num_microbatches)
-          True
-        """
-        layout = self.layout
-        return RunOptions(
-            zero=layout.zero,
-            remat=layout.remat,
-            microbatches=layout.num_microbatches,
-            schedule=layout.schedule,
-            virtual_stages=layout.virtual_stages,
-            sequence_parallel=self.assumptions.sequence_parallel,
-            mesh_shape=dict(self.mesh_shape),
-        )
-
-    def zero_kwargs(self) -> dict:
-        """`{"zero": stage, "fsdp_axis": "fsdp"}`: the ZeRO options of layers and `sf.parallel`."""
-        return dict(zero=self.layout.zero, fsdp_axis=axes.FSDP)
-
-    def remat_kwargs(self) -> dict:
-        """`{"remat": policy}` for `sf.layers.Stack`."""
-        return dict(remat=self.layout.remat)
-
-    def pipeline_kwargs(self) -> dict:
-        """Keyword arguments of `sf.parallel.Pipeline`: schedule, microbatches, virtual stages.
-
-        Without a pipeline (`pipeline == 1`) the microbatches are gradient
-        accumulation steps: see `accumulate_kwargs`.
-        """
-        return dict(
-            schedule=self.layout.schedule,
-            num_microbatches=self.layout.num_microbatches,
-            virtual_stages=self.layout.virtual_stages,
-            pipeline_axis=axes.PIPELINE,
-        )
-
-    def accumulate_kwargs(self) -> dict:
-        """Keyword arguments of `sf.parallel.accumulate` (gradient accumulation, ZeRO)."""
-        return dict(num_microbatches=self.layout.num_microbatches, data_axis=axes.DATA,
-                    **self.zero_kwargs())  # fmt: skip
-
-    def context_parallel_kwargs(self) -> dict:
-        """`{"strategy": ...}`: the context-parallel attention over `sequence`."""
-        return dict(strategy=self.layout.cp_strategy)
+        return self.run_options().layer_options(mesh, **changes)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict: mesh, options, step time, MFU, memory and every term.
@@ -222,12 +170,12 @@ class Plan:
           >>> json.loads(json.dumps(d)) == d
           True
         """
-        e, layout = self.estimate, self.layout
-        options = {k: v for k, v in dataclasses.asdict(layout).items() if k not in MESH_AXES}
+        e, parallelism = self.estimate, self.parallelism
+        options = parallelism.choices()
         return dict(
             model=self.model.name,
             cluster=self.cluster.describe(),
-            devices=layout.num_devices,
+            devices=parallelism.num_devices,
             global_batch=self.global_batch,
             seq_len=self.seq_len,
             mesh=dict(self.mesh_shape),
@@ -278,18 +226,21 @@ class Plan:
         )
 
     def options_text(self) -> str:
-        """The options that matter for this layout, compactly."""
-        lay = self.layout
+        """The options that matter for this parallelism, compactly."""
+        parallelism = self.parallelism
+        options = parallelism.options
         parts = [
-            f"zero={lay.zero}",
-            f"remat={lay.remat}",
-            f"mb={lay.microbatch_size}x{lay.num_microbatches}",
+            f"zero={options.zero}",
+            f"remat={options.remat}",
+            f"mb={parallelism.microbatch_size}x{options.num_microbatches}",
         ]
-        if lay.pipeline > 1:
-            sched = lay.schedule + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-            parts.append(sched)
-        if lay.sequence > 1:
-            parts.append(lay.cp_strategy)
+        if options.prefetch:
+            parts.append("prefetch")
+        if parallelism.pipeline > 1:
+            virtual = options.virtual_stages
+            parts.append(options.schedule + (f"/v{virtual}" if virtual > 1 else ""))
+        if parallelism.sequence > 1:
+            parts.append(parallelism.cp_strategy)
         return " ".join(parts)
 
     def explain(self) -> str:

@@ -1,20 +1,22 @@
-"""Published large training runs, with their layouts: the planner's out-of-sample check.
+"""Published large training runs, with their parallelisms: the planner's out-of-sample check.
 
 Each `ValidationRun` is one run a paper or a project reports: the model, the
-cluster, the layout as published (pinned in `plan`), the system's assumptions
+cluster, the mesh and options as published (pinned in `plan`), the system's assumptions
 preset (`Assumptions.preset`) and the measured throughput (MFU, or TFLOP/s per
 device in the paper's own FLOP count). tests/planner/test_validation.py
 asserts the planner's prediction within 15% of each; the README lists them.
 None of them was used to fit anything: the efficiencies come from
 `planner.efficiency` (MAMF measurements and one factor fitted to Narayanan et
-al. 2021 Table 1, which these runs are not part of).
+al. 2021 Table 1, which these runs are not part of). That table's runs are
+`NARAYANAN_2021_TABLE1` (`PublishedRun`s: the parallel sizes, batch, GPUs and the
+achieved TFLOP/s per GPU of each GPT of `shardfuse.models`, "gpt-1.7b" ... "gpt-1t").
 
 Sources (the numbers, verified against the text where it is stored):
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198): the MFU of 22B/175B/530B/1T GPT models with
   sequence parallelism and selective recompute on A100 80GB (Selene), data
   parallel size 1, as tabulated in the Megatron-LM README ("Model FLOPs
-  Utilization" 41.5%, 51.4%, 56.0%, 56.3%); the layouts are the paper's Table 3
+  Utilization" 41.5%, 51.4%, 56.0%, 56.3%); the parallelisms are the paper's Table 3
   (t = 8; p = 1, 8, 35, 64; GPUs 8, 64, 280, 512; global batch 4, 64, 280, 512;
   sequence 2048).
 - Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG
@@ -46,17 +48,72 @@ Sources (the numbers, verified against the text where it is stored):
 
 import dataclasses
 
-from shardfuse.models import ModelShape
-from shardfuse.models import get as get_model
+from shardfuse.model_spec import ModelSpec
+from shardfuse.model_spec import get as get_model
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRun:
+    """One training run reported in a paper: its parallelism and its measured throughput.
+
+    Attributes:
+      model: a key of `shardfuse.models.MODELS`.
+      tensor, pipeline, data: the parallel sizes (t, p, d); `tensor * pipeline * data == gpus`.
+      global_batch: sequences per step.
+      seq_len: tokens per sequence.
+      gpus: devices used.
+      device: a key of `shardfuse.hardware.DEVICES`.
+      tflops_per_gpu: the achieved TFLOP/s per GPU the paper reports (its own FLOP count).
+      source: where the numbers come from.
+    """
+
+    model: str
+    tensor: int
+    pipeline: int
+    data: int
+    global_batch: int
+    seq_len: int
+    gpus: int
+    device: str
+    tflops_per_gpu: float
+    source: str
+
+
+_TABLE1 = "Narayanan et al. 2021 (arXiv:2104.04473), Table 1"
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", Table 1 ("Weak-scaling throughput for GPT models
+# ranging from 1 billion to 1 trillion parameters"): columns number of parameters,
+# attention heads, hidden size, layers, tensor-parallel size, pipeline-parallel
+# size, number of GPUs, batch size, achieved teraFLOP/s per GPU, percentage of
+# theoretical peak, achieved aggregate petaFLOP/s. Data-parallel size = GPUs / (t p).
+# Sequence length 2048, A100 80GB GPUs of the Selene supercomputer (section 5).
+# Their FLOP count: 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step
+# (activation recomputation included).
+NARAYANAN_2021_TABLE1: tuple[PublishedRun, ...] = tuple(
+    PublishedRun(name, t, p, gpus // (t * p), batch, 2048, gpus, "a100-80gb", tflops, _TABLE1)
+    for name, t, p, gpus, batch, tflops in (
+        ("gpt-1.7b", 1, 1, 32, 512, 137.0),
+        ("gpt-3.6b", 2, 1, 64, 512, 138.0),
+        ("gpt-7.5b", 4, 1, 128, 512, 142.0),
+        ("gpt-18b", 8, 1, 256, 1024, 135.0),
+        ("gpt-39b", 8, 2, 512, 1536, 138.0),
+        ("gpt-76b", 8, 4, 1024, 1792, 140.0),
+        ("gpt-145b", 8, 8, 1536, 2304, 148.0),
+        ("gpt-310b", 8, 16, 1920, 2160, 155.0),
+        ("gpt-530b", 8, 35, 2520, 2520, 163.0),
+        ("gpt-1t", 8, 64, 3072, 3072, 163.0),
+    )
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ValidationRun:
-    """One published run: model, cluster, pinned layout, assumptions preset and its throughput.
+    """One published run: model, cluster, pinned parallelism, assumptions preset and its throughput.
 
     Attributes:
       name: short label.
-      model: the `ModelShape` as planned.
+      model: the `ModelSpec` as planned.
       device, nodes, devices_per_node: the cluster (`hardware.cluster`).
       mesh: the published mesh sizes (axes of `planner.MESH_AXES`).
       global_batch, seq_len: sequences per step and tokens per sequence.
@@ -72,7 +129,7 @@ class ValidationRun:
     """
 
     name: str
-    model: ModelShape
+    model: ModelSpec
     device: str
     nodes: int
     devices_per_node: int | None
@@ -87,12 +144,12 @@ class ValidationRun:
     model_flops_scale: float = 1.0
 
 
-_GPT = ModelShape.gpt
+_GPT = ModelSpec.gpt
 GPT_22B = _GPT("gpt-22b", 6144, 64, 48)
 GPT_175B = _GPT("gpt-175b", 12288, 96, 96)
-PALM_540B = ModelShape("palm-540b", 18432, 48, 1, 256, 73728, num_layers=118,
+PALM_540B = ModelSpec("palm-540b", 18432, 48, 1, 256, 73728, num_layers=118,
                        vocab_size=256000, tied_embeddings=True)  # fmt: skip
-MAXTEXT_32B = ModelShape("maxtext-32b", 8192, 64, 64, 128, 28672, num_layers=32,
+MAXTEXT_32B = ModelSpec("maxtext-32b", 8192, 64, 64, 128, 28672, num_layers=32,
                          vocab_size=32000)  # fmt: skip
 LLAMA3_405B_SLOTS = dataclasses.replace(
     get_model("llama3-405b"), name="llama3-405b", num_layers=128
@@ -295,22 +352,23 @@ RUNS: tuple[ValidationRun, ...] = (
 )
 
 
-def layout_of(run: ValidationRun):
-    """The published layout of `run` as a `Layout` (microbatches from the batch per replica)."""
-    from shardfuse.planner.options import MESH_AXES, Layout
+def parallelism_of(run: ValidationRun):
+    """The published mesh and options of `run` as a `Parallelism` (microbatches from the
+    batch per replica)."""
+    from shardfuse.planner.options import MESH_AXES, Parallelism
 
     mesh = {axis: run.mesh.get(axis, 1) for axis in MESH_AXES}
     options = dict(run.options)
     mb = options.pop("microbatch_size")
     replicas = mesh["data"] * mesh["fsdp"]
-    return Layout(**mesh, **options, microbatch_size=mb,
-                  num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
+    return Parallelism.of(**mesh, **options, microbatch_size=mb,
+                          num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
 
 
 def predict(run: ValidationRun):
-    """`(predicted figure, estimate)`: the planner's MFU or TFLOP/s per device for `run`'s layout.
+    """`(predicted figure, estimate)`: the planner's MFU or TFLOP/s per device for `run`.
 
-    The cost model on the pinned layout (`layout_of`), under the run's preset;
+    The cost model on the pinned parallelism (`parallelism_of`), under the run's preset;
     `estimate.fits` says whether the planner's memory model would also admit it
     (a throughput check: memory is checked against compiled programs elsewhere).
 
@@ -321,18 +379,18 @@ def predict(run: ValidationRun):
       True
     """
     from shardfuse import hardware
-    from shardfuse.planner.constraints import layout_constraints
+    from shardfuse.planner.constraints import parallelism_constraints
     from shardfuse.planner.cost import estimate
     from shardfuse.planner.options import Assumptions
 
     cluster = hardware.cluster(run.device, nodes=run.nodes, devices_per_node=run.devices_per_node)
     a = Assumptions.preset(run.preset)
-    layout = layout_of(run)
+    parallelism = parallelism_of(run)
     sizes = dict(global_batch=run.global_batch, seq_len=run.seq_len)
-    broken = layout_constraints(run.model, layout, assumptions=a, **sizes)
+    broken = parallelism_constraints(run.model, parallelism, assumptions=a, **sizes)
     if broken:
-        raise ValueError(f"{run.name}: the published layout breaks {broken}")
-    e = estimate(run.model, cluster, layout, assumptions=a, **sizes)
+        raise ValueError(f"{run.name}: the published parallelism breaks {broken}")
+    e = estimate(run.model, cluster, parallelism, assumptions=a, **sizes)
     if run.metric == "tflops":
         return e.tflops_per_device, e
     return e.mfu * run.model_flops_scale, e

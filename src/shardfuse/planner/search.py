@@ -1,133 +1,43 @@
-"""The search: every layout that respects the model's divisibility, ranked by predicted step time.
+"""The search: every mesh and options that keep the model's divisibility, ranked by step time.
 
 Enumerates mesh shapes `(pipeline, data, fsdp, sequence, model)` whose
 product is the device count (model divides the heads and MLP; sequence
 divides the sequence; pipeline x virtual stages divides the layers; data x
 fsdp divides the batch), then per shape the ZeRO stage (1-3 over a real fsdp
 axis, 0 without one), the remat policy, the microbatch size, the pipeline
-schedule and virtual stages, and the context-parallel strategy. A layout
+schedule and virtual stages, and the context-parallel strategy. A `Parallelism`
 whose predicted memory exceeds the device's is dropped (checked once per
 shape, ZeRO stage, remat and microbatch size with the schedule that keeps
 the fewest microbatches in flight, before the schedules are tried). What
 remains is ranked by predicted step time, then memory.
 """
 
-import dataclasses
 import heapq
 import math
 
 from shardfuse.hardware import Cluster
 from shardfuse.hardware import cluster as make_cluster
-from shardfuse.models import ModelShape
-from shardfuse.models import get as get_model
+from shardfuse.model_spec import ModelSpec
+from shardfuse.model_spec import get as get_model
 from shardfuse.parallel.pipeline.schedule import closed_form_bubble
-from shardfuse.planner import options
-from shardfuse.planner.constraints import layout_constraints
-from shardfuse.planner.cost import estimate
+from shardfuse.planner.choices import (
+    REMAT_ORDER,
+    Choices,
+    divisors,
+    mesh_shapes,
+)
+from shardfuse.planner.constraints import parallelism_constraints
+from shardfuse.planner.cost import compute_term, estimate
 from shardfuse.planner.memory import state_bytes
-from shardfuse.planner.options import MESH_AXES, Assumptions, Layout
+from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism, check_positive_int
 from shardfuse.planner.plans import Plan
+from shardfuse.planner.step import Step
 
-SEARCHED_CP_STRATEGIES = ("ring", "all_gather", "ulysses")  # ulysses_ring: not modelled apart
 MAX_VIRTUAL_STAGES = 8  # interleaved: virtual stages searched (2..8 that divide); pins: any
-# Remat policies by recomputation (and time): the search tries them in this order.
-REMAT_ORDER = ("none", "dots", "selective", "offload", "full")
 
 
 class PlanningError(ValueError):
-    """No layout fits: the message says what would (more devices, remat, ZeRO-3)."""
-
-
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-
-
-def _subset(name, value, valid):
-    if value is None:
-        return tuple(valid)
-    values = (value,) if isinstance(value, str | int) else tuple(value)
-    bad = [v for v in values if v not in valid]
-    if bad or not values:
-        raise ValueError(f"{name}={value!r} must be one or more of {tuple(valid)}")
-    return values
-
-
-def mesh_shapes(
-    model: ModelShape,
-    n: int,
-    *,
-    global_batch: int,
-    seq_len: int,
-    fixed=None,
-    assumptions: Assumptions | None = None,
-    rejected: list | None = None,
-):
-    """Mesh sizes `(pipeline, data, fsdp, sequence, model)` with product `n` that fit the model.
-
-    The sequence must divide by what shards it (`constraints.sequence_shards`:
-    the ring, and `model` only with sequence parallelism). Shapes that match
-    the pins in `fixed` but break a rule are appended to `rejected` as
-    `(shape, rule)` when a list is given.
-
-    Example:
-      >>> from shardfuse import models
-      >>> from shardfuse.planner.search import mesh_shapes
-      >>> (1, 1, 1, 1, 8) in list(mesh_shapes(models.get("llama3-8b"), 8, global_batch=8,
-      ...                                    seq_len=4096))
-      True
-    """
-    fixed = fixed or {}
-    sp = (assumptions or Assumptions()).sequence_parallel
-    ok = lambda axis, size: fixed.get(axis, size) == size  # noqa: E731
-
-    def reject(shape, rule):
-        if rejected is not None:
-            rejected.append((shape, rule))
-
-    for T in _divisors(n):
-        if not ok("model", T):
-            continue
-        if model.heads % T or model.ffn_hidden % T:
-            reject({"model": T}, f"heads={model.heads} and ffn_hidden={model.ffn_hidden} % "
-                                 f"model={T} != 0")  # fmt: skip
-            continue
-        if model.kv_heads % T and T % model.kv_heads:
-            reject({"model": T}, f"kv_heads={model.kv_heads} and model={T}: neither divides")
-            continue
-        by_model = T if sp else 1
-        for C in _divisors(n // T):
-            chunks = 2 * C if C > 1 else 1
-            if not ok("sequence", C):
-                continue
-            if seq_len % (chunks * by_model) and seq_len % (C * by_model):
-                reject(
-                    {"sequence": C, "model": T},
-                    f"seq_len={seq_len} % (sequence chunks="
-                    f"{chunks}" + (f" x model={T}, sequence parallel" if sp else "") + ") != 0",
-                )
-                continue
-            for P in _divisors(n // (T * C)):
-                if not ok("pipeline", P):
-                    continue
-                if model.num_layers < P:  # (P not dividing L: uneven, balanced stages)
-                    reject({"pipeline": P}, f"num_layers={model.num_layers} < pipeline={P}")
-                    continue
-                replicas = n // (T * C * P)
-                if global_batch % replicas:
-                    reject(
-                        {"pipeline": P, "sequence": C, "model": T},
-                        f"global_batch={global_batch} % (data x fsdp={replicas}) != 0",
-                    )
-                    continue
-                for F in _divisors(replicas):
-                    D = replicas // F
-                    if ok("fsdp", F) and ok("data", D):
-                        yield P, D, F, C, T
+    """No plan fits: the message says what would (more devices, remat, ZeRO-3)."""
 
 
 # Branch and bound in `plan`: a candidate whose compute plus its schedule's closed-form
@@ -137,7 +47,7 @@ BOUND = True
 
 
 def plan(
-    model: "ModelShape | str",
+    model: "ModelSpec | str",
     cluster: "Cluster | str",
     *,
     global_batch: int,
@@ -151,12 +61,13 @@ def plan(
     cp_strategy=None,
     microbatch_size=None,
     virtual_stages=None,
+    prefetch=None,
     calibration=None,
 ) -> list[Plan]:
-    """The best layouts for training `model` on `cluster`, best (fastest predicted) first.
+    """The fastest ways to train `model` on `cluster` (mesh and options), best first.
 
     Args:
-      model: a `ModelShape` / `ModelSpec` or a name of `shardfuse.models`.
+      model: a `ModelSpec` or a name of `shardfuse.models`.
       cluster: a `shardfuse.hardware.Cluster`, or a device name (one node).
       global_batch: sequences per optimizer step.
       seq_len: tokens per sequence.
@@ -167,9 +78,12 @@ def plan(
       zero, remat, schedule, cp_strategy, microbatch_size, virtual_stages: restrict
         an option to one value or a tuple of values (default: all; virtual stages:
         any that divides the layers of a stage, searched up to `MAX_VIRTUAL_STAGES`).
-        Every field of a `Layout` can so be pinned.
+      prefetch: the ZeRO-3 layer prefetch (`sf.parallel.RunOptions.prefetch`), priced
+        by the cost model; default False (not searched, so that the default plans do
+        not change); True or `(False, True)` to try it (with ZeRO-3 only).
+        Every field of a `Parallelism` can so be pinned.
       calibration: a measured step (`sf.profile`'s `Profile`, its `to_json()` dict
-        or a JSON path) of one layout on this cluster: the assumptions'
+        or a JSON path) of one `Parallelism` on this cluster: the assumptions'
         efficiency is fitted to it (`planner.calibrate`) before the search.
 
     Returns:
@@ -178,7 +92,7 @@ def plan(
 
     Raises:
       ValueError: a bad argument (named, with what is valid).
-      PlanningError: no layout fits, or none respects the rules (each rule that
+      PlanningError: no plan fits, or none respects the rules (each rule that
         failed is named, with its values); the message says what would.
 
     Example usage::
@@ -190,151 +104,197 @@ def plan(
       >>> len(plans), plans[0].step_time_s <= plans[1].step_time_s * 1.001  # ties: `TIE_RULE`
       (3, True)
     """
+    model, cluster = _model_and_cluster(model, cluster)
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len), ("top_k", top_k)):
+        check_positive_int(name, value)
+    a = assumptions or Assumptions()
+    if not isinstance(a, Assumptions):
+        raise TypeError(f"assumptions={a!r} must be a shardfuse.planner.Assumptions")
+    choices = Choices.of(mesh=mesh, zero=zero, remat=remat, schedule=schedule,
+                         cp_strategy=cp_strategy, microbatch_size=microbatch_size,
+                         virtual_stages=virtual_stages, prefetch=prefetch)  # fmt: skip
+    if calibration is not None:
+        from shardfuse.planner.calibrate import calibrate
+
+        a = calibrate(calibration, model=model, cluster=cluster, assumptions=a,
+                      global_batch=global_batch, seq_len=seq_len)  # fmt: skip
+    _check_mesh(choices, cluster)
+    search = _Search(model, cluster, a, global_batch, seq_len, choices, top_k)
+    for shape in search.meshes():
+        search.visit(*shape)
+    return search.plans()
+
+
+def _model_and_cluster(model, cluster):
+    """`(ModelSpec, Cluster)` of `plan`'s arguments (names looked up), or the TypeError."""
     if isinstance(model, str):
         model = get_model(model)
-    if not isinstance(model, ModelShape):
-        raise TypeError(f"model={model!r} must be a shardfuse.models.ModelShape or a model name")
+    if not isinstance(model, ModelSpec):
+        raise TypeError(f"model={model!r} must be a shardfuse.models.ModelSpec or a model name")
     if isinstance(cluster, str):
         cluster = make_cluster(cluster)
     if not isinstance(cluster, Cluster):
         raise TypeError(
             f"cluster={cluster!r} must be a shardfuse.hardware.Cluster or a device name"
         )
-    _check_positive_int("global_batch", global_batch)
-    _check_positive_int("seq_len", seq_len)
-    _check_positive_int("top_k", top_k)
-    a = assumptions or Assumptions()
-    if not isinstance(a, Assumptions):
-        raise TypeError(f"assumptions={a!r} must be a shardfuse.planner.Assumptions")
-    fixed = dict(mesh or {})
-    for axis, size in fixed.items():
-        if axis not in MESH_AXES:
-            raise ValueError(f"mesh axis {axis!r} is not one of {MESH_AXES}")
-        _check_positive_int(f"mesh[{axis!r}]", size)
-    zeros = _subset("zero", zero, options.ZERO_STAGES)
-    remats = tuple(p for p in REMAT_ORDER if p in _subset("remat", remat, options.REMAT_POLICIES))
-    schedules = _subset("schedule", schedule, options.SCHEDULES)
-    strategies = _subset("cp_strategy", cp_strategy, options.CP_STRATEGIES)
-    if cp_strategy is None:
-        strategies = SEARCHED_CP_STRATEGIES
-    sizes = _ints("microbatch_size", microbatch_size)
-    virtuals = _ints("virtual_stages", virtual_stages)
-    if virtuals is not None and any(v > 1 for v in virtuals) and "interleaved" not in schedules:
-        raise ValueError(f"virtual_stages={virtual_stages!r} > 1 needs schedule='interleaved'")
-    if calibration is not None:
-        from shardfuse.planner.calibrate import calibrate
+    return model, cluster
 
-        a = calibrate(calibration, model=model, cluster=cluster, assumptions=a,
-                      global_batch=global_batch, seq_len=seq_len)  # fmt: skip
-    pinned = math.prod(fixed.values()) if fixed else 1
-    every_axis = len(fixed) == len(MESH_AXES)
+
+def _check_mesh(choices: Choices, cluster):
+    """PlanningError unless the pinned sizes fit the cluster's device count."""
+    pinned = math.prod(choices.mesh.values()) if choices.mesh else 1
+    every_axis = len(choices.mesh) == len(MESH_AXES)
     if (pinned != cluster.num_devices) if every_axis else (cluster.num_devices % pinned):
         raise PlanningError(
-            f"mesh {fixed}: the pinned sizes multiply to {pinned}, which "
+            f"mesh {choices.mesh}: the pinned sizes multiply to {pinned}, which "
             + ("is not" if every_axis else "does not divide")
             + f" the cluster's {cluster.num_devices} devices (rule: the mesh product is the "
             "device count)"
         )
 
-    n = cluster.num_devices
-    limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
-    kwargs = dict(global_batch=global_batch, seq_len=seq_len, assumptions=a)
-    sizes_only = dict(global_batch=global_batch, seq_len=seq_len, assumptions=a)
-    found, smallest, shapes = [], None, 0
-    rejected = []  # (what, rule) of pinned candidates that break a rule
-    best_times = []  # a max-heap (negated) of the top_k step times so far
 
-    def cannot_win(compute, allowed, P, m, v):
+class _Search:
+    """The state of one `plan` search: what was found, the bound, what was refused.
+
+    `visit` walks one mesh shape: per ZeRO stage and prefetch, the remat policies
+    (by recomputation) and microbatch sizes (largest first); each candidate is
+    checked against the rules (`constraints`), its memory and time estimated
+    (`cost.estimate`), then its context-parallel strategies and pipeline
+    schedules. The bound: a candidate whose compute term (`cost.compute_term`,
+    the same for every mesh) plus its schedule's least closed-form bubble is
+    slower than the top_k-th plan so far is not estimated.
+    """
+
+    def __init__(self, model, cluster, a, global_batch, seq_len, choices: Choices, top_k):
+        self.model, self.cluster, self.a, self.choices, self.top_k = (
+            model, cluster, a, choices, top_k,
+        )  # fmt: skip
+        self.global_batch, self.seq_len = global_batch, seq_len
+        self.kwargs = dict(global_batch=global_batch, seq_len=seq_len, assumptions=a)
+        self.limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
+        self.found, self.smallest, self.shapes = [], None, 0
+        self.rejected = []  # (what, rule) of pinned candidates that break a rule
+        self.best_times = []  # a max-heap (negated) of the top_k step times so far
+        self.compute_s = {
+            policy: compute_seconds(model, cluster, policy, **self.kwargs)
+            for policy in choices.remats
+        }
+        self.max_v = max(choices.virtuals) if choices.virtuals else MAX_VIRTUAL_STAGES
+
+    def meshes(self):
+        """The mesh shapes, without a pipeline or context parallelism first (they set the
+        bound early)."""
+        c = self.choices
+        meshes = mesh_shapes(self.model, self.cluster.num_devices, global_batch=self.global_batch,
+                             seq_len=self.seq_len, fixed=c.mesh, assumptions=self.a,
+                             rejected=self.rejected)  # fmt: skip
+        return sorted(meshes, key=lambda shape: (shape[0], shape[3]))
+
+    def cannot_win(self, policy, allowed, P, m, v) -> bool:
         """compute x (1 + the least bubble of `allowed`) beyond the top_k-th time so far."""
-        if not BOUND or len(best_times) < top_k:
+        if not BOUND or len(self.best_times) < self.top_k:
             return False
-        return compute * (1 + _least_bubble(allowed, P, m, v)) > -best_times[0] * 1.001
+        bubble = _least_bubble(allowed, P, m, v)
+        return self.compute_s[policy] * (1 + bubble) > -self.best_times[0] * 1.001
 
-    compute_s = {policy: _compute_seconds(model, cluster, policy, **kwargs) for policy in remats}
-    max_v = max(virtuals) if virtuals else MAX_VIRTUAL_STAGES
-    meshes = list(mesh_shapes(model, n, global_batch=global_batch, seq_len=seq_len, fixed=fixed,
-                              assumptions=a, rejected=rejected))  # fmt: skip
-    # Shapes without a pipeline or context parallelism first: they set the bound early.
-    for P, D, F, C, T in sorted(meshes, key=lambda shape: (shape[0], shape[3])):
-        shapes += 1
-        per_replica = global_batch // (D * F)
+    def visit(self, P, D, F, C, T):
+        """Every candidate of one mesh shape."""
+        c = self.choices
+        self.shapes += 1
+        per_replica = self.global_batch // (D * F)
         if F == 1:
-            stages = (0,) if 0 in zeros else ()
+            stages = (0,) if 0 in c.zeros else ()
         else:
-            stages = tuple(z for z in (1, 2, 3) if z in zeros)
-        mbs = [b for b in _divisors(per_replica) if sizes is None or b in sizes][::-1]
-        cps = ("ring",) if C == 1 else strategies
+            stages = tuple(z for z in (1, 2, 3) if z in c.zeros)
+        mbs = [b for b in divisors(per_replica) if c.sizes is None or b in c.sizes][::-1]
+        cps = ("ring",) if C == 1 else c.strategies
         for z in stages:
-            states = state_bytes(model, Layout(P, D, F, C, T, zero=z), a)
-            if states > limit:  # parameters, gradients and optimizer alone do not fit
-                if smallest is None or states < smallest[0].memory_bytes:
-                    probe = Layout(P, D, F, C, T, zero=z, remat=remats[-1],
-                                   num_microbatches=per_replica)  # fmt: skip
-                    smallest = (estimate(model, cluster, probe, **kwargs), probe)
+            states = state_bytes(self.model, Parallelism(P, D, F, C, T).replace(zero=z), self.a)
+            if states > self.limit:  # parameters, gradients and optimizer alone do not fit
+                if self.smallest is None or states < self.smallest[0].memory_bytes:
+                    probe = Parallelism(P, D, F, C, T).replace(
+                        zero=z, remat=c.remats[-1], num_microbatches=per_replica
+                    )
+                    self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
+                                     probe)  # fmt: skip
                 continue
-            fitted = set()  # microbatch sizes at which a cheaper policy already fits
-            for policy in remats:
-                for mb in mbs:
-                    m = per_replica // mb
-                    if (P > 1 and m < P) or mb in fitted:
-                        continue
-                    # Branch and bound: compute plus the smallest bubble any allowed
-                    # schedule could reach is a lower bound on the step time.
-                    if cannot_win(compute_s[policy], schedules, P, m, max_v):
-                        continue
-                    base = Layout(P, D, F, C, T, zero=z, remat=policy, microbatch_size=mb,
-                                  num_microbatches=m, cp_strategy=cps[0])  # fmt: skip
-                    broken = layout_constraints(model, base, **sizes_only)
-                    if broken:
-                        rejected += [(base.mesh_shape, rule) for rule in broken]
-                        continue
-                    first = estimate(model, cluster, base, **kwargs)
-                    if smallest is None or first.memory_bytes < smallest[0].memory_bytes:
-                        smallest = (first, base)
-                    if not first.fits:
-                        continue
-                    # Later policies recompute more: never faster at this microbatch size.
-                    fitted.add(mb)
-                    best_cp = _best(model, cluster, kwargs, [
-                        dataclasses.replace(base, cp_strategy=s) for s in cps
-                    ], known=(base, first))  # fmt: skip
-                    candidates = [best_cp]
-                    if P > 1:
-                        candidates = [
-                            (None, layout)
-                            for layout in _schedules(model, best_cp[1], schedules, virtuals)
-                        ]
-                    elif "1f1b" not in schedules:  # no pipeline: the schedule is moot
-                        candidates = [
-                            (None, dataclasses.replace(best_cp[1], schedule=schedules[0]))
-                        ]
-                    for e, layout in candidates:
-                        if layout == best_cp[1]:
-                            e = best_cp[0]
-                        elif cannot_win(compute_s[policy], (layout.schedule,), P, m,
-                                        layout.virtual_stages):  # fmt: skip
-                            continue  # the bound above, for this schedule alone
-                        elif broken := layout_constraints(model, layout, **sizes_only):
-                            rejected += [(layout.mesh_shape, rule) for rule in broken]
+            for prefetch in c.prefetches:
+                fitted = set()  # microbatch sizes at which a cheaper policy already fits
+                for policy in c.remats:
+                    for mb in mbs:
+                        m = per_replica // mb
+                        if (P > 1 and m < P) or mb in fitted:
                             continue
-                        else:
-                            e = estimate(model, cluster, layout, **kwargs)
-                        if e.fits:
-                            found.append((_rank(e, layout), layout, e))
-                            heapq.heappush(best_times, -e.step_time_s)
-                            if len(best_times) > top_k:
-                                heapq.heappop(best_times)
-                    if P == 1:
-                        # Without a pipeline a larger microbatch is never slower: stop at
-                        # the largest that fits.
-                        break
-    if not found:
-        raise PlanningError(_no_fit_message(model, cluster, global_batch, seq_len, smallest,
-                                            shapes, remats, zeros, rejected))  # fmt: skip
-    found.sort(key=lambda item: item[0])
-    return [
-        Plan(model, cluster, global_batch, seq_len, layout, e, a) for _, layout, e in found[:top_k]
-    ]
+                        # compute plus the smallest bubble any allowed schedule could reach
+                        # is a lower bound on the step time
+                        if self.cannot_win(policy, c.schedules, P, m, self.max_v):
+                            continue
+                        base = Parallelism(P, D, F, C, T, microbatch_size=mb,
+                                           cp_strategy=cps[0]).replace(
+                            zero=z, remat=policy, num_microbatches=m, prefetch=prefetch,
+                        )  # fmt: skip
+                        if self.candidate(base, cps):
+                            # later policies recompute more: never faster at this size
+                            fitted.add(mb)
+                            if P == 1:
+                                # without a pipeline a larger microbatch is never slower:
+                                # stop at the largest that fits
+                                break
+
+    def candidate(self, base: Parallelism, cps) -> bool:
+        """Estimates `base`, its context-parallel strategies and its schedules; whether it fits."""
+        model, c = self.model, self.choices
+        broken = parallelism_constraints(model, base, **self.sizes_only())
+        if broken:
+            self.rejected += [(base.mesh_shape, rule) for rule in broken]
+            return False
+        first = estimate(model, self.cluster, base, **self.kwargs)
+        if self.smallest is None or first.memory_bytes < self.smallest[0].memory_bytes:
+            self.smallest = (first, base)
+        if not first.fits:
+            return False
+        strategies = [base.replace(cp_strategy=s) for s in cps]
+        best_cp = _best(model, self.cluster, self.kwargs, strategies, known=(base, first))
+        candidates = [best_cp]
+        if base.pipeline > 1:
+            candidates = [(None, p) for p in _schedules(model, best_cp[1], c.schedules, c.virtuals)]
+        elif "1f1b" not in c.schedules:  # no pipeline: the schedule is moot
+            candidates = [(None, best_cp[1].replace(schedule=c.schedules[0]))]
+        policy, m = base.options.remat, base.options.num_microbatches
+        for e, parallelism in candidates:
+            if parallelism == best_cp[1]:
+                e = best_cp[0]
+            elif self.cannot_win(policy, (parallelism.options.schedule,), base.pipeline, m,
+                                 parallelism.options.virtual_stages):  # fmt: skip
+                continue  # the bound above, for this schedule alone
+            elif broken := parallelism_constraints(model, parallelism, **self.sizes_only()):
+                self.rejected += [(parallelism.mesh_shape, rule) for rule in broken]
+                continue
+            else:
+                e = estimate(model, self.cluster, parallelism, **self.kwargs)
+            if e.fits:
+                self.found.append((_rank(e, parallelism), parallelism, e))
+                heapq.heappush(self.best_times, -e.step_time_s)
+                if len(self.best_times) > self.top_k:
+                    heapq.heappop(self.best_times)
+        return True
+
+    def sizes_only(self) -> dict:
+        return dict(global_batch=self.global_batch, seq_len=self.seq_len, assumptions=self.a)
+
+    def plans(self) -> list:
+        """The `top_k` plans found, best first; PlanningError when none."""
+        if not self.found:
+            c = self.choices
+            raise PlanningError(_no_fit_message(
+                self.model, self.cluster, self.global_batch, self.seq_len, self.smallest,
+                self.shapes, c.remats, c.zeros, self.rejected,
+            ))  # fmt: skip
+        self.found.sort(key=lambda item: item[0])
+        return [
+            Plan(self.model, self.cluster, self.global_batch, self.seq_len, parallelism, e, self.a)
+            for _, parallelism, e in self.found[: self.top_k]
+        ]
 
 
 TIE_RULE = (
@@ -344,47 +304,39 @@ TIE_RULE = (
 )
 
 
-def _ints(name, value):
-    if value is None:
-        return None
-    values = (value,) if isinstance(value, int) else tuple(value)
-    for size in values:
-        _check_positive_int(name, size)
-    return values
-
-
-def _rank(e, layout):
+def _rank(e, parallelism):
     """Sort key (`TIE_RULE`): step time (to 0.1%), then the simpler options, then memory."""
     return (
         round(math.log(e.step_time_s) / math.log(1.001)),
-        layout.pipeline > 1,
-        REMAT_ORDER.index(layout.remat),
-        layout.zero,
-        layout.sequence > 1,
+        parallelism.pipeline > 1,
+        REMAT_ORDER.index(parallelism.options.remat),
+        parallelism.options.zero,
+        parallelism.sequence > 1,
         e.memory_bytes,
     )
 
 
-def _compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumptions):
-    """The compute term of `policy` (the same for every mesh of the cluster)."""
-    layout = Layout(data=cluster.num_devices, remat=policy)
-    e = estimate(model, cluster, layout, global_batch=cluster.num_devices, seq_len=seq_len,
-                 assumptions=assumptions)  # fmt: skip
-    return e.time[0].value * global_batch / cluster.num_devices
+def compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumptions) -> float:
+    """The compute term (`cost.compute_term`) of remat `policy`: the same for every mesh of the
+    cluster (data parallelism over all its devices, one sequence each, scaled to the batch)."""
+    everywhere = Parallelism.of(data=cluster.num_devices, remat=policy)
+    step = Step.of(model, cluster, everywhere, global_batch=cluster.num_devices, seq_len=seq_len,
+                   assumptions=assumptions)  # fmt: skip
+    return compute_term(step).value * global_batch / cluster.num_devices
 
 
-def _best(model, cluster, kwargs, layouts, known=None):
-    """The fastest fitting `(estimate, layout)` of `layouts`; `known`: one already estimated."""
+def _best(model, cluster, kwargs, parallelisms, known=None):
+    """The fastest fitting `(estimate, parallelism)` of `parallelisms`; `known`: one estimated."""
     best = None
-    for layout in layouts:
-        if layout_constraints(model, layout, **kwargs):
+    for parallelism in parallelisms:
+        if parallelism_constraints(model, parallelism, **kwargs):
             continue
-        if known is not None and layout == known[0]:
+        if known is not None and parallelism == known[0]:
             e = known[1]
         else:
-            e = estimate(model, cluster, layout, **kwargs)
+            e = estimate(model, cluster, parallelism, **kwargs)
         if e.fits and (best is None or e.step_time_s < best[0].step_time_s):
-            best = (e, layout)
+            best = (e, parallelism)
     return best
 
 
@@ -407,11 +359,11 @@ def _schedules(model, base, schedules, virtuals=None):
             for v in tried:
                 # a pinned v that does not divide is kept: the constraints name the rule
                 if v > 1 and (virtuals or model.num_layers % (base.pipeline * v) == 0):
-                    out.append(dataclasses.replace(base, schedule=name, virtual_stages=v))
-        elif name == base.schedule:
+                    out.append(base.replace(schedule=name, virtual_stages=v))
+        elif name == base.options.schedule:
             out.append(base)
         else:
-            out.append(dataclasses.replace(base, schedule=name))
+            out.append(base.replace(schedule=name))
     return out
 
 
@@ -422,11 +374,12 @@ def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, rem
         rules = sorted({rule for _, rule in rejected})
         failed = f"; rules that failed: {'; '.join(rules[:8])}" if rules else ""
         return (
-            f"no layout of {where} respects the divisibility rules for global_batch="
+            f"no plan of {where} respects the divisibility rules for global_batch="
             f"{global_batch}, seq_len={seq_len} ({shapes} mesh shapes tried{failed}): use a "
             "device count, batch and sequence length that the heads, layers and batch divide"
         )
-    e, layout = smallest
+    e, parallelism = smallest
+    options = parallelism.options
     limit = e.memory_limit_bytes
     needed = max(2, math.ceil(e.memory_bytes / limit * cluster.num_devices))
     # a power of two of nodes: the sizes that heads, layers and batches divide
@@ -436,16 +389,16 @@ def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, rem
         hints.append("remat='full' (allow it: remat=None)")
     if 3 not in zeros:
         hints.append("ZeRO-3 over an fsdp axis (allow it: zero=None)")
-    if layout.remat != "full" and "full" in remats:
+    if options.remat != "full" and "full" in remats:
         hints.append("remat='full'")
     hints.append("a smaller global batch or sequence length per microbatch")
     rules = sorted({rule for _, rule in rejected})
     if rules:
-        hints.append(f"(pinned layouts refused by the rules: {'; '.join(rules[:8])})")
+        hints.append(f"(pinned plans refused by the rules: {'; '.join(rules[:8])})")
     terms = ", ".join(f"{t.name} {t.value / 1e9:.3g} GB" for t in e.memory if t.value > 0)
     return (
-        f"no layout of {where} fits in {limit / 1e9:.3g} GB per device: the smallest needs "
-        f"{e.memory_bytes / 1e9:.3g} GB (mesh {layout.mesh_shape}, zero={layout.zero}, "
-        f"remat={layout.remat}, microbatch {layout.microbatch_size}: {terms}). "
+        f"no plan of {where} fits in {limit / 1e9:.3g} GB per device: the smallest needs "
+        f"{e.memory_bytes / 1e9:.3g} GB (mesh {parallelism.mesh_shape}, zero={options.zero}, "
+        f"remat={options.remat}, microbatch {parallelism.microbatch_size}: {terms}). "
         f"What would fit: {'; '.join(hints)}"
     )

@@ -7,6 +7,7 @@ import time
 
 import jax
 
+from shardfuse._keywords import renamed_keywords
 from shardfuse.profile import hlo, report, timeline, trace
 
 STEP_NAME = "shardfuse_profile_step"
@@ -34,6 +35,7 @@ def _predicted_terms(predicted) -> dict | None:
     return {str(k): float(v) for k, v in dict(predicted).items()}
 
 
+@renamed_keywords(layout="parallelism")  # its name in earlier releases
 def profile(
     step,
     *args,
@@ -42,7 +44,7 @@ def profile(
     trace_dir: str | None = None,
     predicted=None,
     predicted_label: str = "",
-    layout=None,
+    parallelism=None,
     devices_per_node: int | None = None,
     seq_len: int | None = None,
     top: int = 10,
@@ -72,8 +74,8 @@ def profile(
       predicted: the planner's prediction for this configuration (an
         `sf.planner` `Estimate` or `Plan`, or term name -> seconds), printed
         beside the measurement.
-      predicted_label: what the prediction is for (cluster, layout).
-      layout: the step's `sf.planner.Layout`, for the advice rules.
+      predicted_label: what the prediction is for (cluster, parallelism).
+      parallelism: the step's `sf.planner.Parallelism`, for the advice rules.
       devices_per_node, seq_len: for the advice rules.
       top: how many ops the report lists.
       hlo_text: the compiled program's text, if `step` cannot be lowered.
@@ -116,13 +118,14 @@ def profile(
         trace_dir=trace_dir,
         predicted=_predicted_terms(predicted),
         predicted_label=predicted_label,
-        layout=layout,
+        parallelism=parallelism,
         devices_per_node=devices_per_node,
         seq_len=seq_len,
         top=top,
     )
 
 
+@renamed_keywords(layout="parallelism")
 def summarize(
     parsed: trace.Trace,
     categories_of: dict | None,
@@ -132,7 +135,7 @@ def summarize(
     scopes: dict | None = None,
     predicted: dict | None = None,
     predicted_label: str = "",
-    layout=None,
+    parallelism=None,
     devices_per_node=None,
     seq_len=None,
     top: int = 10,
@@ -217,7 +220,9 @@ def summarize(
         device_busy_s=busy,
         predicted=predicted,
         predicted_label=predicted_label,
-        advice=report.advice(measured, layout, devices_per_node=devices_per_node, seq_len=seq_len),
+        advice=report.advice(
+            measured, parallelism, devices_per_node=devices_per_node, seq_len=seq_len
+        ),
         trace_dir=trace_dir,
         trace_file=parsed.path,
         attributed_by="program" if categories_of is not None else "name",

@@ -78,7 +78,7 @@ def main(args) -> int:
     import jax
 
     from shardfuse.profile.api import profile
-    from shardfuse.train import estimate_for, layout_of
+    from shardfuse.train import estimate_for, parallelism_of
 
     bounds = (("steps", args.steps, 1), ("warmup", args.warmup, 0), ("top", args.top, 1))
     for flag, value, low in bounds:
@@ -86,7 +86,7 @@ def main(args) -> int:
             raise ValueError(f"--{flag}={value} must be >= {low}")
     trainer, path = load_trainer(list(args.script))
     config, devices = trainer.config, jax.device_count()
-    layout = layout_of(config, devices)
+    parallelism = parallelism_of(config, devices)
     predicted = estimate_for(config, devices, chip=args.chip)
     mesh_text = ",".join(f"{k}={v}" for k, v in trainer.mesh.shape.items() if v > 1) or "1 device"
     label = f"sf.planner cost for {args.chip} x {devices}, {mesh_text}; its times are the chip's"
@@ -100,7 +100,7 @@ def main(args) -> int:
             trace_dir=args.trace_dir,
             predicted=predicted,
             predicted_label=label,
-            layout=layout,
+            parallelism=parallelism,
             devices_per_node=jax.local_device_count(),  # one host: one node
             seq_len=config.seq_len,
             top=args.top,

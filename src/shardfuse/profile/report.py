@@ -59,7 +59,7 @@ class Profile:
         "scope"}` per device and step (scope: where the op comes from, its `op_name`).
       device_busy_s: device -> seconds per step it was not idle.
       predicted: planner term -> predicted seconds (None without a configuration).
-      predicted_label: what the prediction is for (the cluster and layout).
+      predicted_label: what the prediction is for (the cluster and parallelism).
       advice: advice lines from the rules of the module docstring.
       trace_dir: the directory `jax.profiler.trace` wrote (TensorBoard/xprof, Perfetto).
       trace_file: the trace JSON that was parsed.
@@ -179,13 +179,13 @@ class Profile:
         return lines
 
 
-def advice(profile_fields: dict, layout=None, *, devices_per_node=None, seq_len=None) -> tuple:
+def advice(profile_fields: dict, parallelism=None, *, devices_per_node=None, seq_len=None) -> tuple:
     """Advice lines from the module docstring's rules.
 
     Args:
       profile_fields: `categories`, `overlapped`, `collectives`, `device_busy_s`,
         `trace_step_time_s` (the measured parts of a `Profile`).
-      layout: the step's `sf.planner.Layout` if known (mesh sizes, microbatches).
+      parallelism: the step's `sf.planner.Parallelism` if known (mesh sizes, microbatches).
       devices_per_node: devices of one node (tensor parallelism across nodes).
       seq_len: tokens per sequence (microbatch size in tokens).
     """
@@ -198,27 +198,28 @@ def advice(profile_fields: dict, layout=None, *, devices_per_node=None, seq_len=
             f"{100 * ALL_REDUCE_LIMIT:.0f}%): shard the gradient reduction (ZeRO-2/3 "
             "reduce-scatter), overlap it with the backward pass, or do more work per step"
         )
-    if layout is not None and devices_per_node and layout.model > 1:
-        if layout.model > devices_per_node:  # innermost axis: consecutive devices
+    if parallelism is not None and devices_per_node and parallelism.model > 1:
+        if parallelism.model > devices_per_node:  # innermost axis: consecutive devices
             lines.append(
-                f"tensor parallelism model={layout.model} spans more than one node of "
+                f"tensor parallelism model={parallelism.model} spans more than one node of "
                 f"{devices_per_node} devices: keep the model axis inside a node"
             )
-    if layout is not None and seq_len and layout.num_microbatches > 1:
-        tokens = layout.microbatch_size * seq_len / (layout.sequence * layout.model)
+    if parallelism is not None and seq_len and parallelism.options.num_microbatches > 1:
+        tokens = parallelism.microbatch_size * seq_len / (parallelism.sequence * parallelism.model)
         if tokens < TINY_MICROBATCH_TOKENS:
             lines.append(
-                f"{layout.num_microbatches} microbatches of {tokens:g} tokens per device "
+                f"{parallelism.options.num_microbatches} microbatches of {tokens:g} tokens per "
+                "device "
                 f"(under {TINY_MICROBATCH_TOKENS}): fewer, larger microbatches run larger "
                 "matmuls and pay the per-microbatch costs less often"
             )
     busy = profile_fields["device_busy_s"]
-    if layout is not None and layout.pipeline > 1 and busy:
-        per_stage = len(busy) // layout.pipeline
+    if parallelism is not None and parallelism.pipeline > 1 and busy:
+        per_stage = len(busy) // parallelism.pipeline
         ordered = [busy[d] for d in sorted(busy, key=_device_order)]
         stages = [
             sum(ordered[i * per_stage : (i + 1) * per_stage]) / max(per_stage, 1)
-            for i in range(layout.pipeline)
+            for i in range(parallelism.pipeline)
         ]
         slow = max(range(len(stages)), key=stages.__getitem__)
         if min(stages) > 0 and stages[slow] > SLOW_STAGE_RATIO * min(stages):

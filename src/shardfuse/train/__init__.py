@@ -5,9 +5,9 @@
   `sf.parallel.parallelize`, batches loaded per process, per-step metrics
   (loss, tokens/s, step time, MFU via `sf.flops`), a JSON log, orbax
   checkpoints with resumption on any mesh;
-- `plan_for`, `planned`, `from_plan`, `layout_of`, `estimate_for`: the
+- `plan_for`, `planned`, `from_plan`, `parallelism_of`, `estimate_for`: the
   planner's view of a run (plan it; take a plan's mesh and options; the
-  layout and the predicted cost of a config);
+  `sf.planner.Parallelism` and the predicted cost of a config);
 - `data`: deterministic token streams (`SyntheticTokens`, `TextTokens`).
 
 This package sits on top of the planner (it reads plans): planner -> parallel
@@ -34,12 +34,15 @@ from shardfuse.train.trainer import (
     Trainer,
     estimate_for,
     from_plan,
-    layout_of,
+    parallelism_of,
     parse_mesh,
     plan_for,
     planned,
     run,
     step_memory,
+)
+from shardfuse.train.trainer import (
+    layout_of as layout_of,  # deprecated: parallelism_of
 )
 
 __all__ = [
@@ -52,7 +55,7 @@ __all__ = [
     "data",
     "estimate_for",
     "from_plan",
-    "layout_of",
+    "parallelism_of",
     "parse_mesh",
     "plan_for",
     "planned",

@@ -9,7 +9,7 @@ line of metrics per step (loss, tokens/s, step time, MFU from `sf.flops`), a
 JSON log, orbax checkpoints every K steps and at exit (a run started again
 with the same directory resumes from the last complete checkpoint, on any
 mesh), and the planner's view of the run (`plan_for`, `from_plan`,
-`layout_of`, `estimate_for`).
+`parallelism_of`, `estimate_for`).
 """
 
 import dataclasses
@@ -17,8 +17,8 @@ import functools
 import json
 import math
 import os
-import pathlib
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,12 @@ from flax import nnx
 from jax.sharding import AxisType
 
 from shardfuse import axes, flops, hardware, planner
-from shardfuse.models.spec import ModelSpec
+from shardfuse._keywords import moved_keywords
+from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel import distributed
 from shardfuse.parallel.checkpoint import Checkpointer
-from shardfuse.parallel.parallelize import RunOptions, parallelize
+from shardfuse.parallel.options import RunOptions
+from shardfuse.parallel.parallelize import parallelize
 from shardfuse.train.data import CORPUS, SyntheticTokens, TextTokens
 
 AXES = axes.MESH_AXES  # outermost to innermost
@@ -41,9 +43,16 @@ COMPUTE_DTYPE = "float32"  # the model's weights and activations: the peak its M
 class TrainConfig:
     """Everything a run needs; every field is a flag of `examples/train_lm.py`.
 
+    The run's choices (ZeRO stage, remat, prefetch, microbatches, pipeline
+    schedule and virtual stages, ...) are one `sf.parallel.RunOptions`,
+    `options`, what `sf.parallel.parallelize` applies. The keywords `zero=`,
+    `remat=`, `microbatches=`, `schedule=`, `virtual_stages=` of earlier
+    releases still set its fields, with a DeprecationWarning.
+
     Example:
+      >>> from shardfuse.parallel import RunOptions
       >>> from shardfuse.train import TrainConfig
-      >>> TrainConfig(mesh={"data": 8}, zero=1).run_options().zero
+      >>> TrainConfig(mesh={"data": 8}, options=RunOptions(zero=1)).options.zero
       1
     """
 
@@ -62,23 +71,17 @@ class TrainConfig:
     log_json: str | None = None
     device: str | None = None  # sf.hardware name for the MFU estimate (default: detected)
     spread_processes: bool = False  # every mesh axis crosses processes (distributed.spread_devices)
-    zero: int = 0  # ZeRO stage over the fsdp axis
-    remat: str = "none"  # activation checkpointing policy of each layer
-    microbatches: int = 1  # gradient accumulation (no pipeline) or pipeline microbatches
-    schedule: str = "1f1b"  # pipeline schedule (when the pipeline axis is > 1)
-    virtual_stages: int = 1  # interleaved schedule: model chunks per stage
+    options: RunOptions = dataclasses.field(default_factory=RunOptions)  # the run's choices
     init_from: str | None = None  # a Hugging Face checkpoint directory: its spec and weights
     export_hf: str | None = None  # after training, the model as a Hugging Face checkpoint here
 
+    def __post_init__(self):
+        if not isinstance(self.options, RunOptions):
+            raise TypeError(f"options={self.options!r} must be an sf.parallel.RunOptions")
+
     def run_options(self) -> RunOptions:
-        """The `sf.parallel.RunOptions` of this run (what `sf.parallel.parallelize` applies)."""
-        return RunOptions(
-            zero=self.zero,
-            remat=self.remat,
-            microbatches=self.microbatches,
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-        )
+        """`options`: what `sf.parallel.parallelize` applies (the conversion it calls)."""
+        return self.options
 
     def mesh_shape(self, device_count: int) -> tuple:
         """Sizes of `AXES`, checked against the device count."""
@@ -95,6 +98,11 @@ class TrainConfig:
             )
         return sizes
 
+
+TrainConfig.__init__ = moved_keywords(
+    "options", RunOptions, zero="zero", remat="remat", microbatches="num_microbatches",
+    schedule="schedule", virtual_stages="virtual_stages",
+)(TrainConfig.__init__)  # fmt: skip
 
 parse_mesh = axes.parse_mesh  # the command line's `--mesh data=2,model=4`
 
@@ -129,33 +137,41 @@ def _planner_inputs(config: TrainConfig, device_count: int, chip: str) -> tuple:
     return config.model, cluster, assumptions
 
 
-def layout_of(config: TrainConfig, device_count: int):
-    """The `sf.planner.Layout` that `config` runs (the inverse of `from_plan`)."""
+def parallelism_of(config: TrainConfig, device_count: int):
+    """The `sf.planner.Parallelism` that `config` runs (the inverse of `from_plan`)."""
     sizes = dict(zip(AXES, config.mesh_shape(device_count), strict=True))
     replicas = sizes["data"] * sizes["fsdp"]
-    return planner.Layout(
+    options = config.options.replace(mesh_shape=None)  # the mesh: `sizes`
+    return planner.Parallelism(
         **sizes,
-        zero=config.zero,
-        remat=config.remat,
-        schedule=config.schedule,
-        microbatch_size=max(1, config.global_batch // (replicas * config.microbatches)),
-        num_microbatches=config.microbatches,
-        virtual_stages=config.virtual_stages,
+        options=options,
+        microbatch_size=max(1, config.global_batch // (replicas * options.num_microbatches)),
         cp_strategy="ring",
     )
 
 
-def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
-    """The planner's `Estimate` of `config`'s step as it runs (`layout_of`) on `chip`s.
+def layout_of(config: TrainConfig, device_count: int):
+    """Deprecated: `parallelism_of` (the planner's layout is now `sf.planner.Parallelism`)."""
+    warnings.warn(
+        "sf.train.layout_of is deprecated and will be removed in the next release: use "
+        "sf.train.parallelism_of",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return parallelism_of(config, device_count)
 
-    The cost function `sf.plan` ranks with, for this one layout: its terms are
+
+def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
+    """The planner's `Estimate` of `config`'s step as it runs (`parallelism_of`) on `chip`s.
+
+    The cost function `sf.plan` ranks with, for this one parallelism: its terms are
     what `sf.profile` prints beside the measured categories.
     """
     spec, cluster, assumptions = _planner_inputs(config, device_count, chip)
     return planner.estimate(
         spec,
         cluster,
-        layout_of(config, device_count),
+        parallelism_of(config, device_count),
         global_batch=config.global_batch,
         seq_len=config.seq_len,
         assumptions=assumptions,
@@ -164,17 +180,12 @@ def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
 
 def from_plan(config: TrainConfig, plan) -> TrainConfig:
     """`config` with the mesh and options of `plan` (an `sf.planner.Plan`)."""
-    layout = plan.layout
     return dataclasses.replace(
         config,
         mesh=dict(plan.mesh_shape),
         global_batch=plan.global_batch,
         seq_len=plan.seq_len,
-        zero=layout.zero,
-        remat=layout.remat,
-        schedule=layout.schedule,
-        microbatches=layout.num_microbatches,
-        virtual_stages=layout.virtual_stages,
+        options=plan.run_options(),
     )
 
 
@@ -218,16 +229,9 @@ def _with_checkpoint_spec(config: TrainConfig) -> TrainConfig:
         return config
     from shardfuse.models import hf
 
-    source = pathlib.Path(config.init_from)
-    if not (source / "config.json").is_file():
-        raise ValueError(
-            f"init_from={config.init_from!r} is not a Hugging Face checkpoint directory "
-            "(no config.json)"
-        )
-    spec = hf.spec_from_hf_config(
-        json.loads((source / "config.json").read_text()), name=source.name or "hf"
+    return dataclasses.replace(
+        config, model=hf.read_hf_spec(config.init_from, argument="init_from")
     )
-    return dataclasses.replace(config, model=spec)
 
 
 def _parallelize(config: TrainConfig, mesh, init=None):

@@ -148,7 +148,7 @@ def test_presets_read_the_hardware_table():
         Hardware.from_device(dataclasses.replace(v4, link=None))
     with pytest.raises(ValueError, match="'tpu-v5e' has no float32 peak"):
         Hardware.from_device("tpu-v5e", dtype="float32")
-    # A model name works where a ModelShape does; unknown names list the valid ones.
+    # A model name works where a ModelSpec does; unknown names list the valid ones.
     assert cost_model.layer_costs("llama3-8b", tokens=1024, ring_size=8, hardware="h100_nvlink")
     with pytest.raises(ValueError, match="is not one of"):
         cost_model.layer_costs("llama-9", tokens=1024, ring_size=8, hardware="h100_nvlink")

@@ -29,13 +29,15 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from shardfuse.bench.harness import BenchCase
-from shardfuse.layers import ParallelTransformerBlock, Stack, remat
+from shardfuse.flops import REMAT_POLICIES
+from shardfuse.layers import ParallelTransformerBlock, Stack
+from shardfuse.layers.fsdp import ZERO_STAGES
 from shardfuse.models import ModelSpec, Transformer
 from shardfuse.parallel.accumulate import accumulate
 from shardfuse.parallel.zero import ZeroOptimizer
 
-POLICIES = remat.POLICIES
-STAGES = (0, 1, 2, 3)
+POLICIES = REMAT_POLICIES
+STAGES = ZERO_STAGES
 
 
 def pytest_generate_tests(metafunc):

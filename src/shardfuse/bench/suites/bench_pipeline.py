@@ -18,7 +18,7 @@ and every gradient (stack, head, input) of the blocks and head of an
 
 `extra_info` adds the schedule's IR figures (`ticks`, `bubble`, closed-form
 bubble, peak in-flight microbatches of the executor's lockstep table) and
-`lockstep_over_ideal`: the IR's lockstep work (`schedule.lockstep_work`,
+`lockstep_over_ideal`: the IR's lockstep work (`lockstep.lockstep_work`,
 what every device executes: every stage one F and one B per tick, the head
 in the last stage's F ticks) over the busiest stage's work without a bubble,
 from the layers' and the head's FLOPs (`sf.flops`), next to the compiled
@@ -43,7 +43,8 @@ from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack
 from shardfuse.models import MODELS
 from shardfuse.parallel.pipeline.api import Pipeline
-from shardfuse.parallel.pipeline.schedule import HEAD, B, F, lockstep_table, schedule_table
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
+from shardfuse.parallel.pipeline.schedule import HEAD, B, F, schedule_table
 
 OP = "pipeline_step"
 BASELINE = "unpipelined.1device"

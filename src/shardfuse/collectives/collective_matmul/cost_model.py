@@ -36,8 +36,8 @@ from shardfuse import ring_time
 from shardfuse.flops import matmul_flops
 from shardfuse.hardware import Device
 from shardfuse.hardware import device as hardware_device
-from shardfuse.models.spec import ModelShape
-from shardfuse.models.spec import get as model_shape
+from shardfuse.model_spec import ModelSpec
+from shardfuse.model_spec import get as model_spec
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 PARTIAL_SUM_BYTES = 4  # partial sums travel in float32
@@ -243,9 +243,9 @@ def ring_cost(
 
 
 def layer_costs(
-    model: ModelShape | str, *, tokens: int, ring_size: int, hardware: Hardware | str, **kwargs
+    model: ModelSpec | str, *, tokens: int, ring_size: int, hardware: Hardware | str, **kwargs
 ):
-    """Costs of a Megatron sequence-parallel MLP of `model` (a `shardfuse.models.ModelShape`
+    """Costs of a Megatron sequence-parallel MLP of `model` (a `shardfuse.models.ModelSpec`
     or its name).
 
     Returns `{"mlp_up (all_gather_matmul)": RingCost, "mlp_down (matmul_reduce_scatter)": ...}`
@@ -259,7 +259,7 @@ def layer_costs(
       ['mlp_down (matmul_reduce_scatter)', 'mlp_up (all_gather_matmul)']
     """
     if isinstance(model, str):
-        model = model_shape(model)
+        model = model_spec(model)
     up = ring_cost(
         "all_gather_matmul",
         rows=tokens,

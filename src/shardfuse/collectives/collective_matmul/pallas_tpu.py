@@ -51,7 +51,14 @@ def without_handshake():
         _HANDSHAKE.reset(token)
 
 
-def _mesh_axes(plan: RingPlan) -> tuple[str, ...]:
+def handshake() -> bool:
+    """Whether kernels traced here wait for credits (False inside `without_handshake`)."""
+    return _HANDSHAKE.get()
+
+
+def manual_mesh_axes(plan: RingPlan) -> tuple[str, ...]:
+    """The mesh axes of the shard_map the kernels run in (all manual, else
+    NotImplementedError); the fused ring attention's kernels read them too."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = tuple(mesh.axis_names)
     if set(getattr(mesh, "manual_axes", axes)) != set(axes):
@@ -106,7 +113,7 @@ def _gather_forward(x, w, plan: RingPlan, mesh_axes):
     _check_supported(x.dtype, (x.shape[-1], w.shape[1]), working_set, plan, row_factor)
     y2 = kernels.all_gather_matmul_call(
         x2, w, plan, mesh_axes, row_factor,
-        out_dtype=x.dtype, interpret=current_interpret_params(), handshake=_HANDSHAKE.get(),
+        out_dtype=x.dtype, interpret=current_interpret_params(), handshake=handshake(),
     )  # fmt: skip
     return _from_rows(y2, moved, plan.axis, plan.size * plan.chunk)
 
@@ -124,7 +131,7 @@ def _scatter_forward(x, w, plan: RingPlan, mesh_axes):
         mesh_axes,
         row_factor,
         interpret=current_interpret_params(),
-        handshake=_HANDSHAKE.get(),
+        handshake=handshake(),
     )
     return _from_rows(y2, moved, plan.axis, plan.chunk)
 
@@ -146,7 +153,7 @@ def _gather_accumulate(gathered, local, plan: RingPlan, mesh_axes):
         mesh_axes,
         row_factor,
         interpret=current_interpret_params(),
-        handshake=_HANDSHAKE.get(),
+        handshake=handshake(),
     )
 
 
@@ -198,13 +205,13 @@ def _check_precision(plan: RingPlan, dtype):
 def all_gather_matmul(x, w, plan: RingPlan):
     """`all_gather(x, axis=plan.axis, tiled=True) @ w` through the fused kernel."""
     _check_precision(plan, x.dtype)
-    return _all_gather_matmul(x, w, plan, _mesh_axes(plan))
+    return _all_gather_matmul(x, w, plan, manual_mesh_axes(plan))
 
 
 def matmul_reduce_scatter(x, w, plan: RingPlan):
     """`psum_scatter(x @ w, scatter_dimension=plan.axis, tiled=True)` through the fused kernel."""
     _check_precision(plan, x.dtype)
-    return _matmul_reduce_scatter(x, w, plan, _mesh_axes(plan))
+    return _matmul_reduce_scatter(x, w, plan, manual_mesh_axes(plan))
 
 
 def matmul_all_reduce(x, w, plan, axis_name, precision=None):

@@ -79,7 +79,7 @@ def ring_balance(
       1.0
     """
     positions = np.asarray(layouts.ring_positions(seq_len, ring_size, layout), np.int64)
-    window = base._check_window(window)  # same rules as attention's window argument
+    window = base.check_window(window)  # same rules as attention's window argument
     config = base.AttentionConfig(causal=bool(causal), window=window, logit_softcap=None, scale=1)
     pairs = np.zeros(ring_size, np.int64)
     steps = np.zeros(ring_size, np.int64)

@@ -49,8 +49,7 @@ from shardfuse.collectives.ring_attention import layouts
 from shardfuse.collectives.ring_attention import pallas_tpu_fused_kernels as kernels
 from shardfuse.kernels import vma
 from shardfuse.kernels.attention import pallas_tpu_blocks as tiles
-from shardfuse.kernels.attention import pallas_tpu_kernels as attention_kernels
-from shardfuse.kernels.attention import protocol
+from shardfuse.kernels.attention import pallas_tpu_tiles, protocol
 from shardfuse.kernels.attention.pallas_tpu_layout import (
     broadcast_lanes,
     broadcast_sublanes,
@@ -100,7 +99,7 @@ def _static(fz: _Fused, q, k, q_seg, *, backward: bool) -> kernels.FusedStatic:
     sizes = check_supported(q, fz.spec.config.block_sizes)
     block_q = _block(T, sizes.block_q_bwd if backward else sizes.block_q, "query")
     block_kv = _block(S, sizes.block_kv_bwd if backward else sizes.block_kv, "key")
-    block = attention_kernels.Static(
+    block = pallas_tpu_tiles.Static(
         fz.spec.config, T, S, block_q, block_kv, dot_precision(q.dtype), T // block_q
     )
     return kernels.FusedStatic(
@@ -304,7 +303,7 @@ def check_supported_here(spec, q, k, q_seg, interpret) -> tuple[str, ...]:
             f"{VMEM_BUDGET_BYTES}; the xla ring takes longer shards"
         )
     plan = ring_base.make_plan(spec.axis_name, spec.ring_size, 0, 1, False)
-    return collective_pallas._mesh_axes(plan)
+    return collective_pallas.manual_mesh_axes(plan)
 
 
 def ring(spec, q, k, v, q_seg, kv_seg):
@@ -331,7 +330,7 @@ def ring(spec, q, k, v, q_seg, kv_seg):
     """
     interpret = current_interpret_params()
     mesh_axes = check_supported_here(spec, q, k, q_seg, interpret)
-    handshake = collective_pallas._HANDSHAKE.get()
+    handshake = collective_pallas.handshake()
     fz = _Fused(spec, mesh_axes, interpret, handshake)
     q, k, v, q_seg, kv_seg = _common(fz, q, k, v, q_seg, kv_seg)
     with jax.named_scope("ring_attention_fused"):

@@ -34,8 +34,8 @@ that slot. `handshake=False` drops the credits: the planted race the race
 detector must catch.
 
 The block math is that of the Pallas TPU flash attention
-(`kernels/attention/pallas_tpu_kernels.py`: scores, masks, the dS rule,
-PARTIAL/FULL dispatch), applied to VMEM slices of the resident operands.
+(its tile helpers, `kernels/attention/pallas_tpu_tiles.py`: scores, masks, the dS
+rule, PARTIAL/FULL dispatch), applied to VMEM slices of the resident operands.
 
 Axis glossary: B batch, T / S local query / key length, H query heads, K kv
 heads, G = H // K, D head dim, N ring size; BH = B H and BK = B K flattened;
@@ -56,7 +56,7 @@ from shardfuse.collectives.collective_matmul.pallas_tpu_kernels import (
     neighbour,
     send_to_neighbour,
 )
-from shardfuse.kernels.attention import pallas_tpu_kernels as attention
+from shardfuse.kernels.attention import pallas_tpu_tiles as tiles
 
 TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
 
@@ -75,7 +75,7 @@ class FusedStatic:
       handshake: the credit handshake (False only for the planted-race test).
     """
 
-    block: attention.Static
+    block: tiles.Static
     ring_size: int
     num_axes: int
     batch: int
@@ -194,7 +194,7 @@ def _for_each_block(st: FusedStatic, states_ref, step: int, body):
         def per_query_block(i, carry):
             def per_key_block(j, carry):
                 state = states_ref[(step * nq + i) * nk + j]
-                attention._run_step(state, lambda masked: body(bh, kv_head, b, i, j, masked))
+                tiles.run_step(state, lambda masked: body(bh, kv_head, b, i, j, masked))
                 return carry
 
             return lax.fori_loop(0, nk, per_key_block, carry)
@@ -216,7 +216,7 @@ def _mask_refs(st: FusedStatic, q_lanes, q_rows, kv_lanes, kv_rows, b, i, j):
         refs += [kv_rows.at[seg, :, ks]]
     else:
         refs += [None] * 4
-    return attention.MaskRefs(*refs)
+    return tiles.MaskRefs(*refs)
 
 
 def _block_inputs(st: FusedStatic, q_ref, kv_ref, bh, kv_head, i, j):
@@ -259,22 +259,22 @@ def forward_kernel(
     def consume(step, kv, kv_lanes, kv_rows):
         def block(bh, kv_head, b, i, j, masked):
             rows_q, _, q, k, v = _block_inputs(st, q_ref, kv, bh, kv_head, i, j)
-            s, _ = attention._scores(st.block, q, k)  # [bq, bk]
+            s, _ = tiles.scores(st.block, q, k)  # [bq, bk]
             if masked:
                 masks = _mask_refs(st, q_lanes_ref, q_rows_ref, kv_lanes, kv_rows, b, i, j)
                 s = jnp.where(masks.queries_by_keys(st.block, i, j), s, -jnp.inf)
-                keys_seen = attention._any_along_lanes(masks.keys_by_queries(st.block, i, j))
-                v = attention._zero_rows(v, keys_seen)
+                keys_seen = tiles.any_along_lanes(masks.keys_by_queries(st.block, i, j))
+                v = tiles.zero_rows(v, keys_seen)
             m_prev, l_prev = m_ref[bh, rows_q, :], l_ref[bh, rows_q, :]  # [bq, 128]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
-            p = jnp.exp(s - attention.fit_lanes(m_safe, bk))
+            p = jnp.exp(s - tiles.fit_lanes(m_safe, bk))
             alpha = jnp.exp(m_prev - m_safe)
             m_ref[bh, rows_q, :] = m_next
             l_ref[bh, rows_q, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv = attention._dot(p.astype(v.dtype), v, attention.NN_DIMS, precision)  # [bq, D]
+            pv = tiles.dot(p.astype(v.dtype), v, tiles.NN_DIMS, precision)  # [bq, D]
             acc = acc_ref[bh, rows_q, :]
-            acc_ref[bh, rows_q, :] = acc * attention.fit_lanes(alpha, head_dim) + pv
+            acc_ref[bh, rows_q, :] = acc * tiles.fit_lanes(alpha, head_dim) + pv
 
         _for_each_block(st, states_ref, step, block)
 
@@ -284,7 +284,7 @@ def forward_kernel(
         denom = l_ref[bh]
         has_key = denom > 0
         safe = jnp.where(has_key, denom, 1.0)
-        out = acc_ref[bh] / attention.fit_lanes(safe, head_dim)
+        out = acc_ref[bh] / tiles.fit_lanes(safe, head_dim)
         out_ref[bh] = out.astype(out_ref.dtype)
         lse_ref[bh] = jnp.where(has_key, m_ref[bh] + jnp.log(safe), -jnp.inf)
         return carry
@@ -333,25 +333,25 @@ def backward_kernel(
     def block(kv, kv_lanes, kv_rows, bh, kv_head, b, i, j, masked):
         rows_q, rows_k, q, k, v = _block_inputs(st, q_ref, kv, bh, kv_head, i, j)
         do = do_ref[bh, rows_q, :]
-        s, tanh = attention._scores(st.block, q, k)  # [bq, bk]
+        s, tanh = tiles.scores(st.block, q, k)  # [bq, bk]
         mask = None
         if masked:
             masks = _mask_refs(st, q_lanes_ref, q_rows_ref, kv_lanes, kv_rows, b, i, j)
             mask = masks.queries_by_keys(st.block, i, j)
             s = jnp.where(mask, s, -jnp.inf)
-            keys_seen = attention._any_along_lanes(masks.keys_by_queries(st.block, i, j))
-            queries_seeing = attention._any_along_lanes(mask)
-            k, v = attention._zero_rows(k, keys_seen), attention._zero_rows(v, keys_seen)
-            q = attention._zero_rows(q, queries_seeing)
-            do = attention._zero_rows(do, queries_seeing)
-        p = jnp.exp(s - attention.fit_lanes(lse_ref[bh, rows_q, :], bk))
-        dp = attention._dot(do, v, attention.NT_DIMS, precision)  # [bq, bk]
-        delta = attention.fit_lanes(delta_ref[bh, rows_q, :], bk)
-        ds = attention._score_grads(p, dp, delta, mask, tanh)
-        dq = attention._dot(ds.astype(k.dtype), k, attention.NN_DIMS, precision)
+            keys_seen = tiles.any_along_lanes(masks.keys_by_queries(st.block, i, j))
+            queries_seeing = tiles.any_along_lanes(mask)
+            k, v = tiles.zero_rows(k, keys_seen), tiles.zero_rows(v, keys_seen)
+            q = tiles.zero_rows(q, queries_seeing)
+            do = tiles.zero_rows(do, queries_seeing)
+        p = jnp.exp(s - tiles.fit_lanes(lse_ref[bh, rows_q, :], bk))
+        dp = tiles.dot(do, v, tiles.NT_DIMS, precision)  # [bq, bk]
+        delta = tiles.fit_lanes(delta_ref[bh, rows_q, :], bk)
+        ds = tiles.score_grads(p, dp, delta, mask, tanh)
+        dq = tiles.dot(ds.astype(k.dtype), k, tiles.NN_DIMS, precision)
         dq_ref[bh, rows_q, :] += dq
-        share[1, kv_head, rows_k, :] += attention._dot(p.astype(do.dtype), do, TN_DIMS, precision)
-        share[0, kv_head, rows_k, :] += attention._dot(ds.astype(q.dtype), q, TN_DIMS, precision)
+        share[1, kv_head, rows_k, :] += tiles.dot(p.astype(do.dtype), do, TN_DIMS, precision)
+        share[0, kv_head, rows_k, :] += tiles.dot(ds.astype(q.dtype), q, TN_DIMS, precision)
 
     def dkv_copy(src, slot):
         return _copy(src, recv_buf, dkv_send_sem, dkv_recv_sem, slot, table_ref, st)

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse import axes
+from shardfuse._keywords import renamed_keywords
 from shardfuse.collectives import sharding
 from shardfuse.collectives.ring_attention import api, blocks, layouts, relayout, ring, ulysses
 from shardfuse.collectives.ring_attention.plan import Plan, make_plan
@@ -192,7 +193,7 @@ def _onto_mesh(x, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, sharding.divisible_spec(mesh, spec, x.shape)))
 
 
-@sharding.renamed_keywords(seq_axis="sequence_axis", batch_axis="data_axis", head_axis="model_axis")
+@renamed_keywords(seq_axis="sequence_axis", batch_axis="data_axis", head_axis="model_axis")
 @base.config_options
 def ring_attention(
     q,

@@ -44,6 +44,7 @@ from shardfuse import flops, ring_time
 from shardfuse import hardware as hw
 from shardfuse.collectives.collective_matmul.cost_model import PRESETS, Hardware
 from shardfuse.collectives.ring_attention.ulysses import kv_heads_after_expansion
+from shardfuse.model_spec import get as model_spec
 
 STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 FALLBACK_DEVICE = "h100-sxm"  # the figures strategy=None uses where the chip is unknown (CPU)
@@ -273,7 +274,7 @@ def predicted_winners(
 ) -> list[dict]:  # fmt: skip
     """One row per sequence length: each strategy's predicted forward + backward ms and the winner.
 
-    `model`: a `shardfuse.models.ModelShape` (heads, kv heads, head dim); bfloat16.
+    `model`: a `shardfuse.models.ModelSpec` (heads, kv heads, head dim); bfloat16.
 
     Example usage::
 
@@ -330,12 +331,14 @@ def main() -> None:
     """Prints the predicted winners for llama3-8b, 8k to 1M tokens, on H100 SXM and TPU v5p
     (8 devices; USP as 4 x 2):
     `python -c "from shardfuse.collectives.ring_attention import strategy; strategy.main()"`."""
-    from shardfuse.models.spec import get
-
     lens = [8192 << i for i in range(8)]
     for hardware in ("h100-sxm", "tpu-v5p"):
         rows = predicted_winners(
-            get("llama3-8b"), hardware=hardware, seq_lens=lens, sequence_size=8, ulysses_size=4
+            model_spec("llama3-8b"),
+            hardware=hardware,
+            seq_lens=lens,
+            sequence_size=8,
+            ulysses_size=4,
         )
         print(f"llama3-8b on {resolve_hardware(hardware).name}, 8 devices, fwd + bwd ms:")
         print(f"{'T':>8} {'winner':12} " + " ".join(f"{s:>12}" for s in STRATEGIES))

@@ -72,7 +72,12 @@ def _check_int_array(name, x, expected_shape, expected_text):
         raise _shape_error(name, x, expected_text)
 
 
-def _check_window(window) -> Window | None:
+def check_window(window) -> Window | None:
+    """`window` as `(left, right)` (ints >= 0 or None), or None when unbounded both ways.
+
+    The rule of the `window=` argument of every attention entry point (`validate`, the
+    ring's load-balance report). Raises ValueError naming the offending side.
+    """
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -168,7 +173,7 @@ def validate(
         _check_int_array("kv_segment_ids", kv_segment_ids, (B, S), f"[B, S] = ({B}, {S})")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal={causal!r} must be a bool")
-    window = _check_window(window)
+    window = check_window(window)
     logit_softcap = _check_scalar("logit_softcap", logit_softcap, positive=True)
     scale = _check_scalar("scale", scale, positive=False)
     if scale is None:

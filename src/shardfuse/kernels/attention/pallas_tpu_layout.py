@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from shardfuse.kernels.attention import pallas_tpu_blocks as blocks
-from shardfuse.kernels.attention import pallas_tpu_kernels as kernels
+from shardfuse.kernels.attention import pallas_tpu_tiles as tiles
 from shardfuse.kernels.attention.pallas_tpu_blocks import (
     NUM_LANES,
     NUM_SUBLANES,
@@ -117,7 +117,7 @@ class Layout:
 
     def static(self, config, dtype):
         """The kernels' static facts for inputs of `dtype`."""
-        return kernels.Static(
+        return tiles.Static(
             config, self.T, self.S, self.block_q, self.block_kv, dot_precision(dtype), self.nq
         )
 

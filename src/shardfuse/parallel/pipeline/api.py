@@ -26,6 +26,7 @@ from shardfuse import axes
 from shardfuse.collectives.sharding import check_activations, check_divisible, place
 from shardfuse.layers.loss import token_loss
 from shardfuse.layers.stack import Stack, check_head
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
 from shardfuse.parallel.pipeline.program import (
     Config,
     forward_program,
@@ -35,7 +36,7 @@ from shardfuse.parallel.pipeline.program import (
     spec_tree,
 )
 from shardfuse.parallel.pipeline.residuals import check_residuals
-from shardfuse.parallel.pipeline.schedule import check_schedule, lockstep_table, schedule_table
+from shardfuse.parallel.pipeline.schedule import check_schedule, schedule_table
 
 __all__ = ["Pipeline"]
 
@@ -142,7 +143,7 @@ class Pipeline(nnx.Module):
             raise ValueError(f"io_spec={io_spec} must not use the pipeline axis {pipeline_axis!r}")
 
     def lockstep(self, *, forward_only: bool = False):
-        """The `LockstepTable` the executor runs (`schedule.lockstep_table`)."""
+        """The `LockstepTable` the executor runs (`lockstep.lockstep_table`)."""
         return lockstep_table(
             self.schedule,
             self.num_stages,

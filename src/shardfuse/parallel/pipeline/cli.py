@@ -20,7 +20,8 @@ import json
 import sys
 
 from shardfuse.cli import fail
-from shardfuse.parallel.pipeline.schedule import SCHEDULES, B, F, lockstep_table, schedule_table
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
+from shardfuse.parallel.pipeline.schedule import SCHEDULES, B, F, schedule_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ The program is one `jax.shard_map` over EVERY axis of the mesh (a full-manual
 region: the layers inside run per shard, see `shardfuse.collectives.sharding.in_manual_region`).
 Device `s` of the pipeline axis holds chunks `c = 0..v-1` of the stack
 (virtual stage `c * p + s`, `L / (p v)` layers each). Each tick
-(`schedule.LockstepTable`) has an F slot and a B slot per stage:
+(`lockstep.LockstepTable`) has an F slot and a B slot per stage:
 
 - F: `y = stage(x_in)` with `x_in` the microbatch itself (virtual stage 0) or
   the activation received in the previous tick; `y` goes to the next
@@ -217,7 +217,7 @@ def run_schedule(
     """The per-shard program (call it inside a full-manual `jax.shard_map`).
 
     Args:
-      table: the `LockstepTable` (`schedule.lockstep_table`).
+      table: the `LockstepTable` (`lockstep.lockstep_table`).
       stage_fn: `stage_fn(chunk_params, x) -> y`, one chunk's layers on local activations.
       head_fn: `head_fn(head_params, y, targets, weights) -> (loss_sum, weight_sum)` on the
         last virtual stage (None in forward-only runs).

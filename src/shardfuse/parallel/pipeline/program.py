@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.sharding import run_on_mesh, spec_axes
 from shardfuse.kernels.vma import varying_axes
 from shardfuse.parallel.pipeline import executor
-from shardfuse.parallel.pipeline.schedule import lockstep_table
+from shardfuse.parallel.pipeline.lockstep import lockstep_table
 
 
 def pure(module):

@@ -1,10 +1,14 @@
-"""The model spec: shapes of published models, read by benchmarks, cost models, planner and model.
+"""The model's shape (`ModelSpec`) and the shapes of published models.
 
-One home for model sizes and architecture options. This module sits at the
-bottom of the package: it imports nothing from shardfuse, and everything else
-may import it (`shardfuse.flops` reads its parameter counts:
-`flops.model_flops_per_token(spec, seq_len)`). `shardfuse.models.Transformer` builds the
-model a spec describes.
+One home for model sizes and architecture options, a data module at the
+bottom of the package beside `axes`, `hardware` and `flops`: it imports
+nothing from shardfuse, and everything else may import it (`shardfuse.flops`
+reads its parameter counts: `flops.model_flops_per_token(spec, seq_len)`; the
+collective-matmul and ring-attention cost models its sizes; the planner its
+whole shape). `shardfuse.models.Transformer` builds the model a spec
+describes; `shardfuse.models` re-exports these names (`sf.models.ModelSpec`,
+`sf.models.get`). Published training runs, the planner's data, live in
+`shardfuse.planner.published`.
 
 Every figure is the published checkpoint's `config.json` on the Hugging Face Hub:
 
@@ -28,12 +32,11 @@ The GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473),
 Table 1: "gpt-1.7b" ... "gpt-1t", with the heads, hidden size and layers of the
 table, head dim = hidden / heads, MLP 4 x hidden (GELU), vocabulary 51200 and
-sequence length 2048 (the paper's section 5.1), tied input/output embeddings.
-`NARAYANAN_2021_TABLE1` holds the table's runs: tensor/pipeline/data sizes,
-batch, GPUs (A100 80GB, Selene) and the achieved TFLOP/s per GPU.
+sequence length 2048 (the paper's section 5.1), tied input/output embeddings
+(the table's runs: `shardfuse.planner.published.NARAYANAN_2021_TABLE1`).
 
-`ModelSpec` is another name of `ModelShape`: a user model is one constructor
-call (`ModelSpec("mine", hidden=..., ...)`), `ModelShape.gpt(...)` fills in
+A user model is one `ModelSpec` constructor
+call (`ModelSpec("mine", hidden=..., ...)`), `ModelSpec.gpt(...)` fills in
 the GPT conventions from hidden size, heads and layers, and `ModelSpec.tiny(...)`
 gives a small Llama-style model (what the examples and tests train on CPU).
 
@@ -61,7 +64,7 @@ POSITIONS = ("rope", "learned", "none")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelShape:
+class ModelSpec:
     """The sizes of one decoder-only transformer.
 
     Attributes:
@@ -98,8 +101,8 @@ class ModelShape:
         option outside its valid values (the message names the field).
 
     Example:
-      >>> from shardfuse.models import ModelShape
-      >>> ModelShape("tiny", hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=256,
+      >>> from shardfuse.models import ModelSpec
+      >>> ModelSpec("tiny", hidden=64, heads=4, kv_heads=2, head_dim=16, ffn_hidden=256,
       ...            num_layers=2, vocab_size=1000).heads
       4
     """
@@ -137,10 +140,10 @@ class ModelShape:
         ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelShape.{field}={value!r} must be a positive int")
+                raise ValueError(f"ModelSpec.{field}={value!r} must be a positive int")
         if self.heads % self.kv_heads:
             raise ValueError(
-                f"ModelShape heads={self.heads} must be a multiple of kv_heads={self.kv_heads}"
+                f"ModelSpec heads={self.heads} must be a multiple of kv_heads={self.kv_heads}"
             )
         for field, valid in (
             ("activation", ACTIVATIONS),
@@ -149,12 +152,12 @@ class ModelShape:
         ):
             if getattr(self, field) not in valid:
                 raise ValueError(
-                    f"ModelShape.{field}={getattr(self, field)!r} must be one of {valid}"
+                    f"ModelSpec.{field}={getattr(self, field)!r} must be one of {valid}"
                 )
         for field in ("tied_embeddings", "use_bias", "qkv_bias"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(
-                    f"ModelShape.{field}={getattr(self, field)!r} must be a bool (True or False)"
+                    f"ModelSpec.{field}={getattr(self, field)!r} must be a bool (True or False)"
                 )
         for field, optional in (
             ("norm_eps", False),
@@ -165,13 +168,13 @@ class ModelShape:
             if optional and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"ModelShape.{field}={value!r} must be a positive number")
+                raise ValueError(f"ModelSpec.{field}={value!r} must be a positive number")
         for field in ("window", "max_positions"):
             value = getattr(self, field)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
-                raise ValueError(f"ModelShape.{field}={value!r} must be None or a positive int")
+                raise ValueError(f"ModelSpec.{field}={value!r} must be None or a positive int")
         if self.rope_scaling is not None:
             scaling = self.rope_scaling
             if (
@@ -181,18 +184,18 @@ class ModelShape:
                 or not scaling[2] > scaling[1]
             ):
                 raise ValueError(
-                    f"ModelShape.rope_scaling={scaling!r} must be None or a tuple (factor, "
+                    f"ModelSpec.rope_scaling={scaling!r} must be None or a tuple (factor, "
                     "low_freq_factor, high_freq_factor, original_max_positions) of positive "
                     "numbers with high_freq_factor > low_freq_factor"
                 )
         if self.positions == "learned" and self.max_positions is None:
             raise ValueError(
-                "ModelShape.max_positions=None: positions='learned' needs the number of "
+                "ModelSpec.max_positions=None: positions='learned' needs the number of "
                 "position embeddings (the longest sequence), e.g. max_positions=2048"
             )
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(
-                f"ModelShape.head_dim={self.head_dim} must be even with positions='rope' "
+                f"ModelSpec.head_dim={self.head_dim} must be even with positions='rope' "
                 "(rotary embeddings rotate pairs)"
             )
 
@@ -204,8 +207,8 @@ class ModelShape:
           ValueError: `hidden % heads != 0`, or a size that is not a positive int.
 
         Example:
-          >>> from shardfuse.models import ModelShape
-          >>> ModelShape.gpt("gpt-small", 768, 12, 12).ffn_hidden
+          >>> from shardfuse.models import ModelSpec
+          >>> ModelSpec.gpt("gpt-small", 768, 12, 12).ffn_hidden
           3072
         """
         if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
@@ -360,17 +363,17 @@ class ModelShape:
 
 
 # Figures and sources: the module docstring.
-MODELS: dict[str, ModelShape] = {
+MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
-        ModelShape("llama3-8b", 4096, 32, 8, 128, 14336, num_layers=32, vocab_size=128256),
-        ModelShape("llama3-70b", 8192, 64, 8, 128, 28672, num_layers=80, vocab_size=128256),
-        ModelShape("llama3-405b", 16384, 128, 8, 128, 53248, num_layers=126, vocab_size=128256),
-        ModelShape(
+        ModelSpec("llama3-8b", 4096, 32, 8, 128, 14336, num_layers=32, vocab_size=128256),
+        ModelSpec("llama3-70b", 8192, 64, 8, 128, 28672, num_layers=80, vocab_size=128256),
+        ModelSpec("llama3-405b", 16384, 128, 8, 128, 53248, num_layers=126, vocab_size=128256),
+        ModelSpec(
             "mistral-7b", 4096, 32, 8, 128, 14336, num_layers=32, vocab_size=32000, window=4096
         ),
-        ModelShape("gemma-7b", 3072, 16, 16, 256, 24576, num_layers=28, vocab_size=256000),
-        ModelShape(
+        ModelSpec("gemma-7b", 3072, 16, 16, 256, 24576, num_layers=28, vocab_size=256000),
+        ModelSpec(
             "gemma2-9b",
             3584,
             16,
@@ -382,7 +385,7 @@ MODELS: dict[str, ModelShape] = {
             window=4096,
             logit_softcap=50.0,
         ),
-        ModelShape(
+        ModelSpec(
             "gpt3-175b",
             12288,
             96,
@@ -395,75 +398,18 @@ MODELS: dict[str, ModelShape] = {
             tied_embeddings=True,
         ),
         # Narayanan et al. 2021, Table 1 (heads, hidden, layers); vocabulary 51200.
-        ModelShape.gpt("gpt-1.7b", 2304, 24, 24),
-        ModelShape.gpt("gpt-3.6b", 3072, 32, 30),
-        ModelShape.gpt("gpt-7.5b", 4096, 32, 36),
-        ModelShape.gpt("gpt-18b", 6144, 48, 40),
-        ModelShape.gpt("gpt-39b", 8192, 64, 48),
-        ModelShape.gpt("gpt-76b", 10240, 80, 60),
-        ModelShape.gpt("gpt-145b", 12288, 96, 80),
-        ModelShape.gpt("gpt-310b", 16384, 128, 96),
-        ModelShape.gpt("gpt-530b", 20480, 128, 105),
-        ModelShape.gpt("gpt-1t", 25600, 160, 128),
+        ModelSpec.gpt("gpt-1.7b", 2304, 24, 24),
+        ModelSpec.gpt("gpt-3.6b", 3072, 32, 30),
+        ModelSpec.gpt("gpt-7.5b", 4096, 32, 36),
+        ModelSpec.gpt("gpt-18b", 6144, 48, 40),
+        ModelSpec.gpt("gpt-39b", 8192, 64, 48),
+        ModelSpec.gpt("gpt-76b", 10240, 80, 60),
+        ModelSpec.gpt("gpt-145b", 12288, 96, 80),
+        ModelSpec.gpt("gpt-310b", 16384, 128, 96),
+        ModelSpec.gpt("gpt-530b", 20480, 128, 105),
+        ModelSpec.gpt("gpt-1t", 25600, 160, 128),
     )
 }
-
-ModelSpec = ModelShape
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishedRun:
-    """One training run reported in a paper: its layout and its measured throughput.
-
-    Attributes:
-      model: a key of `MODELS`.
-      tensor, pipeline, data: the parallel sizes (t, p, d); `tensor * pipeline * data == gpus`.
-      global_batch: sequences per step.
-      seq_len: tokens per sequence.
-      gpus: devices used.
-      device: a key of `shardfuse.hardware.DEVICES`.
-      tflops_per_gpu: the achieved TFLOP/s per GPU the paper reports (its own FLOP count).
-      source: where the numbers come from.
-    """
-
-    model: str
-    tensor: int
-    pipeline: int
-    data: int
-    global_batch: int
-    seq_len: int
-    gpus: int
-    device: str
-    tflops_per_gpu: float
-    source: str
-
-
-_TABLE1 = "Narayanan et al. 2021 (arXiv:2104.04473), Table 1"
-
-# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-# Clusters Using Megatron-LM", Table 1 ("Weak-scaling throughput for GPT models
-# ranging from 1 billion to 1 trillion parameters"): columns number of parameters,
-# attention heads, hidden size, layers, tensor-parallel size, pipeline-parallel
-# size, number of GPUs, batch size, achieved teraFLOP/s per GPU, percentage of
-# theoretical peak, achieved aggregate petaFLOP/s. Data-parallel size = GPUs / (t p).
-# Sequence length 2048, A100 80GB GPUs of the Selene supercomputer (section 5).
-# Their FLOP count: 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step
-# (activation recomputation included).
-NARAYANAN_2021_TABLE1: tuple[PublishedRun, ...] = tuple(
-    PublishedRun(name, t, p, gpus // (t * p), batch, 2048, gpus, "a100-80gb", tflops, _TABLE1)
-    for name, t, p, gpus, batch, tflops in (
-        ("gpt-1.7b", 1, 1, 32, 512, 137.0),
-        ("gpt-3.6b", 2, 1, 64, 512, 138.0),
-        ("gpt-7.5b", 4, 1, 128, 512, 142.0),
-        ("gpt-18b", 8, 1, 256, 1024, 135.0),
-        ("gpt-39b", 8, 2, 512, 1536, 138.0),
-        ("gpt-76b", 8, 4, 1024, 1792, 140.0),
-        ("gpt-145b", 8, 8, 1536, 2304, 148.0),
-        ("gpt-310b", 8, 16, 1920, 2160, 155.0),
-        ("gpt-530b", 8, 35, 2520, 2520, 163.0),
-        ("gpt-1t", 8, 64, 3072, 3072, 163.0),
-    )
-)
 
 
 def names() -> list[str]:
@@ -477,8 +423,8 @@ def names() -> list[str]:
     return sorted(MODELS)
 
 
-def get(name: str) -> ModelShape:
-    """The `ModelShape` called `name`.
+def get(name: str) -> ModelSpec:
+    """The `ModelSpec` called `name`.
 
     Args:
       name: a key of `MODELS`, e.g. "llama3-8b".

@@ -1,0 +1,154 @@
+"""`Step`: what every term of the cost model reads, derived once from a step's inputs.
+
+The inputs of one estimate (the model, the cluster, the `Parallelism`, the
+`Assumptions`, the global batch and the sequence length) and the sizes and
+rates every term of `cost.estimate` needs: the mesh sizes, the FLOP rates
+(matmul and attention), the hardware FLOPs of the step and the share of them
+that is attention, the tokens of a microbatch on a device, the layers of the
+fullest pipeline stage. Notation: `cost`'s module docstring.
+"""
+
+import dataclasses
+
+from shardfuse import flops
+from shardfuse.hardware import Cluster
+from shardfuse.model_spec import ModelSpec
+from shardfuse.planner.efficiency import attention_efficiency
+from shardfuse.planner.memory import slowest_stage_layers
+from shardfuse.planner.options import Assumptions, Parallelism
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One training step as the cost model sees it (`Step.of` derives the fields).
+
+    Attributes:
+      model, cluster, parallelism, a: the inputs (`a`: the `Assumptions`).
+      B, s: sequences per step and tokens per sequence.
+      n: devices; P, D, F, C, T: the mesh sizes; mb, m: sequences per microbatch
+        and microbatches per replica.
+      peak_flops: the device's dense peak FLOP/s for the compute dtype.
+      efficiency, overlap: the matmul efficiency and the overlap fraction assumed.
+      rate, attention_rate: FLOP/s reached by the matmuls and by attention.
+      tokens: tokens per step; mb_tokens: tokens of one microbatch on one device
+        (before the model axis); layers_dev: layers of the fullest stage.
+      visible: keys a query attends to, on average.
+      hardware_flops: FLOPs the devices execute in the step (all devices).
+      attention_flops: the attention cores' share of them.
+      reruns_forward: the backward reruns each layer's whole forward (remat "full",
+        or the ZeRO-3 prefetch's recomputation).
+    """
+
+    model: ModelSpec
+    cluster: Cluster
+    parallelism: Parallelism
+    a: Assumptions
+    B: int
+    s: int
+    n: int
+    P: int
+    D: int
+    F: int
+    C: int
+    T: int
+    mb: int
+    m: int
+    peak_flops: float
+    efficiency: float
+    overlap: float
+    rate: float
+    attention_rate: float
+    tokens: int
+    mb_tokens: float
+    layers_dev: float
+    visible: float
+    hardware_flops: float
+    attention_flops: float
+    reruns_forward: bool
+
+    @classmethod
+    def of(cls, model, cluster, parallelism, *, global_batch, seq_len, assumptions=None):
+        """The `Step` of these inputs.
+
+        Raises:
+          ValueError: the parallelism's device count differs from the cluster's.
+        """
+        a = assumptions or Assumptions()
+        if parallelism.num_devices != cluster.num_devices:
+            raise ValueError(
+                f"parallelism {parallelism.mesh_shape} has {parallelism.num_devices} devices, "
+                f"the cluster {cluster.num_devices}"
+            )
+        options = parallelism.options
+        B, s, L = global_batch, seq_len, model.num_layers
+        peak_flops = flops.peak_flops_per_s(cluster.device, a.compute_dtype)
+        efficiency = a.efficiency_for(cluster.device)
+        rate = peak_flops * efficiency
+        attention_rate = rate
+        if a.flash_attention and a.compute_efficiency is None:
+            attention_rate = peak_flops * attention_efficiency(cluster.device)
+        tokens = B * s
+        hardware_flops = flops.hardware_flops(
+            model, seq_len=s, batch=B, remat=options.remat, causal_skip=a.causal_skip,
+            prefetch=options.prefetch,
+        )  # fmt: skip
+        # Attention cores run as flash-attention kernels (their own efficiency) or, without
+        # flash attention, as batched matmuls; recomputed once more under "full",
+        # "selective" and "offload" remat (with the prefetch: in the rerun forward of
+        # every layer but the last, and in every layer for the policy inside it).
+        reruns = 1 if options.remat in ("full", "selective", "offload") else 0
+        attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
+        attention_flops = (flops.TRAINING_OVER_FORWARD + reruns) * tokens * L * attention_hw
+        if options.prefetch:
+            inside = L if options.remat in ("selective", "offload") else 0
+            rerun_layers = L - 1 + inside
+            attention_flops = (
+                (flops.TRAINING_OVER_FORWARD * L + rerun_layers) * tokens * (attention_hw)
+            )
+        return cls(
+            model=model,
+            cluster=cluster,
+            parallelism=parallelism,
+            a=a,
+            B=B,
+            s=s,
+            n=cluster.num_devices,
+            P=parallelism.pipeline,
+            D=parallelism.data,
+            F=parallelism.fsdp,
+            C=parallelism.sequence,
+            T=parallelism.model,
+            mb=parallelism.microbatch_size,
+            m=options.num_microbatches,
+            peak_flops=peak_flops,
+            efficiency=efficiency,
+            overlap=a.overlap_for(cluster.device),
+            rate=rate,
+            attention_rate=attention_rate,
+            tokens=tokens,
+            mb_tokens=parallelism.microbatch_size * s / parallelism.sequence,
+            layers_dev=slowest_stage_layers(model, parallelism),
+            visible=flops.mean_visible_keys(s, model.window, a.causal_skip),
+            hardware_flops=hardware_flops,
+            attention_flops=attention_flops,
+            reruns_forward=options.remat == "full" or options.prefetch,
+        )
+
+    @property
+    def matmul_s(self) -> float:
+        """Seconds of the forward and backward matmuls of the step, per device."""
+        model = self.model
+        return (
+            flops.TRAINING_OVER_FORWARD * self.tokens * model.num_layers
+            * flops.layer_matmul_flops(model) / self.n / self.rate
+        )  # fmt: skip
+
+    @property
+    def attention_s(self) -> float:
+        """Seconds of the forward and backward attention cores of the step, per device."""
+        model, a = self.model, self.a
+        attention_hw = flops.layer_attention_flops(model, self.s, causal_skip=a.causal_skip)
+        return (
+            flops.TRAINING_OVER_FORWARD * self.tokens * model.num_layers * attention_hw
+            / self.n / self.attention_rate
+        )  # fmt: skip
