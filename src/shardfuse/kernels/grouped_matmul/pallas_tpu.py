@@ -26,7 +26,6 @@ small tiles with `tiles.block_sizes`.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -34,8 +34,10 @@ def compile_stats(*, arch: int, dtype: str, kernel: str, M=8192, K=4096, N=14336
 
     Example:
       >>> from shardfuse.kernels.grouped_matmul import triton_compile
-      >>> triton_compile.compile_stats(arch=90, dtype="bfloat16", kernel="grouped_matmul_kernel").ok  # doctest: +SKIP
-      True
+      >>> stats = triton_compile.compile_stats(  # doctest: +SKIP
+      ...     arch=90, dtype="bfloat16", kernel="grouped_matmul_kernel")
+      >>> stats.spill_stores, stats.ok  # doctest: +SKIP
+      (0, True)
     """
     config = base.GroupedMatmulConfig(out_dtype=jnp.dtype(dtype))
     kernel_config = triton_gpu.default_config(arch, jnp.dtype(dtype), kernel)

@@ -9,7 +9,8 @@ swapped; the weights' gradient one program per (group, A tile, B tile).
 Launch configurations (`CONFIGS`) per GPU generation and input class follow
 the Triton matmul tutorial's A100/H100 choices, as `sf.matmul`'s kernel does:
 128 x 128 output tiles with 8 warps for 16-bit inputs, 64 x 64 for float32
-(IEEE dots); the weights' gradient steps through a group's rows 32 or 64 at a time. Every entry compiles for its architecture with 0 register spills and
+(IEEE dots); the weights' gradient steps through a group's rows 32 or 64 at a
+time. Every entry compiles for its architecture with 0 register spills and
 shared memory within the per-block limit (`triton_compile`, checked in
 `tests/kernels/grouped_matmul/test_triton.py` without a GPU). Not tuned on a
 GPU: `shardfuse bench --suite grouped_matmul` times them where one is present.
@@ -131,7 +132,7 @@ def _forward(launcher, config, lhs, rhs, sizes, start):
 
 
 def _transposed(launcher, config, x, y, sizes, start, out_dtype):
-    (M, A), B = x.shape, y.shape[1]
+    A, B = x.shape[1], y.shape[1]
     G = sizes.shape[0]
     kernel_config = default_config(launcher.compute_capability, x.dtype, TRANSPOSED)
     start = jnp.zeros((), jnp.int32) if start is None else start
