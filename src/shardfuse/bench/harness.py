@@ -9,9 +9,10 @@ timed function, rounds sized so a case takes about `Scale.target_seconds`).
 It records on `benchmark.extra_info` everything a reader needs: op,
 implementation, backend, device kind, device count, versions, shape, dtype,
 analytic FLOPs and bytes, TFLOP/s, GB/s, % of the device's peak, compiled
-memory. The ratio to the group's baseline is added once the run ends (see
-`shardfuse.bench.results.attach_baseline_ratios`), since the baseline may run
-after the case.
+memory, and the seconds spent compiling (`compile_s`) and calling it
+(`timed_s`: warm-up and timed rounds). The ratio to the group's baseline is
+added once the run ends (see `shardfuse.bench.results.attach_baseline_ratios`),
+since the baseline may run after the case.
 
 Under `--benchmark-disable` (and under xdist, where pytest-benchmark turns
 itself off) `pedantic` calls the function once: the case still compiles,
@@ -317,7 +318,9 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
         raise AssertionError(f"{case.implementation} on {case.group} returned non-finite values")
     del out
     rounds = rounds_for(first_call_s, scale.target_seconds, scale.min_rounds, scale.max_rounds)
+    start = time.perf_counter()
     benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+    info["timed_s"] = first_call_s + time.perf_counter() - start  # the warm-up calls included
     stats = getattr(benchmark, "stats", None)
     median_s = stats.stats.median if stats is not None else None
     info["rounds"] = rounds if stats is not None else 0

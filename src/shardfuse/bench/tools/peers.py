@@ -56,12 +56,7 @@ def contenders():
     }
     missing = {}
     try:
-        import tokamax
-        from absl import flags
-
-        # tokamax reads absl flags, which would parse this script's own argv: none are set.
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
+        tokamax = import_tokamax()
         for impl in ("xla", "xla_chunked"):
             table[f"tokamax.{impl}"] = lambda q, k, v, causal, impl=impl: (
                 tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
@@ -69,6 +64,18 @@ def contenders():
     except ImportError as e:
         missing["tokamax"] = f"not installed ({e}); pip install -e '.[peers]'"
     return table, missing
+
+
+def import_tokamax():
+    """The `tokamax` module, its absl flags marked parsed (it reads them, and would otherwise
+    parse the calling script's own argv). ImportError when it is not installed
+    (`pip install -e ".[peers]"`)."""
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
 
 
 def compiled(attention, mode, causal, q, k, v, d_out):
