@@ -24,14 +24,17 @@ import pytest
 import shardfuse as sf
 from shardfuse.kernels.attention import native_cpu as extension
 from shardfuse.kernels.grouped_matmul import base, native_cpu
-from shardfuse.testing import F32_TOLERANCE, assert_close, assert_close_low_precision
 from tests.differential.budget import assert_catches, budget_params, run
-from tests.kernels.grouped_matmul.grouped_cases import Case, exact, make_inputs, zipf_sizes
+from tests.kernels.grouped_matmul.grouped_cases import (
+    NAMES,
+    Case,
+    assert_matches,
+    make_inputs,
+    zipf_sizes,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
-NAMES = ("out", "d_lhs", "d_rhs")
-KINDS = ("output", "grad", "grad")
 DIMS = (1, 7, 16, 33, 64, 129, 257, 515)
 
 
@@ -129,20 +132,15 @@ def check(drawn: Drawn):
     got = _run(case, drawn.implementation, case.dtype)
     for name, x in zip(NAMES, got, strict=True):
         assert np.isfinite(np.asarray(x, np.float32)).all(), f"{label}: {name} not finite"
-    if case.dtype == "float32":
-        values, slack = exact(case)
-        for i, name in enumerate(NAMES):
-            atol = F32_TOLERANCE[KINDS[i]] + slack[i]
-            assert_close(got[i], values[i], atol=atol, kind=KINDS[i], name=f"{label} {name}")
-        return
-    inputs = make_inputs(case)
-    rounded = inputs._replace(lhs=inputs.lhs.astype(case.dtype), rhs=inputs.rhs.astype(case.dtype))
-    ref32 = _run(case, "reference", "float32", rounded)
-    ref_lp = _run(case, "reference", case.dtype)
-    for i, name in enumerate(NAMES):
-        assert_close_low_precision(
-            got[i], ref32[i], ref_lp[i], kind=KINDS[i], name=f"{label} {name}", relative_cap=i > 0
+
+    def references():
+        inputs = make_inputs(case)
+        rounded = inputs._replace(
+            lhs=inputs.lhs.astype(case.dtype), rhs=inputs.rhs.astype(case.dtype)
         )
+        return _run(case, "reference", "float32", rounded), _run(case, "reference", case.dtype)
+
+    assert_matches(got, case, label, references)
 
 
 @pytest.mark.parametrize("max_examples", budget_params(10, 120))

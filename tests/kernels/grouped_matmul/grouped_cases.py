@@ -25,6 +25,7 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.kernels.grouped_matmul import base, tiles
+from shardfuse.testing import F32_TOLERANCE, assert_close, assert_close_low_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +152,27 @@ def exact(case: Case, inputs: Inputs | None = None):
         terms = np.sqrt(max(rows.stop - rows.start, 1)) * unit * terms
         slack[2][j] = terms.T if case.transpose else terms
     return tuple(x.astype(np.float32) for x in (out, d_lhs, d_rhs)), tuple(slack)
+
+
+NAMES = ("out", "d_lhs", "d_rhs")
+KINDS = ("output", "grad", "grad")
+
+
+def assert_matches(got, case: Case, label: str, references) -> None:
+    """`(out, d_lhs, d_rhs)` of a float32 case against the float64 loop (`exact`: 1e-5 /
+    2e-5 plus the summation slack); of a 16-bit case by the 2x / 3x rule against
+    `references()`, the reference implementation's `(ref32, ref_lp)`."""
+    if case.dtype == "float32":
+        values, slack = exact(case)
+        for i, name in enumerate(NAMES):
+            atol = F32_TOLERANCE[KINDS[i]] + slack[i]
+            assert_close(got[i], values[i], atol=atol, kind=KINDS[i], name=f"{label} {name}")
+        return
+    ref32, ref_lp = references()
+    for i, name in enumerate(NAMES):
+        assert_close_low_precision(
+            got[i], ref32[i], ref_lp[i], kind=KINDS[i], name=f"{label} {name}", relative_cap=i > 0
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,19 +20,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardfuse.testing import F32_TOLERANCE, assert_close, assert_close_low_precision
+from shardfuse.testing import F32_TOLERANCE, assert_close
 from tests.kernels.backend_params import backend_params
 from tests.kernels.grouped_matmul.grouped_cases import (
     BACKENDS,
     CASE,
+    KINDS,
+    NAMES,
+    assert_matches,
     exact,
     make_inputs,
     results,
     run,
 )
-
-NAMES = ("out", "d_lhs", "d_rhs")
-KINDS = ("output", "grad", "grad")
 
 
 def _params(names_of, **options):
@@ -69,18 +69,15 @@ def test_matches_reference(backend, case):
     for j in range(case.groups):
         if case.sizes[offset + j] == 0:
             assert not np.asarray(got[2][j], np.float32).any(), f"{label}: empty group {j}"
-    if case.dtype == "float32":
-        values, slack = exact(case)
-        for i, name in enumerate(NAMES):
-            atol = F32_TOLERANCE[KINDS[i]] + slack[i]
-            assert_close(got[i], values[i], atol=atol, kind=KINDS[i], name=f"{label} {name}")
-        return
-    ref32 = results("reference", case.name, "float32")
-    ref_lp = results("reference", case.name, "low")
-    for i, name in enumerate(NAMES):
-        assert_close_low_precision(
-            got[i], ref32[i], ref_lp[i], kind=KINDS[i], name=f"{label} {name}", relative_cap=i > 0
-        )
+    assert_matches(
+        got,
+        case,
+        label,
+        lambda: (
+            results("reference", case.name, "float32"),
+            results("reference", case.name, "low"),
+        ),
+    )
 
 
 @pytest.mark.parametrize("backend, case", _params(lambda backend: backend.deterministic))

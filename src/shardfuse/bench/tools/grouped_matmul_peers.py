@@ -17,11 +17,7 @@ is printed beside its time; forward outputs are checked against `jax.lax.ragged_
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +25,7 @@ import numpy as np
 
 from shardfuse.bench import moe
 from shardfuse.bench.harness import with_backward
-from shardfuse.bench.tools.peers import seconds
+from shardfuse.bench.tools.peers import save_run, seconds
 from shardfuse.flops import FWD, FWD_BWD, MODES, grouped_matmul_flops
 
 OURS = "shardfuse"
@@ -154,21 +150,16 @@ def main(argv=None):
     load_after = os.getloadavg()
     print(f"load average at the end: {load_after}")
     if args.json:
-        record = dict(
-            date=datetime.datetime.now().isoformat(timespec="seconds"),
-            machine=platform.processor() or platform.machine(),
-            command="python -m shardfuse.bench.tools.grouped_matmul_peers "
-            + " ".join(sys.argv[1:] if argv is None else argv),
-            jax=jax.__version__,
+        save_run(
+            args.json,
+            "shardfuse.bench.tools.grouped_matmul_peers",
+            argv,
             backend=jax.default_backend(),
             default_implementation=runs[0] if runs else None,
             load_average=dict(start=load_before, end=load_after),
             missing=missing,
             cases=results,
         )
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-        print(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,21 @@ def import_tokamax():
     return tokamax
 
 
+def save_run(path, tool: str, argv, **fields) -> None:
+    """Writes a tool's run to `path` as JSON: the date, machine, the command that made it
+    (`python -m TOOL ARGS`, `argv` None for this process's own), the jax version, `fields`."""
+    record = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=platform.processor() or platform.machine(),
+        command=f"python -m {tool} " + " ".join(sys.argv[1:] if argv is None else argv),
+        jax=jax.__version__,
+        **fields,
+    )
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"results written to {path}")
+
+
 def compiled(attention, mode, causal, q, k, v, d_out):
     """The jitted, compiled function of one contender in one mode."""
     if mode == "fwd":
@@ -207,12 +222,10 @@ def main(argv=None):
     load_after = os.getloadavg()
     print(f"load average at the end: {load_after}")
     if args.json:
-        record = dict(
-            date=datetime.datetime.now().isoformat(timespec="seconds"),
-            machine=platform.processor() or platform.machine(),
-            command="python -m shardfuse.bench.tools.peers "
-            + " ".join(sys.argv[1:] if argv is None else argv),
-            jax=jax.__version__,
+        save_run(
+            args.json,
+            "shardfuse.bench.tools.peers",
+            argv,
             native=info,
             default_implementation=ours,  # the key of the committed results
             load_average=dict(start=load_before, end=load_after),
@@ -221,9 +234,6 @@ def main(argv=None):
             missing=missing,
             cases=results,
         )
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-        print(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

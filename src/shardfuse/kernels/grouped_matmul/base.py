@@ -23,8 +23,7 @@ import numpy as np
 from jax import lax
 
 from shardfuse.kernels import vma
-from shardfuse.kernels.matmul.base import check_precision
-from shardfuse.kernels.precision import SUPPORTED_DTYPES
+from shardfuse.kernels.matmul.base import check_array, check_out_dtype, check_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +40,6 @@ class GroupedMatmulConfig:
     out_dtype: jnp.dtype
     transpose_rhs: bool = False
     precision: lax.Precision | None = None
-
-
-def _check_array(name, x):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{name} has dtype {x.dtype}; supported dtypes are float32, bfloat16 and float16"
-        )
 
 
 def _concrete(x):
@@ -126,18 +116,6 @@ def _check_group_offset(group_offset, num_all: int, num_local: int):
     return group_offset
 
 
-def _check_out_dtype(preferred_element_type):
-    try:
-        out_dtype = jnp.dtype(preferred_element_type)
-    except TypeError as e:
-        raise TypeError(f"preferred_element_type={preferred_element_type!r} is not a dtype") from e
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"preferred_element_type={out_dtype} is not supported; use float32, bfloat16 or float16"
-        )
-    return out_dtype
-
-
 def validate(
     lhs,
     rhs,
@@ -162,8 +140,8 @@ def validate(
         non-integer `group_sizes` or `group_offset`, a bad `preferred_element_type`,
         a non-bool `transpose_rhs`.
     """
-    _check_array("lhs", lhs)
-    _check_array("rhs", rhs)
+    check_array("lhs", lhs)
+    check_array("rhs", rhs)
     if lhs.ndim != 2:
         raise ValueError(f"lhs has rank {lhs.ndim} (shape {tuple(lhs.shape)}); expected [M, K]")
     if not isinstance(transpose_rhs, bool):
@@ -188,7 +166,7 @@ def validate(
     out_dtype = (
         jnp.dtype(lhs.dtype)
         if preferred_element_type is None
-        else _check_out_dtype(preferred_element_type)
+        else check_out_dtype(preferred_element_type, name="preferred_element_type")
     )
     config = GroupedMatmulConfig(
         out_dtype=out_dtype, transpose_rhs=transpose_rhs, precision=check_precision(precision)
