@@ -38,6 +38,19 @@ inline void store_row(const float* src, int64_t n, void* dst, size_t offset, boo
   }
 }
 
+// kLanes floats from src[index...] (float32, or bfloat16 widened: its bits are the float's top
+// half).
+inline Vec load_vec(const void* src, size_t index, bool bf16) {
+  if (!bf16) return load(static_cast<const float*>(src) + index);
+  typedef uint16_t Half __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
+  typedef uint32_t Bits __attribute__((vector_size(kLanes * 4)));
+  const Half half = *reinterpret_cast<const Half*>(static_cast<const uint16_t*>(src) + index);
+  const Bits bits = __builtin_convertvector(half, Bits) << 16;
+  Vec x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 inline float load_one(const void* src, size_t index, bool bf16) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(src)[index])
               : static_cast<const float*>(src)[index];
@@ -61,13 +74,30 @@ inline void for_each_panel(int cols, Fn&& fn) {
 void pack_panels(const void* src, bool bf16, size_t base, size_t k_stride, size_t n_stride,
                  int depth, int cols, int cols_padded, float* dst) {
   if (n_stride == 1) {  // rows contiguous in the source: read each once, in order
-    for (int k = 0; k < depth; ++k)
-      for_each_panel(cols_padded, [&](int n0, int vectors) {
-        const int width = vectors * kLanes, valid = std::clamp(cols - n0, 0, width);
-        float* row = dst + static_cast<size_t>(depth) * n0 + static_cast<size_t>(k) * width;
-        load_row(src, base + k * k_stride + n0, valid, bf16, row);
-        std::fill(row + valid, row + width, 0.0f);
-      });
+    struct Panel {
+      int n0, width, valid;
+    };
+    Panel panels[kItemCols / kLanes];
+    int count = 0;
+    for_each_panel(cols_padded, [&](int n0, int vectors) {
+      const int width = vectors * kLanes;
+      panels[count++] = {n0, width, std::clamp(cols - n0, 0, width)};
+    });
+    for (int k = 0; k < depth; ++k) {
+      const size_t row = base + k * k_stride;
+      for (int p = 0; p < count; ++p) {
+        const Panel& panel = panels[p];
+        float* out = dst + static_cast<size_t>(depth) * panel.n0 +
+                     static_cast<size_t>(k) * panel.width;
+        if (panel.valid == panel.width) {  // whole vectors: the common case
+          for (int v = 0; v < panel.width; v += kLanes)
+            store(out + v, load_vec(src, row + panel.n0 + v, bf16));
+        } else {
+          load_row(src, row + panel.n0, panel.valid, bf16, out);
+          std::fill(out + panel.valid, out + panel.width, 0.0f);
+        }
+      }
+    }
     return;
   }
   for_each_panel(cols_padded, [&](int n0, int vectors) {  // columns contiguous (k_stride 1)
