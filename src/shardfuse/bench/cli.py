@@ -232,7 +232,8 @@ class SuiteTime:
     def add(self, report) -> None:
         """Counts one pytest report (setup, call or teardown) of a case of this suite."""
         self.seconds += report.duration
-        for key, value in report.user_properties:
+        # The item's properties ride on each of its reports: count them once, with the call.
+        for key, value in report.user_properties if report.when == "call" else ():
             if key == "bench_seconds":
                 self.compile_s += value["compile_s"]
                 self.timed_s += value["timed_s"]

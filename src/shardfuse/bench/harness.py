@@ -5,7 +5,8 @@ outside the timing), reads the compiled memory (`memory_analysis`), refuses
 cases that would not fit the device, runs one warm-up call and checks that
 the outputs are finite, then times the compiled executable with
 `benchmark.pedantic` (one call per round, `jax.block_until_ready` inside the
-timed function, rounds sized so a case takes about `Scale.target_seconds`).
+timed function, `Scale.warmup_rounds` untimed first, rounds sized so a case
+takes about `Scale.target_seconds`).
 It records on `benchmark.extra_info` everything a reader needs: op,
 implementation, backend, device kind, device count, versions, shape, dtype,
 analytic FLOPs and bytes, TFLOP/s, GB/s, % of the device's peak, compiled
@@ -319,7 +320,7 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
     del out
     rounds = rounds_for(first_call_s, scale.target_seconds, scale.min_rounds, scale.max_rounds)
     start = time.perf_counter()
-    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=scale.warmup_rounds)
     info["timed_s"] = first_call_s + time.perf_counter() - start  # the warm-up calls included
     stats = getattr(benchmark, "stats", None)
     median_s = stats.stats.median if stats is not None else None
