@@ -245,7 +245,7 @@ def with_backward(fn):
     return forward_backward
 
 
-def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None):
+def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None, inspect=None):
     """Compiles `fn(*args)`, times it with `benchmark.pedantic`, fills `benchmark.extra_info`.
 
     Args:
@@ -260,6 +260,8 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
         Default `(NotImplementedError,)`; suites pass `(Exception,)` for
         third-party baselines (cuDNN, JAX's Pallas kernels) whose limits are
         not ours to report as failures.
+      inspect: `outputs -> dict`, called on the first call's outputs; its items join
+        `extra_info` (what a suite reads off the results, without a second compilation).
 
     Returns:
       The `extra_info` dict.
@@ -317,6 +319,8 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
     first_call_s = time.perf_counter() - start
     if not _all_finite(out):
         raise AssertionError(f"{case.implementation} on {case.group} returned non-finite values")
+    if inspect is not None:
+        info.update(inspect(out))
     del out
     rounds = rounds_for(first_call_s, scale.target_seconds, scale.min_rounds, scale.max_rounds)
     start = time.perf_counter()
