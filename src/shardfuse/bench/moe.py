@@ -41,7 +41,7 @@ ZIPF_EXPONENT = 1.2
 DENSE = "dense_matmul"
 PEERS = ("jax.lax.ragged_dot", "tokamax.ragged_dot", "one_hot_dense")
 # Tokens routed per layer call, by scale (M = tokens x top_k rows).
-TOKENS = {"cpu": 1024, "cpu-quick": 256, "device": 16384, "device-quick": 4096}
+TOKENS = {"cpu": 1024, "cpu-quick": 128, "device": 16384, "device-quick": 4096}
 
 
 @dataclasses.dataclass(frozen=True)
