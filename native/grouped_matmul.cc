@@ -136,27 +136,44 @@ void pack_tiles(const void* src, bool bf16, size_t base, size_t m_stride, size_t
   }
 }
 
+// A block of rows: packed by pack_tiles (lda 0), or read in place, row m at ptr + m * lda.
+struct Rows {
+  const float* ptr;
+  long lda;
+  const float* tile(int m, int depth) const {  // the tile whose first row is m
+    return ptr + (lda ? m * lda : static_cast<long>(m) * depth);
+  }
+};
+
 template <int MR, int NV, bool ACC>
-inline void tail_rows(int rest, int depth, const float* a, const float* b, float* c, long ldc) {
+inline void rows_kernel(int depth, const float* a, long lda, const float* b, float* c,
+                        long ldc) {
+  if (lda)
+    micro_kernel<MR, NV, ACC>(depth, a, lda, 1, b, NV * kLanes, c, ldc);
+  else
+    micro_kernel<MR, NV, ACC>(depth, a, 1, kRows, b, NV * kLanes, c, ldc);
+}
+
+template <int MR, int NV, bool ACC>
+inline void tail_rows(int rest, int depth, const float* a, long lda, const float* b, float* c,
+                      long ldc) {
   if constexpr (MR > 0) {
-    if (rest == MR) return micro_kernel<MR, NV, ACC>(depth, a, 1, kRows, b, NV * kLanes, c, ldc);
-    tail_rows<MR - 1, NV, ACC>(rest, depth, a, b, c, ldc);
+    if (rest == MR) return rows_kernel<MR, NV, ACC>(depth, a, lda, b, c, ldc);
+    tail_rows<MR - 1, NV, ACC>(rest, depth, a, lda, b, c, ldc);
   }
 }
 
 // One packed panel against every tile of rows: the panel stays in L1 while the rows stream.
 template <int NV, bool ACC>
-void panel_rows(int rows, int depth, const float* a, const float* b, float* c, long ldc) {
+void panel_rows(int rows, int depth, Rows a, const float* b, float* c, long ldc) {
   int m = 0;
   for (; m + kRows <= rows; m += kRows)
-    micro_kernel<kRows, NV, ACC>(depth, a + static_cast<size_t>(m) * depth, 1, kRows, b,
-                                 NV * kLanes, c + m * ldc, ldc);
-  tail_rows<kRows - 1, NV, ACC>(rows - m, depth, a + static_cast<size_t>(m) * depth, b,
-                                c + m * ldc, ldc);
+    rows_kernel<kRows, NV, ACC>(depth, a.tile(m, depth), a.lda, b, c + m * ldc, ldc);
+  tail_rows<kRows - 1, NV, ACC>(rows - m, depth, a.tile(m, depth), a.lda, b, c + m * ldc, ldc);
 }
 
 template <bool ACC>
-void packed_gemm(int rows, int cols, int depth, const float* a, const float* b, float* c) {
+void packed_gemm(int rows, int cols, int depth, Rows a, const float* b, float* c) {
   for_each_panel(cols, [&](int n0, int vectors) {
     const float* panel = b + static_cast<size_t>(depth) * n0;
     if (vectors == kCols)
@@ -168,9 +185,8 @@ void packed_gemm(int rows, int cols, int depth, const float* a, const float* b, 
   });
 }
 
-// c [rows, cols] (+)= a [rows, depth] b [depth, cols], a packed by pack_tiles and b by
-// pack_panels; depth >= 1.
-void block_gemm(bool accumulate, int rows, int cols, int depth, const float* a, const float* b,
+// c [rows, cols] (+)= a [rows, depth] b [depth, cols], b packed by pack_panels; depth >= 1.
+void block_gemm(bool accumulate, int rows, int cols, int depth, Rows a, const float* b,
                 float* c) {
   if (accumulate)
     packed_gemm<true>(rows, cols, depth, a, b, c);
@@ -212,7 +228,8 @@ void run_items(std::vector<Item>& items, const std::function<void(const Item&, W
 
 // The item's accumulator c [rows, cols] = a [rows, depth] b [depth, cols], a block at a
 // time: each block of b (pack_b(d0, depth, dst)) is packed once and multiplied by every
-// block of rows (pack_a(r0, rows, d0, depth, dst)) while it sits in the caches.
+// block of rows (pack_a(r0, rows, d0, depth, dst) -> Rows: packed into dst, or in place)
+// while it sits in the caches.
 template <typename PackA, typename PackB>
 void item_gemm(const Item& it, int64_t depth_total, Workspace& w, PackA&& pack_a,
                PackB&& pack_b) {
@@ -223,8 +240,8 @@ void item_gemm(const Item& it, int64_t depth_total, Workspace& w, PackA&& pack_a
     pack_b(d0, depth, w.b);
     for (int r0 = 0; r0 < it.rows; r0 += kRowBlock) {
       const int rows = std::min(kRowBlock, it.rows - r0);
-      pack_a(r0, rows, d0, depth, w.a);
-      block_gemm(d0 > 0, rows, cols, depth, w.a, w.b, w.c + static_cast<size_t>(r0) * cols);
+      const Rows a = pack_a(r0, rows, d0, depth, w.a);
+      block_gemm(d0 > 0, rows, cols, depth, a, w.b, w.c + static_cast<size_t>(r0) * cols);
     }
   }
 }
@@ -271,13 +288,19 @@ void grouped_matmul(int64_t M, int64_t K, int64_t N, int G, const int32_t* sizes
   std::vector<Item> items;
   for (int j = 0; j < G; ++j) add_items(items, j, groups.begin[j], groups.end[j], N, K);
   const size_t weights = static_cast<size_t>(K) * N;  // per group
+  // float32 rows are read in place (packing them was 15% of a 128-row expert's time), unless
+  // rows a multiple of 4 KiB apart would share one L1 set and evict each other.
+  const bool in_place = !bf16 && (K * sizeof(float)) % 4096 != 0;
   run_items(items, [&](const Item& it, Workspace& w) {
     const int cols = round_up(it.cols, kLanes);
     const size_t g_base = weights * it.g;
     item_gemm(
         it, K, w,
-        [&](int r0, int rows, int64_t k0, int depth, float* dst) {
-          pack_tiles(lhs, bf16, (it.row0 + r0) * K + k0, K, 1, rows, depth, dst);
+        [&](int r0, int rows, int64_t k0, int depth, float* dst) -> Rows {
+          const size_t first = (it.row0 + r0) * K + k0;
+          if (in_place) return {static_cast<const float*>(lhs) + first, static_cast<long>(K)};
+          pack_tiles(lhs, bf16, first, K, 1, rows, depth, dst);
+          return {dst, 0};
         },
         [&](int64_t k0, int depth, float* dst) {
           // element (k, n) = rhs[g, k0 + k, col0 + n] (rhs[g, col0 + n, k0 + k] transposed)
@@ -306,8 +329,9 @@ void grouped_matmul_transposed(int64_t M, int64_t A, int64_t B, int G, const int
     // (a, r) = x[begin + r, row0 + a]; y's block is its rows begin + r of columns col0...
     item_gemm(
         it, groups.end[it.g] - begin, w,
-        [&](int r0, int rows, int64_t d0, int depth, float* dst) {
+        [&](int r0, int rows, int64_t d0, int depth, float* dst) -> Rows {
           pack_tiles(x, bf16, (begin + d0) * A + it.row0 + r0, 1, A, rows, depth, dst);
+          return {dst, 0};
         },
         [&](int64_t d0, int depth, float* dst) {
           pack_panels(y, bf16, (begin + d0) * B + it.col0, B, 1, depth, it.cols, cols, dst);

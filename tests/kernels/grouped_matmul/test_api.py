@@ -250,3 +250,21 @@ def test_compiled_temp_memory_is_linear_in_the_operands(mode):
     )
     xla_temp = xla.lower(lhs, rhs, sizes, cotangent).compile().memory_analysis().temp_size_in_bytes
     assert xla_temp >= expansion, (xla_temp, expansion)
+
+
+@needs_native
+@pytest.mark.parametrize("K", [1024, 1000])
+def test_native_rows_packed_or_read_in_place(K):
+    """float32 rows are read in place unless 4 KiB apart (K = 1024: packed, as bfloat16's
+    always are): both paths against the float64 loop."""
+    from tests.kernels.grouped_matmul.grouped_cases import Case, assert_matches, make_inputs
+
+    case = Case(f"K{K}", 45, K, 24, (20, 0, 13))
+    inputs = make_inputs(case)
+
+    def f(lhs, rhs):
+        return sf.grouped_matmul(lhs, rhs, list(case.sizes), implementation="native_cpu")
+
+    out, pullback = jax.vjp(f, inputs.lhs, inputs.rhs)
+    got = tuple(np.asarray(x) for x in (out, *pullback(inputs.cotangent)))
+    assert_matches(got, case, case.name, references=None)

@@ -1,7 +1,8 @@
 """The grouped (MoE) matmul side by side with its peers and a dense matmul of the same FLOPs.
 
-One run times, interleaved (every contender once per round, the minimum over rounds
-kept, so that load on a shared machine hits them all alike), the wall time and the
+One run times, interleaved (every contender once per round, at least `--rounds` rounds
+and the fast ones until they have run `--seconds`; the minimum over rounds kept, so that
+load on a shared machine hits them all alike), the wall time and the
 process CPU time (all threads) of `shardfuse.bench.moe`'s contenders: `shardfuse`
 (`sf.grouped_matmul` as a user calls it: the platform's default), `jax.lax.ragged_dot`,
 `tokamax.ragged_dot` (`pip install -e ".[peers]"`; skipped with a note without it),
@@ -53,7 +54,7 @@ def compile_case(fn, name, mode, lhs, rhs, sizes, cotangent):
     return compiled, args, getattr(memory, "temp_size_in_bytes", None)
 
 
-def run_case(table, shape, tokens, routing, dtype, mode, rounds):
+def run_case(table, shape, tokens, routing, dtype, mode, rounds, budget=1.0):
     lhs, rhs, sizes, cotangent = moe.inputs(shape, tokens, routing, jnp.dtype(dtype))
     fns, errors, temp = {}, {}, {}
     for name, fn in table.items():
@@ -64,11 +65,17 @@ def run_case(table, shape, tokens, routing, dtype, mode, rounds):
         except Exception as e:  # a peer that cannot run this case: reported, not fatal
             errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
     best = {name: float("inf") for name in fns}
-    best_cpu = dict(best)
-    for _ in range(rounds):  # interleaved: each contender once per round
-        for name, (fn, args) in fns.items():
+    best_cpu, spent, done = dict(best), dict.fromkeys(fns, 0.0), dict.fromkeys(fns, 0)
+    # Interleaved: each contender once per round, `rounds` at least, and the quick ones
+    # (the G x FLOPs peers take seconds) again until they have run `budget` seconds: the
+    # minimum of a 10 ms kernel over 3 rounds is a draw on a loaded machine.
+    while active := [n for n in fns if done[n] < rounds or (spent[n] < budget and done[n] < 50)]:
+        for name in active:
+            fn, args = fns[name]
             wall, cpu = seconds(fn, args)
             best[name], best_cpu[name] = min(best[name], wall), min(best_cpu[name], cpu)
+            spent[name] += wall
+            done[name] += 1
     check = None
     if mode == FWD and OURS in fns and "jax.lax.ragged_dot" in fns:
         ours, theirs = (
@@ -81,7 +88,7 @@ def run_case(table, shape, tokens, routing, dtype, mode, rounds):
         M=M, K=K, N=shape.expert_hidden, G=shape.experts, top_k=shape.top_k,
         largest_group=int(sizes.max()),
         flops=grouped_matmul_flops(M, K, shape.expert_hidden, mode=mode),
-        seconds=best, cpu_seconds=best_cpu, temp_bytes=temp, errors=errors,
+        seconds=best, cpu_seconds=best_cpu, rounds=done, temp_bytes=temp, errors=errors,
         max_abs_diff_vs_ragged_dot=check,
     )  # fmt: skip
 
@@ -122,7 +129,13 @@ def main(argv=None):
     parser.add_argument("--mode", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--tokens", type=int, default=moe.TOKENS["cpu"], help="tokens routed")
     parser.add_argument("--divisor", type=int, default=8, help="widths divided by it")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, at least")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=1.0,
+        help="time each contender this long (50 rounds at most)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -144,7 +157,9 @@ def main(argv=None):
         for routing in args.routing:
             for dtype in args.dtype:
                 for mode in args.mode:
-                    r = run_case(table, shape, args.tokens, routing, dtype, mode, args.rounds)
+                    r = run_case(
+                        table, shape, args.tokens, routing, dtype, mode, args.rounds, args.seconds
+                    )
                     results.append(r)
                     print("\n".join(_row(r, names)), flush=True)
     load_after = os.getloadavg()

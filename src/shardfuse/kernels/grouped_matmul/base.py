@@ -186,10 +186,10 @@ def local_groups(group_sizes, group_offset, num_local: int, M: int):
     `ends = cumsum(sizes)`; this call computes groups `[o, o + G)` (`o` =
     `group_offset`, default 0, G = rhs's groups), which are contiguous in row
     order, starting at `start = ends[o] - sizes[o]` (None without an offset: row
-    0, known before tracing). Traced sizes are made
-    valid the way concrete ones are required to be: negative sizes count as 0
-    and rows past M are dropped (the last groups shrink); groups of a traced
-    offset outside `[0, G_all)` are empty.
+    0, known before tracing). Traced sizes are made valid the way concrete ones
+    are required to be: negative sizes count as 0 and rows past M are dropped
+    (the last groups shrink); groups of a traced offset outside `[0, G_all)` are
+    empty.
 
     Example:
       >>> sizes, start = local_groups(jnp.array([3, 0, 4, 2]), 1, 2, M=10)
