@@ -148,23 +148,30 @@ constexpr int kRows = 8, kCols = 3;  // 8 x 3 zmm accumulators of 32 registers
 constexpr int kRows = 6, kCols = 2;  // 6 x 2 ymm accumulators of 16 registers
 #endif
 
+// How `vectors` columns of vectors split into micro-kernel panels: `wide` panels of kCols
+// vectors, then `pairs` of 2, then single vectors for the rest. A 1-vector panel (twice the
+// loads per FMA) only where N is one vector (N = 64 as 3 + 1 ran 4-7% slower than 2 + 2).
+struct ColumnPanels {
+  int wide = 0, pairs = 0;
+  explicit ColumnPanels(int vectors) {
+    wide = vectors / kCols;
+    if constexpr (kCols == 3) {
+      if (vectors % 3 == 2) pairs = 1;
+      if (vectors % 3 == 1 && wide > 0) wide -= 1, pairs = 2;
+    } else {
+      pairs = (vectors - wide * kCols) / 2;
+    }
+  }
+};
+
 template <int MR, bool ACC>
 inline void row_panel(int N, int Kd, const float* a, long a_row, long a_col, const float* b,
                       long ldb, float* c, long ldc) {
-  // Column panels of kCols vectors, the rest in panels of 2: a 1-vector panel (twice the
-  // loads per FMA) only where N is one vector (N = 64 as 3 + 1 ran 4-7% slower than 2 + 2).
-  const int vectors = N / kLanes;
-  int wide = vectors / kCols, pairs = 0;
-  if constexpr (kCols == 3) {
-    if (vectors % 3 == 2) pairs = 1;
-    if (vectors % 3 == 1 && wide > 0) wide -= 1, pairs = 2;
-  } else {
-    pairs = (vectors - wide * kCols) / 2;
-  }
+  const ColumnPanels panels(N / kLanes);
   int n = 0;
-  for (int i = 0; i < wide; ++i, n += kCols * kLanes)
+  for (int i = 0; i < panels.wide; ++i, n += kCols * kLanes)
     micro_kernel<MR, kCols, ACC>(Kd, a, a_row, a_col, b + n, ldb, c + n, ldc);
-  for (int i = 0; i < pairs; ++i, n += 2 * kLanes)
+  for (int i = 0; i < panels.pairs; ++i, n += 2 * kLanes)
     micro_kernel<MR, 2, ACC>(Kd, a, a_row, a_col, b + n, ldb, c + n, ldc);
   for (; n < N; n += kLanes) micro_kernel<MR, 1, ACC>(Kd, a, a_row, a_col, b + n, ldb, c + n, ldc);
 }

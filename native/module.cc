@@ -1,4 +1,4 @@
-// shardfuse._native: the CPU attention kernels as XLA FFI handlers, and a minimal
+// shardfuse._native: the CPU attention and grouped matmul kernels as XLA FFI handlers, and a minimal
 // CPython module handing them to Python as FFI capsules (no binding library: the
 // module only returns capsules and a few build facts). Python registers them with
 // jax.ffi.register_ffi_target (shardfuse/kernels/attention/native_cpu.py).
@@ -7,8 +7,10 @@
 
 #include <exception>
 #include <string>
+#include <utility>
 
 #include "attention.h"
+#include "grouped_matmul.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -66,7 +68,7 @@ ffi::Error guarded(Fn&& fn) {
   try {
     fn();
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("shardfuse native attention: ") + e.what());
+    return ffi::Error::Internal(std::string("shardfuse native kernel: ") + e.what());
   }
   return ffi::Error::Success();
 }
@@ -128,8 +130,83 @@ ffi::Error Backward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   });
 }
 
+// The local groups' sizes [G] and the first row of the first of them (a one-element
+// buffer); a malformed call is an error.
+ffi::Error check_groups(const ffi::Buffer<ffi::S32>& sizes, const ffi::Buffer<ffi::S32>& start,
+                        int64_t G) {
+  if (sizes.element_count() != static_cast<size_t>(G))
+    return ffi::Error::InvalidArgument("group_sizes must hold one size per group of rhs");
+  if (start.element_count() != 1)
+    return ffi::Error::InvalidArgument("start must hold one row index");
+  return ffi::Error::Success();
+}
+
+bool is_f32_or_bf16(const ffi::AnyBuffer& x) {
+  return x.element_type() == ffi::F32 || x.element_type() == ffi::BF16;
+}
+
+ffi::Error GroupedMatmul(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> sizes,
+                         ffi::Buffer<ffi::S32> start, ffi::Result<ffi::AnyBuffer> out,
+                         bool transpose_rhs) {
+  auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out->dimensions();
+  if (ld.size() != 2 || rd.size() != 3 || od.size() != 2)
+    return ffi::Error::InvalidArgument("lhs, rhs and out must be [M, K], [G, K, N] and [M, N]");
+  if (!is_f32_or_bf16(lhs) || rhs.element_type() != lhs.element_type() || !is_f32_or_bf16(*out))
+    return ffi::Error::InvalidArgument("lhs and rhs must be both float32 or both bfloat16");
+  const int64_t M = ld[0], K = ld[1], G = rd[0];
+  const int64_t N = transpose_rhs ? rd[1] : rd[2];
+  if ((transpose_rhs ? rd[2] : rd[1]) != K || od[0] != M || od[1] != N)
+    return ffi::Error::InvalidArgument("shapes do not fit lhs [M, K] by rhs into out [M, N]");
+  ffi::Error error = check_groups(sizes, start, G);
+  if (error.failure()) return error;
+  return guarded([&] {
+    grouped_matmul(M, K, N, static_cast<int>(G), sizes.typed_data(), start.typed_data()[0],
+                   lhs.untyped_data(), rhs.untyped_data(), lhs.element_type() == ffi::BF16,
+                   transpose_rhs, out->untyped_data(), out->element_type() == ffi::BF16);
+  });
+}
+
+ffi::Error GroupedMatmulTransposed(ffi::AnyBuffer x, ffi::AnyBuffer y,
+                                   ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> start,
+                                   ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions(), yd = y.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || od.size() != 3)
+    return ffi::Error::InvalidArgument("x, y and out must be [M, A], [M, B] and [G, A, B]");
+  if (!is_f32_or_bf16(x) || y.element_type() != x.element_type() || !is_f32_or_bf16(*out))
+    return ffi::Error::InvalidArgument("x and y must be both float32 or both bfloat16");
+  const int64_t M = xd[0], A = xd[1], B = yd[1], G = od[0];
+  if (yd[0] != M || od[1] != A || od[2] != B)
+    return ffi::Error::InvalidArgument("shapes do not fit x [M, A]^T y [M, B] into [G, A, B]");
+  ffi::Error error = check_groups(sizes, start, G);
+  if (error.failure()) return error;
+  return guarded([&] {
+    grouped_matmul_transposed(M, A, B, static_cast<int>(G), sizes.typed_data(),
+                              start.typed_data()[0], x.untyped_data(), y.untyped_data(),
+                              x.element_type() == ffi::BF16, out->untyped_data(),
+                              out->element_type() == ffi::BF16);
+  });
+}
+
 }  // namespace
 }  // namespace shardfuse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseGroupedMatmul, shardfuse::GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_rhs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseGroupedMatmulTransposed,
+                              shardfuse::GroupedMatmulTransposed,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 #define SHARDFUSE_ATTRS(binding)                 \
   binding.Attr<bool>("causal")                   \
@@ -173,19 +250,24 @@ namespace {
 PyObject* capsule(void* fn) { return PyCapsule_New(fn, nullptr, nullptr); }
 
 PyObject* registrations(PyObject*, PyObject*) {
+  const std::pair<const char*, void*> handlers[] = {
+      {"shardfuse_attention_forward", reinterpret_cast<void*>(&ShardfuseAttentionForward)},
+      {"shardfuse_attention_backward", reinterpret_cast<void*>(&ShardfuseAttentionBackward)},
+      {"shardfuse_grouped_matmul", reinterpret_cast<void*>(&ShardfuseGroupedMatmul)},
+      {"shardfuse_grouped_matmul_transposed",
+       reinterpret_cast<void*>(&ShardfuseGroupedMatmulTransposed)},
+  };
   PyObject* dict = PyDict_New();
   if (!dict) return nullptr;
-  PyObject* fwd = capsule(reinterpret_cast<void*>(&ShardfuseAttentionForward));
-  PyObject* bwd = capsule(reinterpret_cast<void*>(&ShardfuseAttentionBackward));
-  if (!fwd || !bwd || PyDict_SetItemString(dict, "shardfuse_attention_forward", fwd) ||
-      PyDict_SetItemString(dict, "shardfuse_attention_backward", bwd)) {
-    Py_XDECREF(fwd);
-    Py_XDECREF(bwd);
-    Py_DECREF(dict);
-    return nullptr;
+  for (const auto& [name, fn] : handlers) {
+    PyObject* handler = capsule(fn);
+    if (!handler || PyDict_SetItemString(dict, name, handler)) {
+      Py_XDECREF(handler);
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    Py_DECREF(handler);
   }
-  Py_DECREF(fwd);
-  Py_DECREF(bwd);
   return dict;
 }
 

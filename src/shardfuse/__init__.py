@@ -27,6 +27,7 @@ from shardfuse.collectives.ring_attention.plan import ring_attention_plan
 from shardfuse.collectives.ring_attention.sharded import ring_attention
 from shardfuse.kernels.attention import BlockSizes, attention_reference, flash_attention
 from shardfuse.kernels.decode_attention import decode_attention
+from shardfuse.kernels.grouped_matmul import grouped_matmul
 from shardfuse.kernels.matmul import MatmulBlockSizes, matmul
 from shardfuse.models.generation import generate
 from shardfuse.planner import plan
@@ -42,6 +43,7 @@ __all__ = [
     "flops",
     "from_ring_layout",
     "generate",
+    "grouped_matmul",
     "hardware",
     "info",
     "kernels",

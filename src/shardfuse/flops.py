@@ -196,6 +196,21 @@ def matmul_flops(M: int, N: int, C: int) -> float:
     return 2.0 * M * N * C
 
 
+def grouped_matmul_flops(rows: int, K: int, N: int, *, mode: str = FWD) -> float:
+    """A grouped (mixture-of-experts) matmul computing `rows` routed rows: `2 rows K N`, each row
+    against its own group's `[K, N]`; forward + backward 3x (d lhs and d rhs are one product
+    each, as a dense matmul's). Rows no group owns count nothing.
+
+    Example:
+      >>> from shardfuse.flops import grouped_matmul_flops
+      >>> grouped_matmul_flops(8, 4, 2), grouped_matmul_flops(8, 4, 2, mode="fwd+bwd")
+      (128.0, 384.0)
+    """
+    check_mode(mode)
+    forward = matmul_flops(rows, N, K)
+    return 3.0 * forward if mode == FWD_BWD else forward
+
+
 # ---- model and hardware FLOPs (MFU, planner, trainer, profiler) ----
 
 

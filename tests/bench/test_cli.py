@@ -93,6 +93,15 @@ def test_bench_runs_end_to_end(saved_run):
     assert "shardfuse.pallas_tpu runs on 'cpu' only in TPU interpret mode" in reasons
     assert "skipped (not in the table): 2 case(s)" in output
     assert "1x shardfuse.triton cannot run this case" in output.replace("\n", " ")
+    # Not a terminal (captured): one line per suite says where its time went.
+    line = re.search(
+        r"suite matmul: 5 cases \(3 timed, 2 skipped, 0 failed\) in ([\d.]+) s, "
+        r"compiling ([\d.]+), timing ([\d.]+)",
+        output,
+    )
+    assert line, output
+    seconds, compiling, timing = (float(x) for x in line.groups())
+    assert 0 < compiling + timing <= seconds
 
 
 @pytest.mark.parametrize("explicit", [True, False])

@@ -58,7 +58,9 @@ def test_measure_fills_extra_info():
     info = harness.measure(bench, jnp.dot, ARGS, case, SCALE)
     assert bench.group == case.group == "matmul | fwd | tiny | M=32 N=32 C=32 | float32"
     call = bench.calls[0]
-    assert call["iterations"] == 1 and call["warmup_rounds"] == 1
+    # the quick scale's first (checked) call is its only warm-up; the full scales add one
+    assert call["iterations"] == 1 and call["warmup_rounds"] == SCALE.warmup_rounds == 0
+    assert scales.SCALES["cpu"].warmup_rounds == 1
     assert SCALE.min_rounds <= call["rounds"] <= SCALE.max_rounds
     assert info["median_s"] == 0.003
     assert info["tflops_per_s"] == pytest.approx(case.flops / 0.003 / 1e12)

@@ -15,6 +15,7 @@ base install only reports saved runs (`--load`).
 """
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import sys
@@ -139,15 +140,35 @@ def suites(bench_dir: Path) -> dict:
     return {p.stem.removeprefix("bench_"): p for p in sorted(bench_dir.glob("bench_*.py"))}
 
 
-class ProgressPlugin:
-    """A pytest plugin that drives a rich progress bar and keeps failures and skip reasons."""
+def suite_of(nodeid: str) -> str:
+    """The suite a test belongs to: `bench_NAME.py::test[...]` -> NAME.
 
-    def __init__(self, progress):
+    Example:
+      >>> suite_of("src/shardfuse/bench/suites/bench_matmul.py::test_matmul[x]")
+      'matmul'
+    """
+    return Path(nodeid.split("::")[0]).stem.removeprefix("bench_")
+
+
+class ProgressPlugin:
+    """A pytest plugin that drives a rich progress bar and keeps failures and skip reasons.
+
+    With `lines` (output that is not a terminal: a CI log, a redirected run, where the bar
+    does not draw) it prints one line per suite as the suite ends: its cases, how many were
+    timed, skipped or failed, its seconds, and of them the seconds compiling and timing
+    (`SuiteTime`).
+    """
+
+    def __init__(self, progress, console=None, lines=False):
         self.progress = progress
+        self.console = console
+        self.lines = lines
         self.task = None
         self.failures = []
         self.skips = {}
         self.passed = 0
+        self.suites: dict[str, SuiteTime] = {}
+        self._current = None
 
     def pytest_collection_finish(self, session):
         self.task = self.progress.add_task("benchmarks", total=len(session.items))
@@ -155,8 +176,24 @@ class ProgressPlugin:
     def pytest_runtest_logstart(self, nodeid, location):
         if self.task is not None:
             self.progress.update(self.task, description=nodeid.split("::")[-1][:70])
+        suite = suite_of(nodeid)
+        if suite != self._current:
+            self._finish_suite()
+            self._current = suite
+            self.suites.setdefault(suite, SuiteTime(suite))
+
+    def pytest_sessionfinish(self, session):
+        self._finish_suite()
+
+    def _finish_suite(self):
+        if self._current is not None and self.lines and self.console is not None:
+            self.console.print(self.suites[self._current].line(), markup=False, highlight=False)
+        self._current = None
 
     def pytest_runtest_logreport(self, report):
+        self.suites.setdefault(suite_of(report.nodeid), SuiteTime(suite_of(report.nodeid))).add(
+            report
+        )
         if report.failed:
             self.failures.append((report.nodeid, report.when, report.longreprtext))
         elif report.skipped:
@@ -171,6 +208,50 @@ class ProgressPlugin:
     def pytest_collectreport(self, report):
         if report.failed:
             self.failures.append((report.nodeid, "collect", report.longreprtext))
+
+
+@dataclasses.dataclass
+class SuiteTime:
+    """Where one suite's time went: its cases, and seconds in all, compiling and timing.
+
+    Example:
+      >>> SuiteTime("matmul", cases=3, timed=2, skipped=1, seconds=12.0, compile_s=4.0,
+      ...           timed_s=6.0).line()
+      'suite matmul: 3 cases (2 timed, 1 skipped, 0 failed) in 12.0 s, compiling 4.0, timing 6.0'
+    """
+
+    name: str
+    cases: int = 0
+    timed: int = 0
+    skipped: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    compile_s: float = 0.0
+    timed_s: float = 0.0
+
+    def add(self, report) -> None:
+        """Counts one pytest report (setup, call or teardown) of a case of this suite."""
+        self.seconds += report.duration
+        # The item's properties ride on each of its reports: count them once, with the call.
+        for key, value in report.user_properties if report.when == "call" else ():
+            if key == "bench_seconds":
+                self.compile_s += value["compile_s"]
+                self.timed_s += value["timed_s"]
+        if report.failed:
+            self.failed += 1
+        elif report.skipped:
+            self.skipped += 1
+        elif report.when == "call":
+            self.timed += 1
+        if report.when == "teardown":
+            self.cases += 1
+
+    def line(self) -> str:
+        return (
+            f"suite {self.name}: {self.cases} cases ({self.timed} timed, {self.skipped} "
+            f"skipped, {self.failed} failed) in {self.seconds:.1f} s, compiling "
+            f"{self.compile_s:.1f}, timing {self.timed_s:.1f}"
+        )
 
 
 def run_suites(args, bench_dir: Path, json_path: Path, console) -> int:
@@ -206,7 +287,7 @@ def run_suites(args, bench_dir: Path, json_path: Path, console) -> int:
         pytest_args += ["-k", args.filter]
     columns = (*Progress.get_default_columns()[:2], BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console, transient=False) as progress:
-        plugin = ProgressPlugin(progress)
+        plugin = ProgressPlugin(progress, console, lines=not console.is_terminal)
         status = int(pytest.main(pytest_args, plugins=[plugin]))
     skipped = sum(plugin.skips.values())
     console.print(f"{plugin.passed} case(s) timed, {skipped} skipped (listed under the table)")

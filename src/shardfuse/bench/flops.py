@@ -25,6 +25,7 @@ from shardfuse.flops import (  # the one FLOPs definition; re-exported for the s
     MODES,
     attention_flops,
     check_mode,
+    grouped_matmul_flops,
     matmul_flops,
     visible_pairs,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "all_gather_bytes",
     "attention_bytes",
     "attention_flops",
+    "grouped_matmul_flops",
     "matmul_bytes",
     "matmul_flops",
     "reduce_scatter_bytes",

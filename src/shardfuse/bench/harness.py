@@ -5,13 +5,15 @@ outside the timing), reads the compiled memory (`memory_analysis`), refuses
 cases that would not fit the device, runs one warm-up call and checks that
 the outputs are finite, then times the compiled executable with
 `benchmark.pedantic` (one call per round, `jax.block_until_ready` inside the
-timed function, rounds sized so a case takes about `Scale.target_seconds`).
+timed function, `Scale.warmup_rounds` untimed first, rounds sized so a case
+takes about `Scale.target_seconds`).
 It records on `benchmark.extra_info` everything a reader needs: op,
 implementation, backend, device kind, device count, versions, shape, dtype,
 analytic FLOPs and bytes, TFLOP/s, GB/s, % of the device's peak, compiled
-memory. The ratio to the group's baseline is added once the run ends (see
-`shardfuse.bench.results.attach_baseline_ratios`), since the baseline may run
-after the case.
+memory, and the seconds spent compiling (`compile_s`) and calling it
+(`timed_s`: warm-up and timed rounds). The ratio to the group's baseline is
+added once the run ends (see `shardfuse.bench.results.attach_baseline_ratios`),
+since the baseline may run after the case.
 
 Under `--benchmark-disable` (and under xdist, where pytest-benchmark turns
 itself off) `pedantic` calls the function once: the case still compiles,
@@ -243,7 +245,7 @@ def with_backward(fn):
     return forward_backward
 
 
-def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None):
+def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=None, inspect=None):
     """Compiles `fn(*args)`, times it with `benchmark.pedantic`, fills `benchmark.extra_info`.
 
     Args:
@@ -258,6 +260,8 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
         Default `(NotImplementedError,)`; suites pass `(Exception,)` for
         third-party baselines (cuDNN, JAX's Pallas kernels) whose limits are
         not ours to report as failures.
+      inspect: `outputs -> dict`, called on the first call's outputs; its items join
+        `extra_info` (what a suite reads off the results, without a second compilation).
 
     Returns:
       The `extra_info` dict.
@@ -315,9 +319,13 @@ def measure(benchmark, fn, args, case: BenchCase, scale, *, skip=None, skip_on=N
     first_call_s = time.perf_counter() - start
     if not _all_finite(out):
         raise AssertionError(f"{case.implementation} on {case.group} returned non-finite values")
+    if inspect is not None:
+        info.update(inspect(out))
     del out
     rounds = rounds_for(first_call_s, scale.target_seconds, scale.min_rounds, scale.max_rounds)
-    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+    start = time.perf_counter()
+    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=scale.warmup_rounds)
+    info["timed_s"] = first_call_s + time.perf_counter() - start  # the warm-up calls included
     stats = getattr(benchmark, "stats", None)
     median_s = stats.stats.median if stats is not None else None
     info["rounds"] = rounds if stats is not None else 0

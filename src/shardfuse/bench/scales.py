@@ -31,6 +31,8 @@ class Scale:
       target_seconds: timed rounds per case are about `target_seconds` divided
         by the time of one call, clamped to `[min_rounds, max_rounds]`.
       min_rounds, max_rounds: bounds on the timed rounds.
+      warmup_rounds: untimed calls before the timed rounds, beyond the first call that
+        compiles nothing (compiled ahead) but checks the outputs; quick scales: none.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Scale:
     target_seconds: float
     min_rounds: int
     max_rounds: int
+    warmup_rounds: int = 1
 
     def batch(self, seq_len: int) -> int:
         """Batch size at `seq_len`: constant tokens per batch, at least 1."""
@@ -126,8 +129,9 @@ SCALES = {
         divisor=8,
         dtype="float32",
         target_seconds=0.3,
-        min_rounds=3,
+        min_rounds=2,
         max_rounds=10,
+        warmup_rounds=0,
     ),
     "device": Scale(
         "device",
@@ -150,6 +154,7 @@ SCALES = {
         target_seconds=0.3,
         min_rounds=5,
         max_rounds=30,
+        warmup_rounds=0,
     ),
 }
 

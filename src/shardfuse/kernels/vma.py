@@ -72,3 +72,25 @@ def shape_dtype_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     if manual is not None:
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
     return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def ffi_result(shape, dtype, like):
+    """The result type of a `jax.ffi.ffi_call`: inside `shard_map`, varying over `like`'s axes.
+
+    `ffi_call` builds its result types with `shaped_abstractify`, which refuses a
+    `ShapeDtypeStruct` carrying manual axes without a mesh: `like`'s own type, reshaped,
+    carries both.
+
+    Example:
+      >>> ffi_result((2, 3), "float32", jax.numpy.ones(4))
+      ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+    if not varying_axes(like):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    aval = jax.typeof(like)
+    spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
+    return aval.update(
+        shape=shape,
+        dtype=jax.numpy.dtype(dtype),
+        sharding=jax.sharding.NamedSharding(aval.sharding.mesh, spec),
+    )

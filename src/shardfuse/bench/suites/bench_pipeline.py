@@ -57,6 +57,12 @@ IMPLEMENTATIONS = (
 )
 MODEL = "llama3-8b"
 STAGES, LAYERS, SEQ, MICROBATCH, VOCAB = 4, 8, 64, 2, 256
+QUICK_SEQ = 32  # --quick: half the tokens per microbatch
+
+
+def seq_len(scale) -> int:
+    """Tokens per sequence at this scale."""
+    return QUICK_SEQ if "quick" in scale.name else SEQ
 
 
 def _measure_unpipelined(measure, stack, head, x, targets, case):
@@ -75,12 +81,19 @@ def _measure_unpipelined(measure, stack, head, x, targets, case):
     measure(nnx.jit(step), (stack, head, x), case)
 
 
+# --quick: m = p only, every schedule with recomputed residuals: each case is a training
+# step of seconds on CPU, compiled for seconds more (stored residuals: twice that); m = 2p,
+# 4p and the stored residuals are the full scale's.
+QUICK_IMPLEMENTATIONS = tuple(i for i in IMPLEMENTATIONS if not i.endswith(".stored"))
+
+
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ not in ("test_pipeline_step", "test_pipeline_by_model_step"):
         return
     quick = "quick" in metafunc.config.bench_scale.name
-    counts = (STAGES, 4 * STAGES) if quick else (STAGES, 2 * STAGES, 4 * STAGES)
-    params = [(m, impl) for m in counts for impl in IMPLEMENTATIONS]
+    counts = (STAGES,) if quick else (STAGES, 2 * STAGES, 4 * STAGES)
+    implementations = QUICK_IMPLEMENTATIONS if quick else IMPLEMENTATIONS
+    params = [(m, impl) for m in counts for impl in implementations]
     if metafunc.function.__name__ == "test_pipeline_by_model_step":
         params = [(m, impl) for m in counts for impl in BY_MODEL]
     metafunc.parametrize("m, implementation", params, ids=[f"m{m}-{i}" for m, i in params])
@@ -94,16 +107,17 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
     lm = sf.models.Transformer(spec, mesh=mesh, pipelined=True, rngs=nnx.Rngs(0))
     stack, head = lm.blocks, lm.head
     batch = MICROBATCH * m
-    x = jax.random.normal(jax.random.key(0), (batch, SEQ, features))
-    targets = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB)
-    tokens = batch * SEQ
+    seq = seq_len(bench_scale)
+    x = jax.random.normal(jax.random.key(0), (batch, seq, features))
+    targets = jax.random.randint(jax.random.key(1), (batch, seq), 0, VOCAB)
+    tokens = batch * seq
     case = BenchCase(
         op=OP,
         implementation=implementation,
         mode=flops.FWD_BWD,
-        shape={"p": STAGES, "m": m, "B": batch, "T": SEQ, "F": features, "L": LAYERS},
+        shape={"p": STAGES, "m": m, "B": batch, "T": seq, "F": features, "L": LAYERS},
         dtype="float32",
-        flops=flops.model_flops(spec, seq_len=SEQ, batch=batch),
+        flops=flops.model_flops(spec, seq_len=seq, batch=batch),
         bytes=4 * tokens * features * 4,
         baseline=BASELINE,
         model=spec.name,
@@ -128,19 +142,22 @@ def test_pipeline_step(measure, bench_scale, benchmark, m, implementation):
         return nnx.value_and_grad(loss, argnums=(0, 1, 2))(pipe, head, x)
 
     measure(nnx.jit(step), (pipe, head, x), case)
-    layer = flops.layer_matmul_flops(spec) + flops.layer_attention_flops(spec, SEQ)
-    figures = schedule_figures(schedule, m, v, pipe.residuals, layer, flops.logits_flops(spec))
+    layer = flops.layer_matmul_flops(spec) + flops.layer_attention_flops(spec, seq)
+    figures = schedule_figures(
+        schedule, m, v, pipe.residuals, layer, flops.logits_flops(spec), seq=seq
+    )
     benchmark.extra_info.update(figures)
 
 
-def schedule_figures(schedule, m, v, residuals, layer_flops, head_flops):
+def schedule_figures(schedule, m, v, residuals, layer_flops, head_flops, *, seq=SEQ):
     """The IR's figures of one case: ticks, bubbles, in flight, lockstep work / ideal.
 
-    `layer_flops` and `head_flops`: forward FLOPs per token of one layer and of the head.
+    `layer_flops` and `head_flops`: forward FLOPs per token of one layer and of the head;
+    `seq`: tokens per sequence.
     """
     figures = schedule_table(schedule, STAGES, m, v).to_dict()
     table = lockstep_table(schedule, STAGES, m, v)
-    tokens = MICROBATCH * SEQ
+    tokens = MICROBATCH * seq
     forward = LAYERS // (STAGES * v) * tokens * layer_flops
     backward = 2 * forward + (forward if residuals == "recompute" else 0)
     cost = {F: forward, B: backward, HEAD: 3 * tokens * head_flops}
@@ -181,15 +198,16 @@ def test_pipeline_by_model_step(measure, bench_scale, benchmark, m, implementati
     )
     head = nnx.Linear(features, VOCAB, rngs=nnx.Rngs(1))
     batch = MICROBATCH * m
-    x = jax.random.normal(jax.random.key(0), (batch, SEQ, features))
-    targets = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB)
-    tokens = batch * SEQ
+    seq = seq_len(bench_scale)
+    x = jax.random.normal(jax.random.key(0), (batch, seq, features))
+    targets = jax.random.randint(jax.random.key(1), (batch, seq), 0, VOCAB)
+    tokens = batch * seq
     matmuls = LAYERS * 2 * flops.matmul_flops(tokens, hidden, features)
     case = BenchCase(
         op="pipeline_by_model_step",
         implementation=implementation,
         mode=flops.FWD_BWD,
-        shape={"p": STAGES, "T_axis": 2, "m": m, "B": batch, "T": SEQ, "F": features},
+        shape={"p": STAGES, "T_axis": 2, "m": m, "B": batch, "T": seq, "F": features},
         dtype="float32",
         flops=flops.TRAINING_OVER_FORWARD * (matmuls + flops.matmul_flops(tokens, VOCAB, features)),
         bytes=4 * tokens * features * 4,
@@ -211,4 +229,5 @@ def test_pipeline_by_model_step(measure, bench_scale, benchmark, m, implementati
         2 * flops.matmul_flops(1, hidden, features),
         flops.matmul_flops(1, VOCAB, features),
     )
-    benchmark.extra_info.update(schedule_figures("1f1b", m, 1, pipe.residuals, layer, head_flops))
+    figures = schedule_figures("1f1b", m, 1, pipe.residuals, layer, head_flops, seq=seq)
+    benchmark.extra_info.update(figures)

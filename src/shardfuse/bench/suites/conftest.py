@@ -89,12 +89,20 @@ def bench_scale(pytestconfig):
 
 
 @pytest.fixture
-def measure(benchmark, bench_scale):
-    """`measure(fn, args, case, skip_on=None)`: compile, time, describe (`harness.measure`)."""
+def measure(benchmark, bench_scale, request):
+    """`measure(fn, args, case, skip_on=None, inspect=None)`: compile, time, describe
+    (`harness.measure`).
 
-    def run(fn, args, case, *, skip_on=None):
-        return harness.measure(
-            benchmark, fn, args, case, bench_scale, skip=pytest.skip, skip_on=skip_on
-        )
+    The case's compile and timing seconds go on the test report too (`user_properties`),
+    where `shardfuse bench` sums them per suite."""
+
+    def run(fn, args, case, *, skip_on=None, inspect=None):
+        info = harness.measure(
+            benchmark, fn, args, case, bench_scale, skip=pytest.skip, skip_on=skip_on,
+            inspect=inspect,
+        )  # fmt: skip
+        seconds = {key: info.get(key) or 0.0 for key in ("compile_s", "timed_s")}
+        request.node.user_properties.append(("bench_seconds", seconds))
+        return info
 
     return run

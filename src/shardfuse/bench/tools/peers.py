@@ -56,12 +56,7 @@ def contenders():
     }
     missing = {}
     try:
-        import tokamax
-        from absl import flags
-
-        # tokamax reads absl flags, which would parse this script's own argv: none are set.
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
+        tokamax = import_tokamax()
         for impl in ("xla", "xla_chunked"):
             table[f"tokamax.{impl}"] = lambda q, k, v, causal, impl=impl: (
                 tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
@@ -69,6 +64,33 @@ def contenders():
     except ImportError as e:
         missing["tokamax"] = f"not installed ({e}); pip install -e '.[peers]'"
     return table, missing
+
+
+def import_tokamax():
+    """The `tokamax` module, its absl flags marked parsed (it reads them, and would otherwise
+    parse the calling script's own argv). ImportError when it is not installed
+    (`pip install -e ".[peers]"`)."""
+    import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
+
+
+def save_run(path, tool: str, argv, **fields) -> None:
+    """Writes a tool's run to `path` as JSON: the date, machine, the command that made it
+    (`python -m TOOL ARGS`, `argv` None for this process's own), the jax version, `fields`."""
+    record = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=platform.processor() or platform.machine(),
+        command=f"python -m {tool} " + " ".join(sys.argv[1:] if argv is None else argv),
+        jax=jax.__version__,
+        **fields,
+    )
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"results written to {path}")
 
 
 def compiled(attention, mode, causal, q, k, v, d_out):
@@ -200,12 +222,10 @@ def main(argv=None):
     load_after = os.getloadavg()
     print(f"load average at the end: {load_after}")
     if args.json:
-        record = dict(
-            date=datetime.datetime.now().isoformat(timespec="seconds"),
-            machine=platform.processor() or platform.machine(),
-            command="python -m shardfuse.bench.tools.peers "
-            + " ".join(sys.argv[1:] if argv is None else argv),
-            jax=jax.__version__,
+        save_run(
+            args.json,
+            "shardfuse.bench.tools.peers",
+            argv,
             native=info,
             default_implementation=ours,  # the key of the committed results
             load_average=dict(start=load_before, end=load_after),
@@ -214,9 +234,6 @@ def main(argv=None):
             missing=missing,
             cases=results,
         )
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-        print(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ a markdown table.
     python -m shardfuse.bench.tools.triton_compile_stats --out bench/results/triton_compile_stats.md
     python -m shardfuse.bench.tools.triton_compile_stats --search  # how TUNED was chosen
     python -m shardfuse.bench.tools.triton_compile_stats --decode  # the decode-attention kernel
+    python -m shardfuse.bench.tools.triton_compile_stats --grouped-matmul  # the MoE matmul's two
 
 `--search` compiles the candidate configs below, largest tiles first, and
 prints for each (generation, head dim, dtype class, kernel) the first one with
@@ -206,12 +207,39 @@ def decode_table(lines_out):
     return failures
 
 
+def grouped_matmul_table(lines_out):
+    """The grouped matmul's two kernels at their configs (`grouped_matmul.triton_gpu.CONFIGS`),
+    at a Mixtral-8x7B expert's shapes."""
+    from shardfuse.kernels.grouped_matmul import triton_compile
+
+    lines_out("| arch | kernel | dtype | tiles (m x k x n) | warps | stages | registers "
+              "| spill stores / loads (B) | shared memory (B) | limit (B) | check |")  # fmt: skip
+    lines_out("|---|---|---|---|---|---|---|---|---|---|---|")
+    failures = 0
+    for arch in (80, 90):
+        for kernel in triton_compile.KERNELS:
+            for dtype in DTYPES.values():
+                s = triton_compile.compile_stats(arch=arch, dtype=dtype, kernel=kernel)
+                c = s.config
+                lines_out(
+                    f"| sm_{arch} | {kernel} | {dtype} | {c.block_m} x {c.block_k} x {c.block_n} "
+                    f"| {c.num_warps} | {c.num_stages} | {s.registers} | {s.spill_stores} / "
+                    f"{s.spill_loads} | {s.shared_memory} | {s.shared_memory_limit} "
+                    f"| {'ok' if s.ok else 'FAIL'} |"
+                )
+                failures += not s.ok
+    return failures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown table here (default: stdout)")
     parser.add_argument("--search", action="store_true", help="search the candidate configs")
     parser.add_argument(
         "--decode", action="store_true", help="the decode-attention kernel's table instead"
+    )
+    parser.add_argument(
+        "--grouped-matmul", action="store_true", help="the grouped matmul kernels' table instead"
     )
     args = parser.parse_args(argv)
     if args.search:
@@ -223,7 +251,10 @@ def main(argv=None):
         lines.append(line)
         print(line, flush=True)
 
-    failures = decode_table(emit) if args.decode else table(emit)
+    if args.grouped_matmul:
+        failures = grouped_matmul_table(emit)
+    else:
+        failures = decode_table(emit) if args.decode else table(emit)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -139,31 +139,13 @@ def _static(config, q, q_seg, kv_seg):
     return attributes, q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
-def _result(shape, dtype, like):
-    """The custom call's result type: inside `shard_map`, varying over `like`'s mesh axes.
-
-    `ffi_call` builds its result types with `shaped_abstractify`, which refuses a
-    `ShapeDtypeStruct` carrying manual axes without a mesh: `like`'s own type, reshaped,
-    carries both.
-    """
-    if not vma.varying_axes(like):
-        return jax.ShapeDtypeStruct(shape, dtype)
-    aval = jax.typeof(like)
-    spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
-    return aval.update(
-        shape=shape,
-        dtype=jnp.dtype(dtype),
-        sharding=jax.sharding.NamedSharding(aval.sharding.mesh, spec),
-    )
-
-
 def forward(config, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     """`(out [B, T, H, D] in q's dtype, lse float32 [B, H, T])`; see `protocol.AttentionBackend`."""
     _check(config, q, k, v)
     q, k, v, q_pos, kv_pos, q_seg, kv_seg = vma.match_varying(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
     B, T, H, _ = q.shape
     attributes, q_seg, kv_seg = _static(config, q, q_seg, kv_seg)
-    out_types = (_result(q.shape, q.dtype, q), _result((B, H, T), jnp.float32, q))
+    out_types = (vma.ffi_result(q.shape, q.dtype, q), vma.ffi_result((B, H, T), jnp.float32, q))
     call = jax.ffi.ffi_call(_FORWARD, out_types, vmap_method="sequential")
     out, lse = call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, **attributes)
     return out, lse
@@ -183,7 +165,7 @@ def backward(
     # own dtype (a ring's merged out is float32) where the kernel reads it.
     out, d_out = (x if x.dtype in _DTYPES else x.astype(jnp.float32) for x in (out, d_out))
     attributes, q_seg, kv_seg = _static(config, q, q_seg, kv_seg)
-    out_types = tuple(_result(x.shape, jnp.float32, q) for x in (q, k, v))
+    out_types = tuple(vma.ffi_result(x.shape, jnp.float32, q) for x in (q, k, v))
     call = jax.ffi.ffi_call(_BACKWARD, out_types, vmap_method="sequential")
     dq, dk, dv = call(
         q, k, v, q_pos, kv_pos, q_seg, kv_seg, d_out, out, lse, d_lse.astype(jnp.float32),

@@ -81,13 +81,25 @@ def require_default_precision(config: MatmulConfig, dtype, backend: str):
         )
 
 
-def _check_array(name, x):
+def check_array(name, x):
+    """TypeError unless `x` is an array of a supported float dtype (`SUPPORTED_DTYPES`)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {x.dtype}; supported dtypes are float32, bfloat16 and float16"
         )
+
+
+def check_out_dtype(value, *, name: str = "out_dtype") -> jnp.dtype:
+    """`value` as a supported float dtype; TypeError naming the argument otherwise."""
+    try:
+        out_dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{name}={value!r} is not a dtype") from e
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}={out_dtype} is not supported; use float32, bfloat16 or float16")
+    return out_dtype
 
 
 def output_shape(a, b) -> tuple[int, ...]:
@@ -106,8 +118,8 @@ def validate(
       TypeError: a non-array input, an unsupported dtype (integers, float64),
         `a` and `b` of different dtypes, or a bad `out_dtype` / `block_sizes`.
     """
-    _check_array("a", a)
-    _check_array("b", b)
+    check_array("a", a)
+    check_array("b", b)
     if a.ndim < 2:
         raise ValueError(f"a has rank {a.ndim} (shape {tuple(a.shape)}); expected [..., M, C]")
     if b.ndim != 2:
@@ -121,27 +133,17 @@ def validate(
         )
     expected = output_shape(a, b)
     if addend is not None:
-        _check_array("addend", addend)
+        check_array("addend", addend)
         if tuple(addend.shape) != expected:
             raise ValueError(
                 f"addend has shape {tuple(addend.shape)}; expected the output shape "
                 f"[..., M, N] = {expected}"
             )
     if bias is not None:
-        _check_array("bias", bias)
+        check_array("bias", bias)
         if tuple(bias.shape) != (b.shape[1],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [N] = ({b.shape[1]},)")
-    if out_dtype is None:
-        out_dtype = jnp.dtype(a.dtype)
-    else:
-        try:
-            out_dtype = jnp.dtype(out_dtype)
-        except TypeError as e:
-            raise TypeError(f"out_dtype={out_dtype!r} is not a dtype") from e
-        if out_dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"out_dtype={out_dtype} is not supported; use float32, bfloat16 or float16"
-            )
+    out_dtype = jnp.dtype(a.dtype) if out_dtype is None else check_out_dtype(out_dtype)
     if block_sizes is None:
         block_sizes = MatmulBlockSizes()
     elif not isinstance(block_sizes, MatmulBlockSizes):
