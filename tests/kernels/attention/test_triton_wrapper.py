@@ -113,7 +113,7 @@ def test_default_configs_cover_every_generation_and_head_dim():
     ids=str,
 )
 def test_block_ranges_cover_every_visible_block_and_only_full_ones_unmasked(options):
-    """`masks.visit_ranges` vs the element mask: no visible block skipped, no partial one unmasked."""
+    """`masks.visit_ranges` vs the element mask: no visible block skipped, no partial unmasked."""
     B, T, S, block_m, block_n = 2, 70, 93, 16, 32
     key = jax.random.key(0)
     q_pos = jnp.arange(T, dtype=jnp.int32) + S - T
