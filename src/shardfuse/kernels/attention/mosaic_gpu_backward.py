@@ -29,8 +29,6 @@ Axis glossary: B batch, T query length, S key length, H query heads, K kv
 heads, G = H // K, D head dim, bq query rows, bk key rows per consumer tile.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -40,8 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from shardfuse.kernels.attention import mosaic_gpu_tiles as tiles
 
 CONSUMERS = 2
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
 
 
 def _dkdv_kernel(
@@ -55,25 +51,22 @@ def _dkdv_kernel(
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ready, ready, free = refs
     kv_head = lax.axis_index("kv_heads")
     tile = lax.axis_index("kv_tiles")
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    bounds = tiles.block_range(ranges_ref, batch, tile)
+    batch, wg, bounds = tiles.cta(ranges_ref, tile)
     lo, _, _, hi = bounds
     blocks = hi - lo  # query blocks per head; the walk is group * blocks steps
     D = k_smem.shape[-1]
     dtype = k_smem.dtype
 
-    @pl.when(wg < consumers)
+    @tiles.consumer(wg, consumers)
     def consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         kv_start = tile * (consumers * block_kv) + wg * block_kv
         rows = (batch, pl.ds(kv_start, block_kv), kv_head)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_tile, kv_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_tile, kv_ready.at[wg])
-        mask_refs = tiles.MaskRefs(
-            q_pos_ref, kv_pos_ref, *((q_seg_ref, kv_seg_ref) if segments else (None, None)),
-            length_kv, interpret,
+        mask_refs = tiles.mask_refs(
+            q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref,
+            segments=segments, length_kv=length_kv, interpret=interpret,
         )  # fmt: skip
         zeros = tiles.in_layout(
             jnp.zeros((block_kv, D), jnp.float32), tiles.WGMMA, interpret=interpret
@@ -123,9 +116,8 @@ def _dkdv_kernel(
             tiles.store(grads[name], out_ref.at[rows], stage, interpret=interpret)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == consumers)
+    @tiles.producer(wg, consumers)
     def producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         def load(s, slot, reuse):
             tiles.wait_when(reuse, free.at[slot])
@@ -148,18 +140,13 @@ def _dq_kernel(
     q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, free,
     *, config, block_q, block_kv, stages, group, length_kv, segments, consumers, interpret,
 ):  # fmt: skip
-    head = lax.axis_index("heads")
-    tile = tiles.heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    bounds = tiles.block_range(ranges_ref, batch, tile)
+    head, kv_head, tile, batch, wg, bounds = tiles.query_cta(ranges_ref, config, group)
     lo, _, _, hi = bounds
     D = q_smem.shape[-1]
     dtype = q_smem.dtype
 
-    @pl.when(wg < consumers)
+    @tiles.consumer(wg, consumers)
     def consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_start = tile * (consumers * block_q) + wg * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
@@ -168,9 +155,9 @@ def _dq_kernel(
         stats = (batch, head)
         lse = tiles.vector(lse_ref.at[stats], q_start, block_q, tiles.ROW, interpret=interpret)
         delta = tiles.vector(delta_ref.at[stats], q_start, block_q, tiles.ROW, interpret=interpret)
-        mask_refs = tiles.MaskRefs(
-            q_pos_ref, kv_pos_ref, *((q_seg_ref, kv_seg_ref) if segments else (None, None)),
-            length_kv, interpret,
+        mask_refs = tiles.mask_refs(
+            q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref,
+            segments=segments, length_kv=length_kv, interpret=interpret,
         )  # fmt: skip
         dq = tiles.in_layout(jnp.zeros((block_q, D), jnp.float32), tiles.WGMMA, interpret=interpret)
         plgpu.barrier_wait(q_ready.at[wg])
@@ -200,10 +187,8 @@ def _dq_kernel(
         tiles.store(dq * config.scale, dq_ref.at[rows], stage, interpret=interpret)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == consumers)
+    @tiles.producer(wg, consumers)
     def producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, jnp.array(group, head.dtype))
 
         def load(s, slot, reuse):
             tiles.wait_when(reuse, free.at[slot])
@@ -212,20 +197,6 @@ def _dq_kernel(
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
         tiles.stream(load, hi - lo, stages, (free,))
-
-
-def _call(kernel, grid, names, out_type, scratch, consumers, interpret, *args):
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=names,
-        num_threads=consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        **({} if interpret is None else {"interpret": interpret}),
-    )(*args)
 
 
 def dkdv(
@@ -241,21 +212,11 @@ def dkdv(
     """
     B, T, H, D = q.shape
     K = k.shape[2]
-    kernel = functools.partial(
-        _dkdv_kernel,
-        config=config,
-        block_q=block_q,
-        block_kv=block_kv,
-        stages=stages,
-        group=H // K,
-        length_kv=length_kv,
-        segments=q_seg is not None,
-        compute=tuple(compute),
+    kernel, q_seg, kv_seg = tiles.bind(
+        _dkdv_kernel, q, k, q_seg, kv_seg, interpret=interpret, config=config, block_q=block_q,
+        block_kv=block_kv, stages=stages, length_kv=length_kv, compute=tuple(compute),
         consumers=consumers,
-        interpret=interpret is not None,
-    )
-    if q_seg is None:
-        q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
+    )  # fmt: skip
     scratch = (
         tiles.swizzled((consumers, block_kv, D), k.dtype),
         tiles.swizzled((consumers, block_kv, D), v.dtype),
@@ -271,7 +232,10 @@ def dkdv(
     grid = (K, ranges.shape[1], B)  # key tiles holding real keys (padding may add more)
     args = (q, k, v, d_out, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, ranges)
     names = ("kv_heads", "kv_tiles", "batch")
-    return _call(kernel, grid, names, out_type, scratch, consumers, interpret, *args)
+    return tiles.launch(
+        kernel, args, grid=grid, names=names, out_type=out_type, scratch=scratch,
+        consumers=consumers, interpret=interpret,
+    )  # fmt: skip
 
 
 def dq(
@@ -281,21 +245,10 @@ def dq(
 ):  # fmt: skip
     """`dq [B, T, H, D]` in `grad_dtype` on padded inputs; `ranges` as the forward's."""
     B, T, H, D = q.shape
-    K = k.shape[2]
-    kernel = functools.partial(
-        _dq_kernel,
-        config=config,
-        block_q=block_q,
-        block_kv=block_kv,
-        stages=stages,
-        group=H // K,
-        length_kv=length_kv,
-        segments=q_seg is not None,
-        consumers=consumers,
-        interpret=interpret is not None,
-    )
-    if q_seg is None:
-        q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
+    kernel, q_seg, kv_seg = tiles.bind(
+        _dq_kernel, q, k, q_seg, kv_seg, interpret=interpret, config=config, block_q=block_q,
+        block_kv=block_kv, stages=stages, length_kv=length_kv, consumers=consumers,
+    )  # fmt: skip
     scratch = (
         tiles.swizzled((consumers, block_q, D), q.dtype),
         tiles.swizzled((consumers, block_q, D), d_out.dtype),
@@ -310,4 +263,7 @@ def dq(
     grid = (H, ranges.shape[1], B)  # query tiles holding real queries
     args = (q, k, v, d_out, lse2, delta, q_pos, kv_pos, q_seg, kv_seg, ranges)
     names = ("heads", "q_tiles", "batch")
-    return _call(kernel, grid, names, out_type, scratch, consumers, interpret, *args)
+    return tiles.launch(
+        kernel, args, grid=grid, names=names, out_type=out_type, scratch=scratch,
+        consumers=consumers, interpret=interpret,
+    )  # fmt: skip

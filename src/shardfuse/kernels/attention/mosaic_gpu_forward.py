@@ -37,8 +37,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from shardfuse.kernels.attention import mosaic_gpu_tiles as tiles
 
 CONSUMERS = 2  # consumer warpgroups per CTA
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
 
 
 def _kernel(
@@ -47,11 +45,7 @@ def _kernel(
     q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready, k_free, v_free, schedule,
     *, config, block_q, block_kv, stages, group, length_kv, segments, interpret,
 ):  # fmt: skip
-    head = lax.axis_index("heads")
-    tile = tiles.heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
-    batch = lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    bounds = tiles.block_range(ranges_ref, batch, tile)
+    head, kv_head, tile, batch, wg, bounds = tiles.query_cta(ranges_ref, config, group)
     lo, _, _, hi = bounds
     D = q_smem.shape[-1]
 
@@ -59,21 +53,17 @@ def _kernel(
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    @pl.when(wg < CONSUMERS)
+    @tiles.consumer(wg, CONSUMERS)
     def consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_start = tile * (CONSUMERS * block_q) + wg * block_q
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(
             q_ref.at[batch, pl.ds(q_start, block_q), head], q_tile, q_ready.at[wg]
         )
-        mask_refs = tiles.MaskRefs(
-            q_pos_ref,
-            kv_pos_ref,
-            *((q_seg_ref, kv_seg_ref) if segments else (None, None)),
-            length_kv,
-            interpret,
-        )
+        mask_refs = tiles.mask_refs(
+            q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref,
+            segments=segments, length_kv=length_kv, interpret=interpret,
+        )  # fmt: skip
         layout = functools.partial(tiles.in_layout, interpret=interpret)
         row_max = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), tiles.ROW)
         row_sum = layout(jnp.zeros((block_q,), jnp.float32), tiles.ROW)
@@ -133,10 +123,8 @@ def _kernel(
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
+    @tiles.producer(wg, CONSUMERS)
     def producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, jnp.array(group, head.dtype))
 
         def load(s, slot, reuse):
             rows = (batch, pl.ds((lo + s) * block_kv, block_kv), kv_head)
@@ -158,21 +146,11 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, *, config, block_q, b
     `InterpretGPUParams` (Mosaic GPU interpret mode on CPU).
     """
     B, T, H, D = q.shape
-    K = k.shape[2]
     tiles_q = ranges.shape[1]  # query tiles holding real queries (padding may add more)
-    kernel = functools.partial(
-        _kernel,
-        config=config,
-        block_q=block_q,
-        block_kv=block_kv,
-        stages=stages,
-        group=H // K,
-        length_kv=length_kv,
-        segments=q_seg is not None,
-        interpret=interpret is not None,
-    )
-    if q_seg is None:  # placeholders the kernel never reads
-        q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
+    kernel, q_seg, kv_seg = tiles.bind(
+        _kernel, q, k, q_seg, kv_seg, interpret=interpret, config=config, block_q=block_q,
+        block_kv=block_kv, stages=stages, length_kv=length_kv,
+    )  # fmt: skip
     scratch = (
         tiles.swizzled((CONSUMERS, block_q, D), q.dtype),
         tiles.swizzled((stages, block_kv, D), k.dtype),
@@ -185,18 +163,12 @@ def forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges, *, config, block_q, b
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # v_free
         plgpu.Barrier(num_arrivals=CONSUMERS),  # schedule
     )
-    call = plgpu.kernel(
-        kernel,
-        out_type=(
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((B, H, T), jnp.float32),
-        ),
-        scratch_types=scratch,
-        grid=(H, tiles_q, B),
-        grid_names=("heads", "q_tiles", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        **({} if interpret is None else {"interpret": interpret}),
+    out_type = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((B, H, T), jnp.float32),
     )
-    return call(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges)
+    return tiles.launch(
+        kernel, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, ranges), grid=(H, tiles_q, B),
+        names=("heads", "q_tiles", "batch"), out_type=out_type, scratch=scratch,
+        consumers=CONSUMERS, interpret=interpret,
+    )  # fmt: skip

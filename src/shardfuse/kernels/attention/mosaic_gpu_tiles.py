@@ -108,6 +108,97 @@ class MaskRefs:
     interpret: bool = False
 
 
+def mask_refs(q_pos, kv_pos, q_seg, kv_seg, *, segments, length_kv, interpret):
+    """The `MaskRefs` of a kernel: segment refs only when the call has segment ids
+    (`segments`; the kernel's segment arguments are placeholders otherwise)."""
+    segs = (q_seg, kv_seg) if segments else (None, None)
+    return MaskRefs(q_pos, kv_pos, *segs, length_kv, interpret)
+
+
+PRODUCER_REGISTERS = 40  # per thread: the producer warpgroup only issues copies
+CONSUMER_REGISTERS = 232  # the consumers hold the accumulators and the softmax
+
+
+def consumer(wg, consumers):
+    """Decorator: the body runs on the consumer warpgroups (`wg < consumers`), their
+    register budget raised to `CONSUMER_REGISTERS`."""
+
+    def wrap(body):
+        @pl.when(wg < consumers)
+        def run():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            body()
+
+        return body
+
+    return wrap
+
+
+def producer(wg, consumers):
+    """Decorator: the body runs on the producer warpgroup (`wg == consumers`), its
+    register budget lowered to `PRODUCER_REGISTERS`."""
+
+    def wrap(body):
+        @pl.when(wg == consumers)
+        def run():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            body()
+
+        return body
+
+    return wrap
+
+
+def cta(ranges_ref, tile):
+    """`(batch, wg, block_range)` of this CTA's warpgroup: the batch row and warpgroup
+    indices of the grid, and the tile's range of blocks to visit (`block_range`)."""
+    batch = lax.axis_index("batch")
+    return batch, lax.axis_index("wg"), block_range(ranges_ref, batch, tile)
+
+
+def query_cta(ranges_ref, config, group):
+    """`(head, kv_head, tile, batch, wg, block_range)` of a query-tile CTA (the forward's,
+    dQ's): its query head and the key/value head it reads (`group` query heads per key
+    head), its query tile (heaviest first, `heavy_first`), and `cta`'s values."""
+    head = lax.axis_index("heads")
+    tile = heavy_first(lax.axis_index("q_tiles"), ranges_ref.shape[1], config)
+    kv_head = lax.div(head, jnp.array(group, head.dtype))
+    return (head, kv_head, tile, *cta(ranges_ref, tile))
+
+
+def bind(kernel, q, k, q_seg, kv_seg, *, interpret, **options):
+    """`(kernel, q_seg, kv_seg)`: the kernel with its static options bound (`group` =
+    query heads per key head, `segments`, `interpret` as a flag) and the segment ids,
+    int32 placeholders the kernel never reads when the call has none."""
+    kernel = functools.partial(
+        kernel,
+        group=q.shape[2] // k.shape[2],
+        segments=q_seg is not None,
+        interpret=interpret is not None,
+        **options,
+    )
+    if q_seg is None:
+        q_seg = kv_seg = jnp.zeros((1, 1), jnp.int32)
+    return kernel, q_seg, kv_seg
+
+
+def launch(kernel, args, *, grid, names, out_type, scratch, consumers, interpret):
+    """`kernel(*args)` on a grid of CTAs of `consumers` consumer warpgroups and one
+    producer (`wg` names the warpgroup), compiled with approximate math, or in Mosaic
+    GPU interpret mode when `interpret` is an `InterpretGPUParams`."""
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=names,
+        num_threads=consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({} if interpret is None else {"interpret": interpret}),
+    )(*args)
+
+
 def vector(ref, start, size, layout, *, interpret=False):
     """`ref[start:start+size]` (a global or shared ref) in registers, in `layout` (ROW: one
     value per tile row; COL: per column). Interpret mode keeps values in their logical
