@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import place
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.decode_attention.api import decode_attention
 from shardfuse.layers.attention import rope
@@ -170,6 +171,10 @@ def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
     tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
     cache_spec = _cache_spec(mesh, batch_axes)
     local = functools.partial(_local_forward, spec, tp, kv_sharded, prefill, implementation)
+    # a cache or tokens laid out otherwise (by the caller): moved to the step's layout, which
+    # an Explicit mesh's shard_map does not do by itself
+    tokens = place(tokens, mesh, P(batch_axes, None))
+    cache_k, cache_v = (place(c, mesh, cache_spec) for c in (cache_k, cache_v))
     return jax.shard_map(
         local,
         mesh=mesh,
