@@ -72,17 +72,24 @@ def _decode_spec(spec, mesh):
 
 def decode_params(model) -> dict:
     """The model's parameters by short name, resharded to the decode layout."""
+    return _decode_layout(model)[0]
+
+
+def _decode_layout(model):
+    """`(params, specs)`: `decode_params` and their PartitionSpecs, read from the model's
+    arrays (under a caller's jit the resharded values are tracers, an Auto mesh's without
+    the spec in their type)."""
     mesh = model.mesh
-    params = {}
+    params, specs = {}, {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = _leaf(path)
         short = _LAYER_NAMES.get(name) or _TOP_NAMES.get(name) or _TOP_NAMES.get(str(path[-1]))
         if short is None:
             raise ValueError(f"generate: parameter {'.'.join(map(str, path))} is not understood")
         value = variable[...]
-        spec = _decode_spec(value.sharding.spec, mesh)
-        params[short] = jax.device_put(value, NamedSharding(mesh, spec))
-    return params
+        specs[short] = _decode_spec(value.sharding.spec, mesh)
+        params[short] = jax.device_put(value, NamedSharding(mesh, specs[short]))
+    return params, specs
 
 
 def _batch_axes(mesh, batch):
@@ -221,11 +228,10 @@ class DecodeProgram:
             if not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         spec, mesh = model.spec, model.mesh
-        self.params = decode_params(model)
+        self.params, param_specs = _decode_layout(model)
         tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
         kv_sharded = spec.kv_heads % tp == 0
         self.batch_axes = _batch_axes(mesh, batch)
-        param_specs = {k: v.sharding.spec for k, v in self.params.items()}
         self.layout = (self.batch_axes, kv_sharded, tuple(sorted(param_specs.items())),
                        P(self.batch_axes, None))  # fmt: skip
         K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
@@ -406,7 +412,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
             nxt = jnp.where(done, eos_id, nxt)
             done = done | (nxt == eos_id)
         out.append(nxt)
-        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+        stop = eos_id is not None and not isinstance(done, jax.core.Tracer) and bool(done.all())
+        if i + 1 == max_new_tokens or stop:  # under a caller's jit: every step, no early stop
             break
         logits, cache = program.step(nxt[:, None], cache, T + i)
     out = jnp.stack(out, axis=1)
