@@ -23,7 +23,7 @@ LAYOUTS = {  # q, k and v, lengths
     "batch_everywhere": (P(("data", "model")), P(("data", "model")), P(("data", "model"))),
     "kv_replicated": (P(None, None, "model"), P(), P()),
 }
-QUICK = {"batch_data_heads_model", "cache_length_model"}
+QUICK = {("cache_length_model", AxisType.Explicit), ("batch_data_heads_model", AxisType.Auto)}
 
 
 def _inputs():
@@ -38,9 +38,13 @@ def _call(q, k, v, lengths):
     return sf.decode_attention(q, k, v, lengths, window=(20, 0), return_lse=True)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=lambda a: a.name)
+CASES = [(n, a) for n in LAYOUTS for a in (AxisType.Explicit, AxisType.Auto)]
+
+
 @pytest.mark.parametrize(
-    "layout", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in LAYOUTS]
+    "layout, axis_type",
+    [pytest.param(n, a, marks=() if (n, a) in QUICK else pytest.mark.slow) for n, a in CASES],
+    ids=[f"{n}-{a.name}" for n, a in CASES],
 )
 def test_sharded_inputs_give_the_one_device_result(layout, axis_type):
     q, k, v, lengths = _inputs()
@@ -49,7 +53,9 @@ def test_sharded_inputs_give_the_one_device_result(layout, axis_type):
     q_spec, kv_spec, lengths_spec = LAYOUTS[layout]
     args = [
         jax.device_put(x, NamedSharding(mesh, spec))
-        for x, spec in zip((q, k, v, lengths), (q_spec, kv_spec, kv_spec, lengths_spec), strict=True)
+        for x, spec in zip(
+            (q, k, v, lengths), (q_spec, kv_spec, kv_spec, lengths_spec), strict=True
+        )
     ]
     qb, qt, qh, qd = (*q_spec, None, None, None, None)[:4]
     want_shardings = (NamedSharding(mesh, P(qb, qt, qh, qd)), NamedSharding(mesh, P(qb, qh, qt)))
