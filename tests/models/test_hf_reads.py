@@ -114,3 +114,8 @@ def test_a_tied_checkpoint_reads_the_head_once_to_check_it(tmp_path):
     checks = [r for r in reads if r.parameter is None]
     assert {r.tensor for r in checks} == {"lm_head.weight", "model.embed_tokens.weight"}
     assert sum(r.nbytes for r in checks) == 2 * SPEC.vocab_size * SPEC.hidden * 4
+
+
+def test_on_read_must_be_callable(checkpoint):
+    with pytest.raises(ValueError, match="on_read=3 must be None or a callable"):
+        hf.load_hf(checkpoint, mesh=jax.make_mesh((8,), ("data",)), on_read=3)

@@ -342,7 +342,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
     Prefill runs the prompts through the model at once; each later token is one decode
     step against the KV cache (see the module docstring). Decoding is greedy at
     `temperature=0` (the default), else sampled with `top_k` / `top_p`. Rows that emit
-    `eos_id` keep emitting it; generation stops early when every row has.
+    `eos_id` keep emitting it; generation stops early when every row has (not under a
+    caller's `jax.jit`, where every step runs). Meshes of Explicit or Auto axes alike.
 
     Args:
       model: a `models.Transformer` (any mesh; decoding uses the `model`, `data` and

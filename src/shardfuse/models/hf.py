@@ -238,8 +238,8 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
     Raises:
       ValueError: an unknown architecture or unsupported config field (named), a missing
         shard file or tensor, tensors of the wrong shape, a tensor no parameter reads
-        (named), a mesh that does not divide the heads (raised by the layers, before
-        anything is read).
+        (named), an `on_read` that is not callable, a mesh that does not divide the heads
+        (raised by the layers, before anything is read).
 
     Example:
       >>> import jax, tempfile
@@ -250,7 +250,13 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
       >>> path = hf.save_hf(model, tempfile.mkdtemp())
       >>> hf.load_hf(path, mesh=mesh).spec.num_layers
       1
+      >>> reads = []  # each slice read, with the parameter block it was read for
+      >>> _ = hf.load_hf(path, mesh=mesh, on_read=reads.append)
+      >>> [r.block[-1] for r in reads if r.tensor.endswith("q_proj.weight")]  # per model shard
+      [(0, 32), (32, 64)]
     """
+    if on_read is not None and not callable(on_read):
+        raise ValueError(f"on_read={on_read!r} must be None or a callable taking a TensorRead")
     path = Path(path)
     spec = read_hf_spec(path)
     source = SafetensorsDir(path)

@@ -89,7 +89,9 @@ def decode_attention(
     exactly by lse. Rows with no visible key (a length below T, or 0) return 0
     and lse = -inf; cache rows at or beyond a row's length are never read into
     a result (NaN there is harmless). Forward only (decode is inference):
-    the kernel backends define no gradient.
+    the kernel backends define no gradient. Global arrays sharded over a mesh
+    (Auto or Explicit axes) work in any layout; on an Explicit mesh the results
+    are typed as q is (out like q, lse `[B, H, T]` with q's B, H and T).
 
     Args:
       q: `[B, T, H, D]` queries (T small, e.g. 1 to 16), float32, bfloat16 or float16.
