@@ -48,7 +48,7 @@ from shardfuse.models.hf_config import (
 from shardfuse.models.hf_config import (
     spec_from_hf_config as spec_from_hf_config,
 )
-from shardfuse.models.hf_reads import TensorRead, block_of
+from shardfuse.models.hf_reads import TensorRead
 from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
 from shardfuse.models.transformer import Transformer
 
@@ -105,7 +105,14 @@ def _map_of(path: tuple, spec) -> _Map:
 
 def _bounds(index, shape):
     """Slices of `index` (padded to `shape`) as `(start, stop)` pairs."""
-    return list(block_of(index, shape))
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for s, n in zip(index, shape, strict=True):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided slice {s} is not supported")
+        out.append((start, stop))
+    return out
 
 
 def _read_one(source, m: _Map, layer, bounds):
@@ -284,7 +291,7 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
         label = ".".join(map(str, p))
 
         def callback(index, m=m, shape=shape, slices=slices, label=label):
-            key = block_of(index, shape)
+            key = tuple(_bounds(index, shape))  # the block, as `hf_reads.block_of` says
             if key not in slices:
                 if on_read is not None:
                     source.on_read = lambda name, i, nbytes: on_read(
