@@ -25,6 +25,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardfuse.collectives.sharding import place
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.decode_attention.api import decode_attention
 from shardfuse.layers.attention import rope
@@ -71,17 +72,24 @@ def _decode_spec(spec, mesh):
 
 def decode_params(model) -> dict:
     """The model's parameters by short name, resharded to the decode layout."""
+    return _decode_layout(model)[0]
+
+
+def _decode_layout(model):
+    """`(params, specs)`: `decode_params` and their PartitionSpecs, read from the model's
+    arrays (under a caller's jit the resharded values are tracers, an Auto mesh's without
+    the spec in their type)."""
     mesh = model.mesh
-    params = {}
+    params, specs = {}, {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = _leaf(path)
         short = _LAYER_NAMES.get(name) or _TOP_NAMES.get(name) or _TOP_NAMES.get(str(path[-1]))
         if short is None:
             raise ValueError(f"generate: parameter {'.'.join(map(str, path))} is not understood")
         value = variable[...]
-        spec = _decode_spec(value.sharding.spec, mesh)
-        params[short] = jax.device_put(value, NamedSharding(mesh, spec))
-    return params
+        specs[short] = _decode_spec(value.sharding.spec, mesh)
+        params[short] = jax.device_put(value, NamedSharding(mesh, specs[short]))
+    return params, specs
 
 
 def _batch_axes(mesh, batch):
@@ -170,6 +178,10 @@ def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
     tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
     cache_spec = _cache_spec(mesh, batch_axes)
     local = functools.partial(_local_forward, spec, tp, kv_sharded, prefill, implementation)
+    # a cache or tokens laid out otherwise (by the caller): moved to the step's layout, which
+    # an Explicit mesh's shard_map does not do by itself
+    tokens = place(tokens, mesh, P(batch_axes, None))
+    cache_k, cache_v = (place(c, mesh, cache_spec) for c in (cache_k, cache_v))
     return jax.shard_map(
         local,
         mesh=mesh,
@@ -216,11 +228,10 @@ class DecodeProgram:
             if not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         spec, mesh = model.spec, model.mesh
-        self.params = decode_params(model)
+        self.params, param_specs = _decode_layout(model)
         tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
         kv_sharded = spec.kv_heads % tp == 0
         self.batch_axes = _batch_axes(mesh, batch)
-        param_specs = {k: v.sharding.spec for k, v in self.params.items()}
         self.layout = (self.batch_axes, kv_sharded, tuple(sorted(param_specs.items())),
                        P(self.batch_axes, None))  # fmt: skip
         K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
@@ -331,7 +342,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
     Prefill runs the prompts through the model at once; each later token is one decode
     step against the KV cache (see the module docstring). Decoding is greedy at
     `temperature=0` (the default), else sampled with `top_k` / `top_p`. Rows that emit
-    `eos_id` keep emitting it; generation stops early when every row has.
+    `eos_id` keep emitting it; generation stops early when every row has (not under a
+    caller's `jax.jit`, where every step runs). Meshes of Explicit or Auto axes alike.
 
     Args:
       model: a `models.Transformer` (any mesh; decoding uses the `model`, `data` and
@@ -401,7 +413,8 @@ def generate(model, tokens, max_new_tokens: int, *, temperature: float = 0.0, to
             nxt = jnp.where(done, eos_id, nxt)
             done = done | (nxt == eos_id)
         out.append(nxt)
-        if i + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+        stop = eos_id is not None and not isinstance(done, jax.core.Tracer) and bool(done.all())
+        if i + 1 == max_new_tokens or stop:  # under a caller's jit: every step, no early stop
             break
         logits, cache = program.step(nxt[:, None], cache, T + i)
     out = jnp.stack(out, axis=1)

@@ -48,6 +48,7 @@ from shardfuse.models.hf_config import (
 from shardfuse.models.hf_config import (
     spec_from_hf_config as spec_from_hf_config,
 )
+from shardfuse.models.hf_reads import TensorRead
 from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
 from shardfuse.models.transformer import Transformer
 
@@ -219,7 +220,8 @@ def _params(state):
     return [(p, v) for p, v in nnx.to_flat_state(state) if isinstance(v, nnx.Param)]
 
 
-def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **model_options):
+def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_read=None,
+            **model_options):  # fmt: skip
     """A `models.Transformer` on `mesh` holding the Hugging Face checkpoint in `path`.
 
     Reads `config.json` (`spec_from_hf_config`) and the safetensors files, each device's
@@ -232,6 +234,9 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
       mesh: the mesh.
       pipelined: stack the layers over the `pipeline` axis.
       param_dtype: storage dtype of the parameters (float32 default).
+      on_read: None, or a callable given a `hf_reads.TensorRead` for every slice this
+        process copies out of the files, naming the parameter block it builds
+        (`hf_reads.bytes_per_device` sums them per device).
       **model_options: layer options of `models.Transformer` (zero=, remat=, ...).
 
     Returns:
@@ -240,8 +245,8 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
     Raises:
       ValueError: an unknown architecture or unsupported config field (named), a missing
         shard file or tensor, tensors of the wrong shape, a tensor no parameter reads
-        (named), a mesh that does not divide the heads (raised by the layers, before
-        anything is read).
+        (named), an `on_read` that is not callable, a mesh that does not divide the heads
+        (raised by the layers, before anything is read).
 
     Example:
       >>> import jax, tempfile
@@ -252,7 +257,13 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
       >>> path = hf.save_hf(model, tempfile.mkdtemp())
       >>> hf.load_hf(path, mesh=mesh).spec.num_layers
       1
+      >>> reads = []  # each slice read, with the parameter block it was read for
+      >>> _ = hf.load_hf(path, mesh=mesh, on_read=reads.append)
+      >>> [r.block[-1] for r in reads if r.tensor.endswith("q_proj.weight")]  # per model shard
+      [(0, 32), (32, 64)]
     """
+    if on_read is not None and not callable(on_read):
+        raise ValueError(f"on_read={on_read!r} must be None or a callable taking a TensorRead")
     path = Path(path)
     spec = read_hf_spec(path)
     source = SafetensorsDir(path)
@@ -267,21 +278,31 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, **mo
         m = _map_of(p, spec)
         _check_shapes(source, m, variable.get_raw_value().shape, p)
         maps[p] = m
+    if on_read is not None:  # reads of no parameter: the tied head's check
+        source.on_read = lambda name, index, nbytes: on_read(
+            TensorRead(None, None, name, index, nbytes)
+        )
     _check_all_used(source, maps, state, spec)
     for p, variable in _params(state):
         abstract = variable.get_raw_value()
         sharding = NamedSharding(mesh, abstract.sharding.spec)
         m, shape = maps[p], abstract.shape
         slices = {}  # one read per distinct slice (replicas on this process share it)
+        label = ".".join(map(str, p))
 
-        def callback(index, m=m, shape=shape, slices=slices):
-            key = tuple(_bounds(index, shape))
+        def callback(index, m=m, shape=shape, slices=slices, label=label):
+            key = tuple(_bounds(index, shape))  # the block, as `hf_reads.block_of` says
             if key not in slices:
+                if on_read is not None:
+                    source.on_read = lambda name, i, nbytes: on_read(
+                        TensorRead(label, key, name, i, nbytes)
+                    )
                 slices[key] = _read(source, m, shape, index, param_dtype)
             return slices[key]
 
         value = jax.make_array_from_callback(shape, sharding, callback)
         variable.set_raw_value(value)
+    source.on_read = None
     return nnx.merge(graphdef, state)
 
 
@@ -314,7 +335,8 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
     `config.json` (`hf_config`), `model.safetensors` or shards
     `model-0000i-of-0000n.safetensors` of at most `max_shard_bytes` with their index.
     Shard files are dealt round-robin to the processes; each process writes its own
-    (the arrays are gathered one layer of one parameter at a time). A round trip
+    (the arrays are gathered one layer of one parameter at a time) to `path` on a file
+    system they share, and returns once every process has written its files. A round trip
     `load_hf(save_hf(model))` is bitwise for float32 parameters.
 
     Args:
@@ -388,4 +410,8 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
                                          "weight_map": weight_map}, indent=2))  # fmt: skip
         elif index.exists():
             index.unlink()
+    if processes > 1:  # every file is complete before any process returns (and loads it)
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"shardfuse.save_hf {path}")
     return path

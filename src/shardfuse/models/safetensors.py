@@ -26,7 +26,10 @@ class SafetensorsDir:
     """The tensors of a checkpoint directory (`model.safetensors` or an index of shards).
 
     Files are opened (memory-mapped) on first use, so a process that reads only some
-    tensors opens only their files; `opened` records which, `reads` every slice read.
+    tensors opens only their files; `opened` records which, `reads` every slice read
+    as `(name, index)`, and `bytes_read` the bytes of those slices. `on_read`, when set
+    to a callable, is called as `on_read(name, index, nbytes)` after each read (the
+    hook `load_hf(on_read=...)` uses to attribute reads to parameters).
 
     Raises:
       ValueError: no safetensors file, an index naming a missing file, a corrupt header.
@@ -55,7 +58,7 @@ class SafetensorsDir:
             if not (self.path / file).exists():
                 raise ValueError(f"the index names shard file {file!r}, missing from {path}")
         self._open = {}
-        self.opened, self.reads = [], []
+        self.opened, self.reads, self.bytes_read, self.on_read = [], [], 0, None
         if self.files is None:
             self.files = {name: "model.safetensors" for name in self._header("model.safetensors")}
 
@@ -91,8 +94,12 @@ class SafetensorsDir:
         raw, start, header = self._open[self.files[name]]
         begin, end = header[name]["data_offsets"]
         array = raw[start + begin : start + end].view(dtype).reshape(shape)
+        block = np.array(array[tuple(index)])
         self.reads.append((name, index))
-        return np.array(array[tuple(index)])
+        self.bytes_read += block.nbytes
+        if self.on_read is not None:
+            self.on_read(name, tuple(index), block.nbytes)
+        return block
 
 
 def write_safetensors(path, tensors: dict, metadata: dict | None = None):

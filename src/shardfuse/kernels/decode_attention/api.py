@@ -89,7 +89,9 @@ def decode_attention(
     exactly by lse. Rows with no visible key (a length below T, or 0) return 0
     and lse = -inf; cache rows at or beyond a row's length are never read into
     a result (NaN there is harmless). Forward only (decode is inference):
-    the kernel backends define no gradient.
+    the kernel backends define no gradient. Global arrays sharded over a mesh
+    (Auto or Explicit axes) work in any layout; on an Explicit mesh the results
+    are typed as q is (out like q, lse `[B, H, T]` with q's B, H and T).
 
     Args:
       q: `[B, T, H, D]` queries (T small, e.g. 1 to 16), float32, bfloat16 or float16.
@@ -146,8 +148,34 @@ def decode_attention(
     lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, S)
     q, k, v, lengths = vma.match_varying(q, k, v, lengths)
 
-    def call(name):
-        return DECODE_ATTENTION.load(name)(config, q, k, v, lengths)
+    def dispatch(q, k, v, lengths):  # under auto_axes: these arrays, not the caller's
+        def call(name):
+            return DECODE_ATTENTION.load(name)(config, q, k, v, lengths)
 
-    out, lse = DECODE_ATTENTION.run(implementation, call)
+        return DECODE_ATTENTION.run(implementation, call)
+
+    mesh = _explicit_mesh(q, k, v, lengths)
+    if mesh is None:
+        out, lse = dispatch(q, k, v, lengths)
+    else:
+        # Typed on an Explicit mesh outside shard_map, the backends' reshapes and einsums of a
+        # sharded dim (a cache split over S, say) would each need an output sharding: they run
+        # with those axes Auto, and the results come back typed as q (out [B, T, H, D]; lse
+        # [B, H, T] as q's B, H and T), as `flash_attention` does.
+        B, T, H, D = (*jax.typeof(q).sharding.spec, None, None, None, None)[:4]
+        shardings = (
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(B, T, H, D)),
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(B, H, T)),
+        )
+        out, lse = jax.sharding.auto_axes(dispatch, axes=mesh.explicit_axes,
+                                          out_sharding=shardings)(q, k, v, lengths)  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _explicit_mesh(*arrays):
+    """The (abstract) mesh of the first array typed on a mesh with Explicit axes, else None."""
+    for x in arrays:
+        mesh = jax.typeof(x).sharding.mesh
+        if mesh.explicit_axes:
+            return mesh
+    return None
