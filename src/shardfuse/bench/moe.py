@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import shardfuse as sf
+from shardfuse.kernels.grouped_matmul import grouped_matmul
 
 ROUTINGS = ("balanced", "skewed")
 ZIPF_EXPONENT = 1.2
@@ -111,7 +111,7 @@ def contender(name: str):
     """
     if name == "shardfuse" or name.startswith("shardfuse."):
         implementation = None if name == "shardfuse" else name.removeprefix("shardfuse.")
-        return lambda lhs, rhs, sizes: sf.grouped_matmul(
+        return lambda lhs, rhs, sizes: grouped_matmul(
             lhs, rhs, sizes, implementation=implementation
         )
     if name == "jax.lax.ragged_dot":
