@@ -236,7 +236,10 @@ def check_batch_axes(mesh, layer, options: ZeroOptions, expert_axis=None):
         fsdp_axis=options.fsdp_axis,
     )
     if expert_axis is not None and expert_axis in (
-        layer.model_axis, layer.data_axis, layer.sequence_axis, options.fsdp_axis
+        layer.model_axis,
+        layer.data_axis,
+        layer.sequence_axis,
+        options.fsdp_axis,
     ):
         raise ValueError(
             f"expert_axis={expert_axis!r} is also the layer's model, data, sequence or fsdp axis; "
