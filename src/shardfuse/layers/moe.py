@@ -231,16 +231,18 @@ class ParallelMoE(nnx.Module):
         )
         return P(self.batch_axes, sequence, None)
 
+    def _batch_axes(self) -> tuple:
+        batch = self.batch_axes
+        return () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+
     def _token_axes(self) -> tuple:
         """The axes the tokens are split over (each device routes its own)."""
-        batch = self.batch_axes
-        batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
-        return batch + ((self.sequence_axis,) if self.sequence_axis else ())
+        return self._batch_axes() + ((self.sequence_axis,) if self.sequence_axis else ())
 
     def token_groups(self) -> tuple[int, int]:
         """`(batch shards, sequence shards)`: how the tokens split into routing groups
         (the capacity is per group); the oracle `reference.moe` takes it."""
-        batch = _sharding.axes_size(self.mesh, self.batch_axes) if self.batch_axes else 1
+        batch = _sharding.axes_size(self.mesh, self._batch_axes())
         return batch, _sharding.axis_size(self.mesh, self.sequence_axis)
 
     def _ep(self) -> int:
@@ -361,7 +363,11 @@ class ParallelMoE(nnx.Module):
         if token_axes:
             sums = lax.psum(sums, token_axes)
         if self.sequence_parallel and self.model_axis is not None:  # the same on every model shard
-            sums = jax.tree.map(lambda v: lax.pmax(v, self.model_axis), sums)
+            model = self.model_axis
+            sums = jax.tree.map(
+                lambda v: lax.pmean(v, model) if v.dtype == jnp.float32 else lax.pmax(v, model),
+                sums,
+            )
         N = sums["tokens"]
         return dict(
             load_balancing_loss=router_lib.load_balancing_loss(sums["counts"], sums["probs"], N, k),
@@ -410,7 +416,7 @@ class ParallelMoE(nnx.Module):
             raise ValueError(f"x has shape {x.shape}: ParallelMoE needs at least one token")
         y, stats = _sharding.call_compiled(self, "forward_with_stats", x)
         for name in STATS:
-            getattr(self, name).value = stats[name]
+            getattr(self, name)[...] = stats[name]
         return y
 
 
