@@ -20,6 +20,8 @@ import shardfuse as sf
 from shardfuse.layers import _sharding
 from shardfuse.layers import moe as moe_lib
 from shardfuse.layers import router as router_lib
+from shardfuse.testing import assert_close_low_precision
+from tests.layers.common import assert_trees_close_low_precision
 from tests.layers.moe_cases import Case, build, check_case, draw_case, inputs
 
 QUICK, SLOW = 3, 60
@@ -186,3 +188,40 @@ def test_moe_stats_sum_over_layers_and_tokens_per_expert():
     expected = model.a.load_balancing_loss[...] + model.b.load_balancing_loss[...]
     np.testing.assert_allclose(stats["load_balancing_loss"], expected, rtol=1e-6)
     assert [int(t.sum()) for t in stats["tokens_per_expert"]] == [x.shape[0] * x.shape[1] * 2] * 2
+
+
+def test_bfloat16_within_the_low_precision_rule():
+    case = Case(mesh=(("expert", 2), ("model", 2)), num_experts=4, top_k=2, shared_experts=1)
+    moe = build(case, dtype=jnp.bfloat16)
+    x, ct = inputs(moe, case)
+    p = sf.layers.reference.params(moe)
+    x0, ct0 = (jax.device_put(np.asarray(a), jax.devices()[0]) for a in (x, ct))
+
+    def oracle(dtype):
+        def loss(p, x):
+            y, _ = sf.layers.reference.moe(moe, p, x, dtype=dtype)
+            return jnp.sum(y.astype(jnp.float32) * ct0), y
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x0)
+
+    (_, ref32), g32 = oracle(jnp.float32)
+    (_, ref_lp), g_lp = oracle(jnp.bfloat16)
+
+    def loss(m, x):
+        y = m(x)
+        return jnp.sum(y.astype(jnp.float32) * ct), y
+
+    (_, y), grads = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(moe, x)
+    assert y.dtype == jnp.bfloat16
+    assert_close_low_precision(y, ref32, ref_lp, name="y", relative_cap=True)
+    assert_trees_close_low_precision(
+        {"p": nnx.to_pure_dict(grads[0]), "x": grads[1]},
+        {"p": g32[0], "x": g32[1]},
+        {"p": g_lp[0], "x": g_lp[1]},
+    )
+
+
+def test_zero3_expert_weights_are_not_implemented_yet():
+    mesh = jax.make_mesh((2, 2), ("fsdp", "expert"))
+    with pytest.raises(NotImplementedError, match="zero=3"):
+        sf.layers.ParallelMoE(8, 8, num_experts=4, top_k=2, zero=3, mesh=mesh, rngs=nnx.Rngs(0))

@@ -17,6 +17,9 @@ scaling), weighted by the router, plus optional shared experts every token uses
    per token with the shared experts');
 4. unsort, and combine each token's k results with its router weights.
 
+Checkpoint names (for remat policies): "moe_dispatch" (the received rows), "moe_up",
+"moe_down" (the grouped matmuls' outputs), "moe_combine" (the rows brought back).
+
 Nothing is tokens x experts x F: the buffers are `A x F` (one device) or `EP x A x F`
 (the dispatch's receive buffer). Dropless by default (every slot computed).
 
@@ -45,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -80,7 +84,8 @@ def moe_stats(module) -> dict:
     for _, layer in nnx.iter_graph(module):
         if isinstance(layer, ParallelMoE):
             for name in ("load_balancing_loss", "router_z_loss", "dropped_tokens"):
-                out[name] = out[name] + getattr(layer, name)[...]
+                # (a stacked layer, `sf.layers.Stack`, holds one value per layer: summed)
+                out[name] = out[name] + jnp.sum(getattr(layer, name)[...])
             per_layer.append(layer.tokens_per_expert[...])
     out["tokens_per_expert"] = per_layer
     return out
@@ -274,8 +279,10 @@ class ParallelMoE(nnx.Module):
         gmm = dict(group_offset=offset, implementation=self.grouped_matmul_implementation,
                    precision=self.precision)  # fmt: skip
         rows, gate_up, down = match_varying(rows, gate_up, down)
-        h = grouped_matmul(rows, gate_up, sizes, **gmm)  # [R, 2 H/m]
-        return grouped_matmul(activate("swiglu", h), down, sizes, **gmm)  # [R, F]
+        h = checkpoint_name(grouped_matmul(rows, gate_up, sizes, **gmm), "moe_up")  # [R, 2H/m]
+        return checkpoint_name(
+            grouped_matmul(activate("swiglu", h), down, sizes, **gmm), "moe_down"
+        )
 
     def _slots(self, experts, n):
         """Sorted slots: `(order, sorted_experts)`; dropped slots get expert E and go last."""
@@ -313,6 +320,7 @@ class ParallelMoE(nnx.Module):
             received, received_e, plan = expert_dispatch.dispatch(
                 rows, sorted_e, num_experts=E, **plan_args
             )
+            received = checkpoint_name(received, "moe_dispatch")
             local_order = jnp.argsort(received_e, stable=True)
             local_e = received_e[local_order]
             xs = jnp.where((local_e < E)[:, None], received[local_order], 0)
@@ -321,6 +329,7 @@ class ParallelMoE(nnx.Module):
             ys = self._experts(xs, sizes, offset, gate_up, down)
             ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to the receive order
             y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
+            y_sorted = checkpoint_name(y_sorted, "moe_combine")
         else:
             sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
             y_sorted = self._experts(rows, sizes, None, gate_up, down)
