@@ -253,6 +253,19 @@ class ParallelMoE(nnx.Module):
     def _ep(self) -> int:
         return _sharding.axis_size(self.mesh, self.expert_axis)
 
+    def local_params(self, dtype):
+        """`local`'s parameters and their specs (`param_values_and_specs`), as `ParallelMLP`."""
+        return self.param_values_and_specs(dtype)
+
+    def set_stats(self, stats: dict):
+        """Writes a call's `stats` (`local`'s second output) to the `MoEStats` variables."""
+        for name in STATS:
+            getattr(self, name)[...] = stats[name]
+
+    def stats_specs(self) -> dict:
+        """Out-specs of `local`'s stats: replicated."""
+        return {name: P() for name in STATS}
+
     def param_values_and_specs(self, dtype):
         """`[router, bias, gate_up, down, shared_up, shared_down, shared_gate]` and specs."""
         ex, m = self.expert_axis, self.model_axis
@@ -406,9 +419,8 @@ class ParallelMoE(nnx.Module):
         dtype = _sharding.compute_dtype(self.dtype, x, self.gate_up[...])
         x = x.astype(dtype)
         spec = self.io_spec()
-        stat_specs = {name: P() for name in STATS}
         return _sharding.shard_map_call(
-            self.local, self.mesh, [x, *values], [spec, *specs], (spec, stat_specs)
+            self.local, self.mesh, [x, *values], [spec, *specs], (spec, self.stats_specs())
         )
 
     def __call__(self, x):
@@ -424,8 +436,7 @@ class ParallelMoE(nnx.Module):
         if x.size == 0:
             raise ValueError(f"x has shape {x.shape}: ParallelMoE needs at least one token")
         y, stats = _sharding.call_compiled(self, "forward_with_stats", x)
-        for name in STATS:
-            getattr(self, name)[...] = stats[name]
+        self.set_stats(stats)
         return y
 
 

@@ -131,7 +131,10 @@ def transformer_block(block, p, x, *, positions=None, segment_ids=None, dtype=No
         segment_ids=segment_ids,
         dtype=dtype,
     )
-    return h + mlp(block.mlp, p["mlp"], norm(block.norm_2, p["norm_2"], h), dtype=dtype)
+    y = norm(block.norm_2, p["norm_2"], h)
+    if hasattr(block.mlp, "routing_config"):  # a ParallelMoE
+        return h + moe(block.mlp, p["mlp"], y, dtype=dtype)[0]
+    return h + mlp(block.mlp, p["mlp"], y, dtype=dtype)
 
 
 def _moe_routing(layer, logits, bias):
