@@ -4,7 +4,17 @@ import doctest
 
 import pytest
 
-from shardfuse.layers import _sharding, attention, block, linear, mlp, moe, options, router, row_linear
+from shardfuse.layers import (
+    _sharding,
+    attention,
+    block,
+    linear,
+    mlp,
+    moe,
+    options,
+    router,
+    row_linear,
+)
 
 
 @pytest.mark.parametrize(
