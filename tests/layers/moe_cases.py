@@ -50,6 +50,7 @@ class Case:
     shared_expert_gate: bool = False
     capacity_factor: float | None = None
     sequence_parallel: bool = False
+    zero: int = 0
     batch: int = 1  # per batch shard
     seq: int = 4  # per sequence shard
 
@@ -82,6 +83,7 @@ def draw_case(rng: np.random.Generator) -> Case:
         shared_expert_gate=bool(shared and rng.random() < 0.5),
         capacity_factor=[None, None, 0.5, 1.0, 2.0][rng.integers(5)],
         sequence_parallel=bool("model" in sizes and rng.random() < 0.5),
+        zero=int(rng.choice([0, 3])) if "fsdp" in sizes else 0,
         batch=int(rng.choice([1, 2])),
     )
 
@@ -109,6 +111,7 @@ def build(case: Case, *, features=8, expert_hidden=8, seed=0, **overrides):
         shared_expert_gate=case.shared_expert_gate,
         capacity_factor=case.capacity_factor,
         sequence_parallel=case.sequence_parallel,
+        zero=case.zero,
         mesh=mesh,
         rngs=nnx.Rngs(seed),
     )

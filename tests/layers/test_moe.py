@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.layers import _sharding
@@ -39,6 +40,8 @@ HAND = [
     Case(mesh=(("data", 2), ("expert", 2), ("model", 2)), axis_type="auto", mode="jit",
          routing="sigmoid", num_experts=8, top_k=3, groups=(4, 2), routed_scaling=2.5,
          capacity_factor=1.0, sequence_parallel=True),
+    Case(mesh=(("fsdp", 2), ("expert", 2), ("model", 2)), num_experts=4, top_k=2,
+         shared_experts=1, zero=3),
 ]  # fmt: skip
 
 
@@ -220,7 +223,10 @@ def test_bfloat16_within_the_low_precision_rule():
     )
 
 
-def test_zero3_expert_weights_are_not_implemented_yet():
-    mesh = jax.make_mesh((2, 2), ("fsdp", "expert"))
-    with pytest.raises(NotImplementedError, match="zero=3"):
-        sf.layers.ParallelMoE(8, 8, num_experts=4, top_k=2, zero=3, mesh=mesh, rngs=nnx.Rngs(0))
+def test_zero3_shards_expert_weights_over_fsdp():
+    moe = build(HAND[2])
+    assert moe.gate_up[...].sharding.spec == P("expert", "fsdp", "model")
+    assert moe.down[...].sharding.spec == P("expert", "model", "fsdp")
+    assert moe.shared_up[...].sharding.spec == P("fsdp", "model")
+    with pytest.raises(ValueError, match="features=5 must be divisible"):
+        build(HAND[2], features=5)

@@ -56,6 +56,7 @@ from shardfuse.collectives import expert_dispatch
 from shardfuse.kernels.grouped_matmul.api import grouped_matmul
 from shardfuse.kernels.vma import match_varying
 from shardfuse.layers import _sharding
+from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers import options as options_lib
 from shardfuse.layers import router as router_lib
 from shardfuse.layers.linear import default_kernel_init
@@ -125,7 +126,9 @@ class ParallelMoE(nnx.Module):
       grouped_matmul_implementation: of `sf.grouped_matmul` (None: the platform's best).
       options: the `LayerOptions` (its `expert_axis`, default "expert", is the
         expert-parallel axis where the mesh has it); the option keywords override it.
-        ZeRO-3 (`zero=3`) is not supported for expert weights yet (NotImplementedError).
+        Under `zero=3` the expert and shared kernels are sharded over fsdp on their F
+        dimension too and gathered just in time (`shardfuse.layers.fsdp`); router, bias
+        and gate stay replicated.
       kernel_init: of the router, the shared experts and the gate.
       expert_init: of `gate_up` and `down` (fan-in per expert).
       rngs: `nnx.Rngs`.
@@ -189,11 +192,8 @@ class ParallelMoE(nnx.Module):
         if dispatch_implementation is not None:
             expert_dispatch.check_implementation(dispatch_implementation)
         options = options_lib.configure(self, options, sequence_parallel=False)
-        if self.zero.param_axis is not None:
-            raise NotImplementedError(
-                "ParallelMoE does not shard expert weights under zero=3 yet; use zero <= 2"
-            )
         mesh = self.mesh
+        fsdp_lib.check_kernel("features", features, mesh, self.zero)
         _sharding.check_divisible("expert_hidden", expert_hidden, mesh, self.model_axis)
         _sharding.check_divisible("num_experts", num_experts, mesh, self.expert_axis)
         self.features, self.expert_hidden = features, expert_hidden
@@ -206,16 +206,16 @@ class ParallelMoE(nnx.Module):
         )
         self.grouped_matmul_implementation = grouped_matmul_implementation
         E, F, H, S = num_experts, features, expert_hidden, shared_experts * expert_hidden
-        make = _sharding.param_maker(rngs, self.param_dtype, mesh)
-        ex, m = self.expert_axis, self.model_axis
-        self.router = make(kernel_init, (F, E), P())
-        self.gate_up = make(expert_init, (E, F, 2 * H), P(ex, None, m))
-        self.down = make(expert_init, (E, H, F), P(ex, m, None))
-        self.shared_up = make(kernel_init, (F, 2 * S), P(None, m)) if S else None
-        self.shared_down = make(kernel_init, (S, F), P(m, None)) if S else None
-        self.shared_gate = make(kernel_init, (F, 1), P()) if S and shared_expert_gate else None
         if S:
-            _sharding.check_divisible("shared_experts * expert_hidden", S, mesh, m)
+            _sharding.check_divisible("shared_experts * expert_hidden", S, mesh, self.model_axis)
+        make = _sharding.param_maker(rngs, self.param_dtype, mesh)
+        specs = self._kernel_specs()
+        self.router = make(kernel_init, (F, E), P())
+        self.gate_up = make(expert_init, (E, F, 2 * H), specs["gate_up"])
+        self.down = make(expert_init, (E, H, F), specs["down"])
+        self.shared_up = make(kernel_init, (F, 2 * S), specs["shared_up"]) if S else None
+        self.shared_down = make(kernel_init, (S, F), specs["shared_down"]) if S else None
+        self.shared_gate = make(kernel_init, (F, 1), P()) if S and shared_expert_gate else None
         replicated = NamedSharding(mesh, P())
         if routing == "sigmoid":
             bias = jax.device_put(jnp.zeros((E,), jnp.float32), replicated)
@@ -266,24 +266,37 @@ class ParallelMoE(nnx.Module):
         """Out-specs of `local`'s stats: replicated."""
         return {name: P() for name in STATS}
 
+    # the dimension of each kernel that ZeRO-3 shards over fsdp (F, which model leaves whole)
+    _FSDP_DIMS = {"gate_up": 1, "down": 2, "shared_up": 0, "shared_down": 1}
+
+    def _kernel_specs(self) -> dict:
+        ex, m, fsdp = self.expert_axis, self.model_axis, self.zero.param_axis
+        return {
+            "gate_up": P(ex, fsdp, m),
+            "down": P(ex, m, fsdp),
+            "shared_up": P(fsdp, m),
+            "shared_down": P(m, fsdp),
+        }
+
+    def _weight(self, name, shard, like):
+        """Per shard: a kernel in `like`'s dtype, all-gathered over fsdp under zero=3."""
+        if shard is None:
+            return None
+        return fsdp_lib.gather(self.zero, shard, self._FSDP_DIMS[name], like.dtype, like)
+
     def param_values_and_specs(self, dtype):
-        """`[router, bias, gate_up, down, shared_up, shared_down, shared_gate]` and specs."""
-        ex, m = self.expert_axis, self.model_axis
+        """`[router, bias, gate_up, down, shared_up, shared_down, shared_gate]` and specs.
 
-        def get(v, cast=True):
-            return None if v is None else v[...].astype(dtype) if cast else v[...]
-
-        values = [
-            self.router[...],
-            get(self.selection_bias, cast=False),
-            get(self.gate_up),
-            get(self.down),
-            get(self.shared_up),
-            get(self.shared_down),
-            get(self.shared_gate),
-        ]
-        specs = [P(), P(), P(ex, None, m), P(ex, m, None), P(None, m), P(m, None), P()]
-        return values, specs
+        The expert and shared kernels stay in `param_dtype` (cast, and under zero=3
+        gathered, per shard); the gate is cast to `dtype`; router and bias stay float32.
+        """
+        get = lambda v: None if v is None else v[...]  # noqa: E731
+        gate = None if self.shared_gate is None else self.shared_gate[...].astype(dtype)
+        names = ("gate_up", "down", "shared_up", "shared_down")
+        values = [self.router[...], get(self.selection_bias)]
+        values += [get(getattr(self, name)) for name in names] + [gate]
+        specs = self._kernel_specs()
+        return values, [P(), P(), *(specs[name] for name in names), P()]
 
     # --- per shard ----------------------------------------------------------------------
 
@@ -320,6 +333,9 @@ class ParallelMoE(nnx.Module):
             x = lax.all_gather(x, model, axis=1, tiled=True)
         b, t, _ = x.shape
         n = b * t
+        gate_up, down = self._weight("gate_up", gate_up, x), self._weight("down", down, x)
+        shared_up = self._weight("shared_up", shared_up, x)
+        shared_down = self._weight("shared_down", shared_down, x)
         xf = x.reshape(n, F)
         logits = router_lib.router_logits(xf, router)  # [n, E] float32
         experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
@@ -413,14 +429,13 @@ class ParallelMoE(nnx.Module):
 
     def forward_with_stats(self, x):
         """`(y, stats)` without the input checks and without writing `MoEStats`."""
-        values, specs = self.param_values_and_specs(
-            _sharding.compute_dtype(self.dtype, x, self.gate_up[...])
-        )
         dtype = _sharding.compute_dtype(self.dtype, x, self.gate_up[...])
+        values, specs = self.param_values_and_specs(dtype)
         x = x.astype(dtype)
         spec = self.io_spec()
+        local = fsdp_lib.reshard_after_forward(self.local, self.zero)
         return _sharding.shard_map_call(
-            self.local, self.mesh, [x, *values], [spec, *specs], (spec, self.stats_specs())
+            local, self.mesh, [x, *values], [spec, *specs], (spec, self.stats_specs())
         )
 
     def __call__(self, x):
