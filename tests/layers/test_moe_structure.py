@@ -93,3 +93,23 @@ def test_no_tokens_by_experts_by_features_buffer(implementation):
         assert largest >= forbidden, (largest, forbidden)
     else:
         assert largest < forbidden, f"largest buffer {largest} elements; temp {temp} bytes"
+
+
+def test_ragged_path_lowers_forward_and_backward():
+    """The GPU/TPU path, checked as far as this CPU goes: it traces and lowers, its forward
+    and backward moving rows only by ragged all-to-all (rows, ids and results forward; the
+    two row transfers transposed backward), no dense all-to-all of rows."""
+    mesh = jax.make_mesh((4, 2), ("expert", "model"))
+    moe = sf.layers.ParallelMoE(16, 8, num_experts=8, top_k=2, dispatch_implementation="ragged",
+                                mesh=mesh, rngs=nnx.Rngs(0))  # fmt: skip
+    x = jax.random.normal(jax.random.key(0), (4, 8, 16))
+    graphdef, state, rest = nnx.split(moe, nnx.Param, ...)
+
+    def loss(state, x):
+        y, stats = nnx.merge(graphdef, state, rest).forward_with_stats(x)
+        return jnp.sum(y**2) + stats["load_balancing_loss"]
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x).as_text()
+    assert text.count("ragged_all_to_all") == 5
+    dense = [line for line in text.splitlines() if "all_to_all" in line and "ragged" not in line]
+    assert all("xf32>" not in line.split("->")[-1] for line in dense), dense  # only counts
