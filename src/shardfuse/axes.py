@@ -10,6 +10,10 @@ are only the defaults.
   `sf.parallel.Pipeline`);
 - `DATA` ("data"): the batch (data parallelism: every layer, `sf.parallel.accumulate`);
 - `FSDP` ("fsdp"): the batch too, and under ZeRO the training state (`zero=`);
+- `EXPERT` ("expert"): the experts of a mixture-of-experts layer (expert parallelism,
+  `sf.layers.ParallelMoE`); everywhere else it is one more data axis: tokens (the batch)
+  are split over it too, so that the layers outside the experts (attention, norms, dense
+  MLPs) do not compute the same tokens once per expert shard;
 - `SEQUENCE` ("sequence"): the sequence (context parallelism: ring attention);
 - `MODEL` ("model"): heads and hidden units (tensor parallelism; Megatron sequence
   parallelism shards the sequence over it too).
@@ -21,20 +25,23 @@ Example usage::
 
   >>> from shardfuse import axes
   >>> axes.MESH_AXES
-  ('pipeline', 'data', 'fsdp', 'sequence', 'model')
+  ('pipeline', 'data', 'fsdp', 'expert', 'sequence', 'model')
   >>> axes.BATCH_AXES  # the axes a batch is split over
-  ('data', 'fsdp')
+  ('data', 'fsdp', 'expert')
 """
 
 PIPELINE = "pipeline"
 DATA = "data"
 FSDP = "fsdp"
+EXPERT = "expert"
 SEQUENCE = "sequence"
 MODEL = "model"
 
-MESH_AXES = (PIPELINE, DATA, FSDP, SEQUENCE, MODEL)  # outermost -> innermost
-LAYER_AXES = (DATA, FSDP, SEQUENCE, MODEL)  # the axes a layer's activations and weights use
-BATCH_AXES = (DATA, FSDP)  # the data-parallel axes, in the order a batch entry lists them
+MESH_AXES = (PIPELINE, DATA, FSDP, EXPERT, SEQUENCE, MODEL)  # outermost -> innermost
+# the axes a layer's activations and weights use
+LAYER_AXES = (DATA, FSDP, EXPERT, SEQUENCE, MODEL)
+# the data-parallel axes, in the order a batch entry lists them (expert: outside the experts)
+BATCH_AXES = (DATA, FSDP, EXPERT)
 
 
 def parse_mesh(text: str) -> dict:
@@ -48,6 +55,8 @@ def parse_mesh(text: str) -> dict:
       >>> from shardfuse import axes
       >>> axes.parse_mesh("pipeline=2, model=4")
       {'pipeline': 2, 'model': 4}
+      >>> axes.parse_mesh("expert=4,data=2")
+      {'expert': 4, 'data': 2}
     """
     sizes = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -61,6 +70,7 @@ def parse_mesh(text: str) -> dict:
 __all__ = [
     "BATCH_AXES",
     "DATA",
+    "EXPERT",
     "FSDP",
     "LAYER_AXES",
     "MESH_AXES",

@@ -4,12 +4,22 @@ import doctest
 
 import pytest
 
-from shardfuse.layers import _sharding, attention, block, linear, mlp, options, row_linear
+from shardfuse.layers import (
+    _sharding,
+    attention,
+    block,
+    linear,
+    mlp,
+    moe,
+    options,
+    router,
+    row_linear,
+)
 
 
 @pytest.mark.parametrize(
     "module",
-    [linear, row_linear, mlp, attention, block, options, _sharding],
+    [linear, row_linear, mlp, moe, router, attention, block, options, _sharding],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

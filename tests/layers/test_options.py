@@ -422,7 +422,7 @@ def test_mesh_axes_and_zero_options_resolve_on_the_mesh():
     mesh = make_mesh("explicit")  # data x fsdp x model
     options = LayerOptions(mesh=mesh, zero=3)
     assert options.mesh_axes() == dict(model_axis="model", data_axis="data", sequence_axis=None,
-                                       fsdp_axis="fsdp")  # fmt: skip
+                                       fsdp_axis="fsdp", expert_axis=None)  # fmt: skip
     assert options.zero_options().param_axis == "fsdp"
     assert options.replace(zero=2).zero_options().param_axis is None
     no_fsdp = options.replace(mesh=make_mesh("auto", (2, 4), ("data", "model")))

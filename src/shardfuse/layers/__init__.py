@@ -23,7 +23,7 @@ compiles once (parameters are created in `canonical_spec` form, the form a
 jitted step returns them in).
 """
 
-from shardfuse.layers import options, reference, remat
+from shardfuse.layers import moe, options, reference, remat, router
 from shardfuse.layers._sharding import (
     canonical_spec,
     in_manual_region,
@@ -36,6 +36,7 @@ from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear
 from shardfuse.layers.loss import token_loss
 from shardfuse.layers.mlp import ParallelMLP
+from shardfuse.layers.moe import MoEStats, ParallelMoE, moe_stats
 from shardfuse.layers.options import LayerOptions
 from shardfuse.layers.row_linear import RowParallelLinear
 from shardfuse.layers.stack import Stack
@@ -43,19 +44,24 @@ from shardfuse.layers.stack import Stack
 __all__ = [
     "ColumnParallelLinear",
     "LayerOptions",
+    "MoEStats",
     "Norm",
     "ParallelMLP",
+    "ParallelMoE",
     "ParallelSelfAttention",
     "ParallelTransformerBlock",
     "RowParallelLinear",
     "Stack",
     "canonical_spec",
     "in_manual_region",
+    "moe",
+    "moe_stats",
     "options",
     "place",
     "place_on_mesh",
     "reference",
     "remat",
+    "router",
     "sharded_param",
     "token_loss",
 ]

@@ -24,6 +24,7 @@ from shardfuse.layers import remat as remat_lib
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.mlp import ParallelMLP
+from shardfuse.layers.moe import ParallelMoE
 
 NORMS = ("rmsnorm", "layernorm")
 
@@ -196,6 +197,11 @@ class ParallelTransformerBlock(nnx.Module):
       norm: "rmsnorm" or "layernorm".
       norm_eps: epsilon of the norms.
       activation: MLP activation, "gelu" or "swiglu".
+      moe: None (a dense `ParallelMLP`), or a dict of `ParallelMoE` keywords
+        (`num_experts`, `top_k`, `routing`, `shared_experts`, `capacity_factor`, ...):
+        the block's MLP is then a mixture of SwiGLU experts, each `hidden_features`
+        wide, and the block writes its `MoEStats` on every call
+        (`sf.layers.moe_stats(model)`). A `Stack` of such blocks is not supported yet.
       model_axis: tensor-parallel axis of attention heads and MLP hidden
         units (deprecated spelling: `tp_axis`).
       sequence_axis: context-parallel axis (ring attention); None: the
@@ -245,6 +251,7 @@ class ParallelTransformerBlock(nnx.Module):
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
+        moe: dict | None = None,
         use_bias: bool = False,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
@@ -262,9 +269,22 @@ class ParallelTransformerBlock(nnx.Module):
         self.attention = ParallelSelfAttention(
             features, num_heads, options=options, **attention, **inits
         )
-        self.mlp = ParallelMLP(
-            features, hidden_features, activation=activation, options=options, **inits
-        )
+        if moe is not None:  # a mixture of experts in place of the MLP
+            if activation != "swiglu" or use_bias:
+                raise ValueError(
+                    f"moe= makes SwiGLU experts without biases; got activation={activation!r}, "
+                    f"use_bias={use_bias!r}"
+                )
+            if not isinstance(moe, dict):
+                raise ValueError(f"moe={moe!r} must be a dict of ParallelMoE keywords or None")
+            self.mlp = ParallelMoE(
+                features, hidden_features, options=options, kernel_init=kernel_init, rngs=rngs,
+                **moe,
+            )  # fmt: skip
+        else:
+            self.mlp = ParallelMLP(
+                features, hidden_features, activation=activation, options=options, **inits
+            )
         # zero=3: the norm parameters are sharded over the fsdp axis too
         self.norm_1 = Norm(features, kind=norm, eps=norm_eps, options=options, rngs=rngs)
         self.norm_2 = Norm(features, kind=norm, eps=norm_eps, options=options, rngs=rngs)
@@ -276,6 +296,9 @@ class ParallelTransformerBlock(nnx.Module):
         h = normalize(self.norm_1.kind, x, s1, b1, self.norm_1.eps)
         h = x + self.attention.local(h, positions, segment_ids, *attention_params)
         y = normalize(self.norm_2.kind, h, s2, b2, self.norm_2.eps)
+        if isinstance(self.mlp, ParallelMoE):
+            out, stats = self.mlp.local(y, *mlp_params)
+            return h + out, stats
         return h + self.mlp.local(y, *mlp_params)
 
     def io_spec(self):
@@ -289,7 +312,11 @@ class ParallelTransformerBlock(nnx.Module):
         indivisible lengths (as `ParallelSelfAttention`).
         """
         positions = self.attention.check_input(x, positions, segment_ids)
-        return _sharding.call_compiled(self, "forward", x, positions, segment_ids)
+        y = _sharding.call_compiled(self, "forward", x, positions, segment_ids)
+        if isinstance(self.mlp, ParallelMoE):  # the experts' statistics, to the MoEStats
+            y, stats = y
+            self.mlp.set_stats(stats)
+        return y
 
     def forward(self, x, positions, segment_ids):
         """`__call__` on checked arguments (traced by `call_compiled`)."""
@@ -298,6 +325,8 @@ class ParallelTransformerBlock(nnx.Module):
         dtype = _sharding.compute_dtype(attention.dtype, x, attention.q_kernel[...])
         spec = attention.io_spec()
         if x.size == 0:  # empty batch or sequence
+            if isinstance(self.mlp, ParallelMoE):
+                raise ValueError(f"x has shape {x.shape}: a MoE block needs at least one token")
             return _sharding.empty_output(x.astype(dtype), x.shape, mesh, spec)
         attention_values, attention_specs = attention.local_params(dtype)
         mlp_values, mlp_specs = self.mlp.local_params(dtype)
@@ -309,5 +338,5 @@ class ParallelTransformerBlock(nnx.Module):
             mesh,
             [x.astype(dtype), positions, segment_ids, norm_values, attention_values, mlp_values],
             [*attention.token_specs(), norm_specs, attention_specs, mlp_specs],
-            spec,
+            (spec, self.mlp.stats_specs()) if isinstance(self.mlp, ParallelMoE) else spec,
         )

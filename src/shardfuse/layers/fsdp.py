@@ -27,7 +27,8 @@ variable). `Stack` ties each layer's slice inside its layer scan
 sharded buffer; the parameters stay replicated for the forward.
 
 Whatever the stage, the fsdp axis is a data-parallel axis for activations:
-the batch is split over `(data, fsdp)` (`batch_axes`).
+the batch is split over `(data, fsdp)` (`batch_axes`), and over the expert axis too
+where the mesh has one.
 
 This module is ZeRO's home on the model's side of the optimizer boundary:
 the stages (`ZERO_STAGES`, `check_zero`), a stage and its axis resolved on a
@@ -134,9 +135,10 @@ def zero_options(mesh, *, zero, fsdp_axis=DEFAULT_FSDP_AXIS, reshard_after_forwa
     return ZeroOptions(stage, fsdp_axis_on(mesh, fsdp_axis), bool(reshard_after_forward), reduce)
 
 
-def batch_axes(data_axis, fsdp_axis):
-    """PartitionSpec entry of the batch dimension: `data_axis` and `fsdp_axis`, those not None."""
-    axes = tuple(a for a in (data_axis, fsdp_axis) if a)
+def batch_axes(data_axis, fsdp_axis, expert_axis=None):
+    """PartitionSpec entry of the batch dimension: `data_axis`, `fsdp_axis` and `expert_axis`
+    (outside the experts of a `ParallelMoE`, a data axis), those not None."""
+    axes = tuple(a for a in (data_axis, fsdp_axis, expert_axis) if a)
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -217,8 +219,9 @@ def _gather_bwd(axis, dim, dtype, reduce_dtype, param_dtype, _, cotangent):
 _fsdp_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def check_batch_axes(mesh, layer, options: ZeroOptions):
-    """The batch entry `(data, fsdp)` of `layer`'s activation specs, the axes checked distinct.
+def check_batch_axes(mesh, layer, options: ZeroOptions, expert_axis=None):
+    """The batch entry `(data, fsdp, expert)` of `layer`'s activation specs, the axes checked
+    distinct (`expert_axis`: the expert-parallel axis, a data axis outside the experts).
 
     `layer` has `model_axis`, `data_axis` and `sequence_axis` (checked already).
 
@@ -232,7 +235,17 @@ def check_batch_axes(mesh, layer, options: ZeroOptions):
         sequence_axis=layer.sequence_axis,
         fsdp_axis=options.fsdp_axis,
     )
-    return batch_axes(layer.data_axis, options.fsdp_axis)
+    if expert_axis is not None and expert_axis in (
+        layer.model_axis,
+        layer.data_axis,
+        layer.sequence_axis,
+        options.fsdp_axis,
+    ):
+        raise ValueError(
+            f"expert_axis={expert_axis!r} is also the layer's model, data, sequence or fsdp axis; "
+            "each axis may shard one dimension only"
+        )
+    return batch_axes(layer.data_axis, options.fsdp_axis, expert_axis)
 
 
 def reshard_after_forward(fn, options: ZeroOptions):

@@ -21,9 +21,11 @@ Fields (defaults in parentheses); anything else raises a `ValueError` or
 
 - `mesh` (None): the `jax.sharding.Mesh`; a layer needs one, here or as `mesh=`.
 - `model_axis` ("model"), `data_axis` ("data"), `sequence_axis` ("sequence"),
-  `fsdp_axis` ("fsdp"): mesh axis names or None, for tensor parallelism (heads,
-  hidden units), the batch, context parallelism (ring attention) and ZeRO (the
-  batch is split over the fsdp axis too); no two may name the same axis.
+  `fsdp_axis` ("fsdp"), `expert_axis` ("expert"): mesh axis names or None, for
+  tensor parallelism (heads, hidden units), the batch, context parallelism (ring
+  attention), ZeRO (the batch is split over the fsdp axis too) and expert
+  parallelism (`ParallelMoE`'s experts; every layer splits the batch over it too);
+  no two may name the same axis.
 - `zero` (0): the ZeRO stage, 0 to 3 (`shardfuse.layers.fsdp`).
 - `reshard_after_forward` (True): ZeRO-3 drops gathered weights after use and
   gathers them again in the backward.
@@ -65,7 +67,7 @@ from shardfuse.kernels import registry
 from shardfuse.kernels.matmul import base as matmul_base
 from shardfuse.layers import _sharding, fsdp
 
-_AXIS_FIELDS = ("model_axis", "data_axis", "sequence_axis", "fsdp_axis")
+_AXIS_FIELDS = ("model_axis", "data_axis", "sequence_axis", "fsdp_axis", "expert_axis")
 
 
 def _floating_dtype(value, field: str, *, optional: bool):
@@ -137,6 +139,7 @@ class LayerOptions:
     data_axis: str | None = axes.DATA
     sequence_axis: str | None = axes.SEQUENCE
     fsdp_axis: str | None = axes.FSDP
+    expert_axis: str | None = axes.EXPERT
     zero: int = 0
     reshard_after_forward: bool = True
     reduce_dtype: object = jnp.dtype(jnp.float32)
@@ -230,10 +233,11 @@ class LayerOptions:
 
         A default name the mesh lacks becomes None (not sharded there); an
         explicitly chosen name must be an axis of the mesh. The batch of every
-        layer is split over `(data_axis, fsdp_axis)`, those not None.
+        layer is split over `(data_axis, fsdp_axis, expert_axis)`, those not None.
 
         Returns:
-          `{"model_axis", "data_axis", "sequence_axis", "fsdp_axis"}` -> a name or None.
+          `{"model_axis", "data_axis", "sequence_axis", "fsdp_axis", "expert_axis"}` -> a
+          name or None.
 
         Raises:
           TypeError: no mesh.
@@ -244,8 +248,9 @@ class LayerOptions:
           >>> import jax
           >>> from shardfuse.layers import LayerOptions
           >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-          >>> LayerOptions(mesh=mesh).mesh_axes()
-          {'model_axis': 'model', 'data_axis': 'data', 'sequence_axis': None, 'fsdp_axis': None}
+          >>> LayerOptions(mesh=mesh).mesh_axes()  # doctest: +NORMALIZE_WHITESPACE
+          {'model_axis': 'model', 'data_axis': 'data', 'sequence_axis': None, 'fsdp_axis': None,
+           'expert_axis': None}
         """
         mesh = require_mesh(self, "LayerOptions.mesh_axes")
         model, data, sequence = _sharding.layer_axes(
@@ -253,7 +258,9 @@ class LayerOptions:
             sequence_axis=self.sequence_axis,
         )  # fmt: skip
         fsdp_axis = self.zero_options().fsdp_axis
-        return dict(model_axis=model, data_axis=data, sequence_axis=sequence, fsdp_axis=fsdp_axis)
+        expert = _sharding.optional_axis(mesh, self.expert_axis, "expert_axis", axes.EXPERT)
+        return dict(model_axis=model, data_axis=data, sequence_axis=sequence, fsdp_axis=fsdp_axis,
+                    expert_axis=expert)  # fmt: skip
 
     def zero_options(self) -> "fsdp.ZeroOptions":
         """The ZeRO settings on `mesh` (`fsdp.ZeroOptions`; its `param_axis`: the axis
@@ -325,9 +332,9 @@ def configure(layer, options: LayerOptions, *, sequence_parallel: bool = False) 
 
     `layer.options` (with `sequence_parallel` decided: the layer's default
     `sequence_parallel` where the options leave it None), `mesh`, the checked
-    axes `model_axis`, `data_axis`, `sequence_axis` (None where the mesh
-    lacks a default axis), `zero` (the `fsdp.ZeroOptions` on this mesh),
-    `batch_axes`, `sequence_parallel`, `dtype`, `param_dtype`,
+    axes `model_axis`, `data_axis`, `sequence_axis`, `expert_axis` (None where
+    the mesh lacks a default axis), `zero` (the `fsdp.ZeroOptions` on this mesh),
+    `batch_axes` (data, fsdp and expert), `sequence_parallel`, `dtype`, `param_dtype`,
     `implementation` and `precision`.
 
     Raises:
@@ -340,9 +347,9 @@ def configure(layer, options: LayerOptions, *, sequence_parallel: bool = False) 
     layer.mesh = mesh
     axes = options.mesh_axes()
     layer.model_axis, layer.data_axis = axes["model_axis"], axes["data_axis"]
-    layer.sequence_axis = axes["sequence_axis"]
+    layer.sequence_axis, layer.expert_axis = axes["sequence_axis"], axes["expert_axis"]
     layer.zero = options.zero_options()
-    layer.batch_axes = fsdp.check_batch_axes(mesh, layer, layer.zero)
+    layer.batch_axes = fsdp.check_batch_axes(mesh, layer, layer.zero, layer.expert_axis)
     layer.sequence_parallel = options.sequence_parallel
     layer.dtype, layer.param_dtype = options.dtype, options.param_dtype
     layer.implementation, layer.precision = options.implementation, options.precision

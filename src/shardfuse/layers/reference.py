@@ -21,6 +21,8 @@ Example:
   True
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,4 +131,120 @@ def transformer_block(block, p, x, *, positions=None, segment_ids=None, dtype=No
         segment_ids=segment_ids,
         dtype=dtype,
     )
-    return h + mlp(block.mlp, p["mlp"], norm(block.norm_2, p["norm_2"], h), dtype=dtype)
+    y = norm(block.norm_2, p["norm_2"], h)
+    if hasattr(block.mlp, "routing_config"):  # a ParallelMoE
+        return h + moe(block.mlp, p["mlp"], y, dtype=dtype)[0]
+    return h + mlp(block.mlp, p["mlp"], y, dtype=dtype)
+
+
+def _moe_routing(layer, logits, bias):
+    """The routing of `ParallelMoE` by its definition: `(experts [N, k], weights, probs)`.
+
+    Written apart from `shardfuse.layers.router` (a descending stable argsort for the
+    top-k, groups by an explicit loop) so that it checks that module too.
+    """
+    config = layer.routing_config
+    E, k = config.num_experts, config.top_k
+    if config.rule == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+        selection = scores
+    else:
+        scores = 1.0 / (1.0 + jnp.exp(-logits))
+        probs = scores / scores.sum(-1, keepdims=True)
+        selection = scores + (0.0 if bias is None else bias)
+    selection = lax.stop_gradient(selection)
+    if config.n_groups is not None:
+        size = E // config.n_groups
+        group_scores = []
+        for g in range(config.n_groups):
+            members = selection[:, g * size : (g + 1) * size]
+            if config.rule == "sigmoid":
+                best = -jnp.sort(-members, axis=-1)[:, : min(2, size)]
+                group_scores.append(best.sum(-1))
+            else:
+                group_scores.append(members.max(-1))
+        group_scores = jnp.stack(group_scores, -1)  # [N, G]
+        chosen = jnp.argsort(-group_scores, axis=-1, stable=True)[:, : config.topk_groups]
+        allowed_groups = (chosen[:, :, None] == jnp.arange(config.n_groups)).any(1)  # [N, G]
+        allowed = jnp.repeat(allowed_groups, size, axis=-1)
+        selection = jnp.where(allowed, selection, -jnp.inf)
+    experts = jnp.argsort(-selection, axis=-1, stable=True)[:, :k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.normalize_top_k:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return experts, weights * config.routed_scaling, probs
+
+
+def _moe_kept(layer, experts, groups):
+    """`[N, k]` bool: which routed slots fit their expert's capacity (all when dropless).
+
+    Capacity per token group (the tokens one device routes): `ceil(c * n * k / E)`
+    slots per expert, first choices before second ones, tokens in order.
+    """
+    N, k = experts.shape
+    if layer.capacity_factor is None:
+        return jnp.ones((N, k), bool)
+    E = layer.num_experts
+    n = N // groups
+    capacity = math.ceil(layer.capacity_factor * n * k / E)
+    kept = []
+    for g in range(groups):
+        mine = experts[g * n : (g + 1) * n]  # [n, k]
+        one_hot = mine.T.reshape(k * n)[:, None] == jnp.arange(E)  # [k n, E], slot-major
+        rank = jnp.cumsum(one_hot, axis=0) - 1  # earlier slots of the same expert
+        ok = (rank < capacity) | ~one_hot
+        kept.append(ok.all(-1).reshape(k, n).T)
+    return jnp.concatenate(kept, 0)
+
+
+def moe(layer, p, x, *, bias=None, dtype=None):
+    """`ParallelMoE` on `x` `[B, T, F]`, unsharded: `(y, stats)`.
+
+    Each token through its k experts by an explicit loop over the experts (every
+    expert applied to every token, weighted by the router's weight, zero where the
+    token did not choose it or its slot was dropped), plus the shared experts; no
+    sorting, no dispatch. The tokens are grouped for the capacity as the layer's
+    devices route them (`layer.token_groups()`). `bias`: the sigmoid rule's
+    selection bias (None: the layer's). `stats` as the layer's `MoEStats`.
+    """
+    x = x.astype(_dtype(layer.dtype, x, p["gate_up"], dtype))
+    B, T, F = x.shape
+    E, k = layer.num_experts, layer.top_k
+    if bias is None and layer.selection_bias is not None:
+        bias = jnp.asarray(np.asarray(layer.selection_bias[...]))
+    batch_groups, sequence_groups = layer.token_groups()
+    # tokens in routing-group order: group (i, j) is batch block i x sequence block j
+    xg = x.reshape(batch_groups, B // batch_groups, sequence_groups, T // sequence_groups, F)
+    xf = xg.transpose(0, 2, 1, 3, 4).reshape(B * T, F)
+    logits = jnp.einsum("NF,FE->NE", xf.astype(jnp.float32), p["router"].astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST)  # fmt: skip
+    experts, weights, probs = _moe_routing(layer, logits, bias)
+    kept = _moe_kept(layer, experts, batch_groups * sequence_groups)
+    y = jnp.zeros((B * T, F), jnp.float32)
+    for e in range(E):
+        chosen = (experts == e) & kept  # [N, k]
+        w = jnp.sum(jnp.where(chosen, weights, 0.0), axis=-1)  # [N]
+        h = _dense(xf, p["gate_up"][e], None, layer.precision)
+        out = _dense(activate("swiglu", h), p["down"][e], None, layer.precision)
+        y = y + w[:, None] * out.astype(jnp.float32)
+    if "shared_up" in p:
+        h = _dense(xf, p["shared_up"], None, layer.precision)
+        s = _dense(activate("swiglu", h), p["shared_down"], None, layer.precision)
+        s = s.astype(jnp.float32)
+        if "shared_gate" in p:
+            s = jax.nn.sigmoid(_dense(xf, p["shared_gate"], None, layer.precision)) * s
+        y = y + s
+    y = y.astype(x.dtype).reshape(batch_groups, sequence_groups, B // batch_groups,
+                                  T // sequence_groups, F)  # fmt: skip
+    y = y.transpose(0, 2, 1, 3, 4).reshape(B, T, F)
+    N = B * T
+    counts = jnp.stack([jnp.sum(experts == e) for e in range(E)]).astype(jnp.int32)
+    f = counts.astype(jnp.float32) / (N * k)
+    stats = dict(
+        load_balancing_loss=E * jnp.sum(f * probs.mean(0)),
+        router_z_loss=jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        tokens_per_expert=counts,
+        dropped_tokens=jnp.sum(~kept).astype(jnp.int32),
+    )
+    return y, stats

@@ -23,6 +23,8 @@ the element-wise work. Names a layer tags:
 - `attention_core`: the attention output (the product with V);
 - `attention_out`: the output projection;
 - `mlp_up`, `mlp_down`: the MLP's projections; `linear`: a lone linear layer;
+- `moe_up`, `moe_down`: a `ParallelMoE`'s expert grouped matmuls; `moe_dispatch`,
+  `moe_combine`: its rows after the all-to-alls (kept, the backward does not send them again);
 - `fsdp_gather`: a ZeRO-3 weight gathered over fsdp (never saved while the
   layer reshards after the forward, see `shardfuse.layers.fsdp`).
 
@@ -58,6 +60,10 @@ LINEAR_OUTPUT_NAMES = (
     "mlp_up",
     "mlp_down",
     "linear",
+    "moe_up",
+    "moe_down",
+    "moe_dispatch",
+    "moe_combine",
 )
 ATTENTION_CORE_NAME = "attention_core"
 # every matmul output (what "dots" keeps)

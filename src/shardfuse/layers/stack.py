@@ -33,6 +33,7 @@ from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers import options as options_lib
 from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
+from shardfuse.layers.moe import ParallelMoE
 
 # Variable metadata of a stacked parameter (dimension 0 is the layer axis): ZeRO shards
 # its gradient and optimizer state on a later dimension (`shardfuse.parallel.zero`).
@@ -262,6 +263,11 @@ class Stack(nnx.Module):
             mesh,
         )
         abstract = nnx.eval_shape(lambda: make_block(nnx.Rngs(0)))
+        if any(isinstance(node, ParallelMoE) for _, node in nnx.iter_graph(abstract)):
+            raise NotImplementedError(
+                "Stack of blocks holding a ParallelMoE: the layer scan does not carry the "
+                "experts' statistics (aux losses) out yet; stack the blocks yourself"
+            )
         graphdef, abstract_state = nnx.split(abstract)
         specs = jax.tree.map(
             lambda v: stacked_spec(v.get_metadata().get("out_sharding"), layer_axis),

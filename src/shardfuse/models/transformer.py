@@ -130,7 +130,12 @@ class LMHead(nnx.Module):
             if embed is None:
                 raise ValueError("spec.tied_embeddings=True: pass the embedding table as embed=")
             names = options.mesh_axes()
-            batch = tuple(a for a in (names["data_axis"], names["fsdp_axis"]) if a) or None
+            batch = (
+                tuple(
+                    a for a in (names["data_axis"], names["fsdp_axis"], names["expert_axis"]) if a
+                )
+                or None
+            )
             self.unembed = TiedUnembed(
                 embed,
                 mesh=mesh,
@@ -156,8 +161,8 @@ class LMHead(nnx.Module):
 class Transformer(nnx.Module):
     """A decoder-only LM of `spec`: embedding, `Stack` of blocks, final norm, unembedding.
 
-    Runs on any mesh over `pipeline, data, fsdp, sequence, model` (absent axes
-    are size 1): batch over `(data, fsdp)`, ring attention over `sequence`
+    Runs on any mesh over `pipeline, data, fsdp, expert, sequence, model` (absent axes
+    are size 1): batch over `(data, fsdp, expert)`, ring attention over `sequence`
     (tokens in the ring `layout` order, `sf.to_ring_layout`), tensor and
     sequence parallelism over `model`, ZeRO stage `zero` over `fsdp` (zero=3:
     the embedding's vocabulary dimension too), the stacked layers over

@@ -218,7 +218,7 @@ def _mesh(config: TrainConfig):
     shape = config.mesh_shape(jax.device_count())
     if config.spread_processes:
         return jax.sharding.Mesh(
-            distributed.spread_devices(shape), AXES, axis_types=(AxisType.Explicit,) * 5
+            distributed.spread_devices(shape), AXES, axis_types=(AxisType.Explicit,) * len(AXES)
         )
     return jax.make_mesh(shape, AXES)
 

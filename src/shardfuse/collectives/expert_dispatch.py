@@ -1,0 +1,156 @@
+"""Expert-parallel dispatch and combine: routed rows to their experts' devices and back.
+
+Per shard (inside `jax.shard_map`, over the expert axis `axis_name` of size EP; device
+d holds experts `[d * E / EP, (d + 1) * E / EP)`). Each device starts from its `A`
+routed rows (`A = tokens x k` slots), sorted by expert, the rows dropped by a capacity
+last with the sentinel expert `E`:
+
+1. `dispatch` sends each row to the device of its expert. Every device receives into a
+   buffer of `EP` chunks of `A` rows, chunk s holding what device s sent (its rows
+   still sorted by expert), then zeros (`pad_value`), with expert id `E` past them.
+2. The caller runs its local experts on the received rows (`sf.grouped_matmul` with
+   `group_offset`), returning a result per received row.
+3. `combine` sends each result back to the row it came from: `[A, F]` in the order of
+   the dispatched rows (zero for dropped rows).
+
+Two implementations, identical results:
+
+- "ragged": `lax.ragged_all_to_all`, sized by the routing: each row crosses the
+  network once each way, `2 x A x F x bytes x (EP - 1) / EP` per device on balanced
+  routing (plus the `[EP]` counts and offsets exchanged by a small `all_to_all`). The
+  receive buffer is still `EP x A` rows (a device may receive every row of every
+  device). GPUs and TPUs.
+- "dense": a dense `lax.all_to_all` of per-destination buffers padded to the static
+  worst case, `A` rows per destination (dropless: all of a device's rows may go to one
+  device). It moves `EP` times the ragged bytes, `2 x A x F x bytes x (EP - 1)` per
+  device, plus the expert ids (`EP x A` int32 each way); its send and receive buffers
+  are `EP x A x F`. XLA:CPU, which cannot run `ragged_all_to_all` (jax#34755); the
+  tests check it against the ragged version's definition and against one device.
+
+Neither ever builds a tokens x experts x F or tokens x experts x capacity x F tensor:
+the buffers are `EP x A x F` with `A = tokens x k`.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLEMENTATIONS = ("ragged", "dense")
+_RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def default_implementation(platform: str | None = None) -> str:
+    """ "ragged" where `lax.ragged_all_to_all` runs (GPU, TPU), else "dense" (CPU)."""
+    platform = jax.default_backend() if platform is None else platform
+    return "ragged" if platform in _RAGGED_PLATFORMS else "dense"
+
+
+def check_implementation(implementation) -> str:
+    """`implementation` (None: the platform's), checked; ValueError naming it."""
+    if implementation is None:
+        return default_implementation()
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"dispatch_implementation={implementation!r} must be None (the platform's) or one "
+            f"of {IMPLEMENTATIONS}"
+        )
+    return implementation
+
+
+def _routing(experts, num_experts: int, ep: int):
+    """Destination, position in its chunk, per-destination counts and starts of each row."""
+    per_device = num_experts // ep
+    dest = experts // per_device  # [A]; the sentinel E gives ep (dropped)
+    counts = jnp.zeros((ep,), jnp.int32).at[dest].add(1, mode="drop")
+    starts = jnp.cumsum(counts) - counts
+    pos = jnp.arange(experts.shape[0], dtype=jnp.int32) - starts[jnp.minimum(dest, ep - 1)]
+    return dest, pos, counts, starts
+
+
+def _exchange(values, axis_name):
+    """`[EP]` per-destination ints -> `[EP]` per-source: what each source has for me."""
+    return lax.all_to_all(values[:, None], axis_name, 0, 0, tiled=True)[:, 0]
+
+
+def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None, pad_value=0.0):
+    """Sends each routed row to the device holding its expert.
+
+    Args:
+      rows: `[A, F]` this device's routed rows, sorted by expert (dropped rows last).
+      experts: `[A]` int32, each row's expert in `[0, E)`, sorted; `E` for a dropped row.
+      num_experts: E, divisible by the size EP of `axis_name`.
+      axis_name: the expert-parallel mesh axis.
+      implementation: "ragged", "dense" or None (`default_implementation`).
+      pad_value: the value of the receive buffer's unused rows ("dense": of the send
+        buffer's too); the tests poison it with NaN.
+
+    Returns:
+      `(received [EP * A, F], received_experts [EP * A] int32, plan)`: chunk s
+      (`[s * A, (s + 1) * A)`) holds device s's rows for this device, sorted by expert,
+      then padding whose expert is `E`; `plan` is `combine`'s.
+    """
+    implementation = check_implementation(implementation)
+    ep = lax.axis_size(axis_name)
+    A, F = rows.shape
+    dest, pos, counts, starts = _routing(experts, num_experts, ep)
+    recv_counts = _exchange(counts, axis_name)
+    plan = dict(dest=dest, pos=pos, counts=counts, starts=starts, recv_counts=recv_counts)
+    if implementation == "dense":
+        with jax.named_scope("expert_dispatch_dense"):
+            send = jnp.full((ep, A, F), pad_value, rows.dtype).at[dest, pos].set(rows, mode="drop")
+            ids = jnp.full((ep, A), num_experts, jnp.int32).at[dest, pos].set(experts, mode="drop")
+            received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F]
+            received_ids = lax.all_to_all(ids, axis_name, 0, 0, tiled=True)
+        return received.reshape(ep * A, F), received_ids.reshape(ep * A), plan
+    me = lax.axis_index(axis_name)
+    plan["recv_starts"] = _exchange(starts, axis_name)
+    with jax.named_scope("expert_dispatch_ragged"):
+        out_offsets = jnp.full((ep,), me * A, jnp.int32)  # my chunk in every receiver
+        received = lax.ragged_all_to_all(
+            rows, jnp.full((ep * A, F), pad_value, rows.dtype), starts, counts, out_offsets,
+            recv_counts, axis_name=axis_name,
+        )  # fmt: skip
+        received_ids = lax.ragged_all_to_all(
+            experts[:, None], jnp.full((ep * A, 1), num_experts, jnp.int32), starts, counts,
+            out_offsets, recv_counts, axis_name=axis_name,
+        )[:, 0]  # fmt: skip
+    return received, received_ids, plan
+
+
+def combine(results, plan: dict, *, axis_name, implementation=None):
+    """Sends each received row's result back to where `dispatch` took the row from.
+
+    Args:
+      results: `[EP * A, F]`, a result per row of `dispatch`'s receive buffer (those of
+        padding rows are never read).
+      plan: `dispatch`'s plan.
+      axis_name, implementation: as `dispatch` was given.
+
+    Returns:
+      `[A, F]`: row i the result of the dispatched row i; zero for dropped rows.
+    """
+    implementation = check_implementation(implementation)
+    ep = lax.axis_size(axis_name)
+    A = plan["dest"].shape[0]
+    F = results.shape[-1]
+    dest, pos = plan["dest"], plan["pos"]
+    if implementation == "dense":
+        with jax.named_scope("expert_combine_dense"):
+            back = lax.all_to_all(results.reshape(ep, A, F), axis_name, 0, 0, tiled=True)
+            valid = dest < ep
+            rows = back[jnp.minimum(dest, ep - 1), jnp.clip(pos, 0, A - 1)]
+        return jnp.where(valid[:, None], rows, jnp.zeros((), results.dtype))
+    with jax.named_scope("expert_combine_ragged"):
+        in_offsets = jnp.arange(ep, dtype=jnp.int32) * A
+        return lax.ragged_all_to_all(
+            results, jnp.zeros((A, F), results.dtype), in_offsets, plan["recv_counts"],
+            plan["recv_starts"], plan["counts"], axis_name=axis_name,
+        )  # fmt: skip
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "combine",
+    "default_implementation",
+    "dispatch",
+]

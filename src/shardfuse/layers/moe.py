@@ -1,0 +1,458 @@
+"""Mixture of experts with expert parallelism: `ParallelMoE`.
+
+Each token goes through the `top_k` SwiGLU experts its router picks
+(`shardfuse.layers.router`: softmax or sigmoid rules, group-limited top-k, routed
+scaling), weighted by the router, plus optional shared experts every token uses
+(DeepSeek, Qwen2-MoE; optionally scaled by a sigmoid gate, Qwen2-MoE). Per shard:
+
+1. route the device's tokens (float32 logits) and list the `A = tokens x k` routed
+   slots, sorted by expert (`argsort`, stable); under a `capacity_factor` the slots
+   past an expert's capacity are dropped (counted);
+2. expert parallelism (the `expert` mesh axis, size EP > 1): each slot's row goes to
+   the device holding its expert and back (`shardfuse.collectives.expert_dispatch`:
+   `lax.ragged_all_to_all` on GPU/TPU, a padded dense `all_to_all` on CPU);
+3. the local experts as two grouped matmuls over the sorted rows (`sf.grouped_matmul`
+   with `group_offset`: the first local expert), expert tensor parallelism over the
+   `model` axis inside each expert (`expert_hidden` split, partial sums reduced once
+   per token with the shared experts');
+4. unsort, and combine each token's k results with its router weights.
+
+Checkpoint names (for remat policies): "moe_dispatch" (the received rows), "moe_up",
+"moe_down" (the grouped matmuls' outputs), "moe_combine" (the rows brought back).
+
+Nothing is tokens x experts x F: the buffers are `A x F` (one device) or `EP x A x F`
+(the dispatch's receive buffer). Dropless by default (every slot computed).
+
+Capacity (`capacity_factor=c`): each expert takes at most `ceil(c * n * k / E)` slots
+of the `n` tokens one device routes (its batch and sequence shard), slot-major
+priority (every token's first choice before any second choice, GShard), token order
+inside a slot. Dropped slots add nothing (the token keeps its other experts, the
+shared experts, and the residual outside); their count is `dropped_tokens`.
+
+Auxiliary outputs, over all tokens of the call (`MoEStats` variables of the layer,
+written by every call; `moe_stats(model)` sums them over a model's MoE layers):
+`load_balancing_loss` (Switch), `router_z_loss`, `tokens_per_expert [E]` (before the
+capacity), `dropped_tokens`. Add the losses to the training loss inside the
+differentiated function::
+
+    def loss_fn(model, x, y):
+        out = model(x)
+        stats = sf.layers.moe.moe_stats(model)
+        return task_loss(out, y) + 1e-2 * stats["load_balancing_loss"] \\
+            + 1e-3 * stats["router_z_loss"]
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives import expert_dispatch
+from shardfuse.kernels.grouped_matmul.api import grouped_matmul
+from shardfuse.kernels.vma import match_varying
+from shardfuse.layers import _sharding
+from shardfuse.layers import fsdp as fsdp_lib
+from shardfuse.layers import options as options_lib
+from shardfuse.layers import router as router_lib
+from shardfuse.layers.linear import default_kernel_init
+from shardfuse.layers.mlp import activate
+
+# fan-in of a per-expert kernel `[E, in, out]`: `in` (the expert dimension is a batch)
+expert_kernel_init = nnx.initializers.variance_scaling(
+    1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+)
+STATS = ("load_balancing_loss", "router_z_loss", "tokens_per_expert", "dropped_tokens")
+
+
+class MoEStats(nnx.Variable):
+    """A statistic of the last call of a `ParallelMoE` (not a parameter)."""
+
+
+def moe_stats(module) -> dict:
+    """The `MoEStats` of every `ParallelMoE` in `module`, summed over the layers.
+
+    Returns:
+      `{"load_balancing_loss", "router_z_loss", "dropped_tokens"}` -> scalar sums, and
+      `"tokens_per_expert"` -> a list, one `[E]` array per layer (in graph order).
+    """
+    out = {"load_balancing_loss": 0.0, "router_z_loss": 0.0, "dropped_tokens": 0}
+    per_layer = []
+    for _, layer in nnx.iter_graph(module):
+        if isinstance(layer, ParallelMoE):
+            for name in ("load_balancing_loss", "router_z_loss", "dropped_tokens"):
+                # (a stacked layer, `sf.layers.Stack`, holds one value per layer: summed)
+                out[name] = out[name] + jnp.sum(getattr(layer, name)[...])
+            per_layer.append(layer.tokens_per_expert[...])
+    out["tokens_per_expert"] = per_layer
+    return out
+
+
+class ParallelMoE(nnx.Module):
+    """Mixture of SwiGLU experts, expert-parallel over `expert_axis`, tensor-parallel inside.
+
+    Input and output `[B, T, features]`, `P(batch, sequence, None)` with batch =
+    (data, fsdp, expert) (the expert axis splits tokens like a data axis), or with
+    `sequence_parallel=True` `P(batch, (sequence, model), None)` (gathered over model
+    before routing, reduce-scattered after). Parameters: `router` `[F, E]` `P()`
+    (float32 logits whatever the dtype); `gate_up` `[E, F, 2 * H]` `P(expert, None,
+    model)` (gate and up columns interleaved per hidden unit, as `ParallelMLP`);
+    `down` `[E, H, F]` `P(expert, model, None)`; with shared experts `shared_up`
+    `[F, 2 * S]` `P(None, model)`, `shared_down` `[S, F]` `P(model, None)`
+    (`S = shared_experts * expert_hidden`) and, gated, `shared_gate` `[F, 1]` `P()`.
+    The sigmoid rule's `selection_bias` `[E]` is a `router_lib.SelectionBias`. The
+    module docstring gives the algorithm, the capacity rule and how to read the
+    auxiliary losses.
+
+    Args:
+      features: model width F.
+      expert_hidden: hidden width H of each expert, divisible by the model axis size.
+      num_experts: E, divisible by the size of the expert axis.
+      top_k: experts per token, `1 <= top_k <= num_experts`.
+      routing: "softmax" or "sigmoid" (`router_lib.ROUTING_RULES`).
+      normalize_top_k: renormalise the k weights (Mixtral: True; Qwen's
+        `norm_topk_prob`).
+      n_groups, topk_groups: group-limited routing (DeepSeek), or None.
+      routed_scaling: factor on the routed weights.
+      shared_experts: number of shared experts (0: none), each `expert_hidden` wide.
+      shared_expert_gate: scale the shared experts by `sigmoid(x @ shared_gate)`.
+      capacity_factor: None (dropless) or > 0: each expert's capacity per device.
+      dispatch_implementation: "ragged", "dense" or None (the mesh's platform:
+        `expert_dispatch.default_implementation`).
+      grouped_matmul_implementation: of `sf.grouped_matmul` (None: the platform's best).
+      options: the `LayerOptions` (its `expert_axis`, default "expert", is the
+        expert-parallel axis where the mesh has it); the option keywords override it.
+        Under `zero=3` the expert and shared kernels are sharded over fsdp on their F
+        dimension too and gathered just in time (`shardfuse.layers.fsdp`); router, bias
+        and gate stay replicated.
+      kernel_init: of the router, the shared experts and the gate.
+      expert_init: of `gate_up` and `down` (fan-in per expert).
+      rngs: `nnx.Rngs`.
+
+    Raises:
+      ValueError: a bad size or option, naming it (top_k above num_experts, experts
+        not divisible by the expert axis, capacity_factor <= 0, an unknown routing).
+
+    Example usage::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> mesh = jax.make_mesh((2, 2), ("expert", "model"))
+      >>> moe = sf.layers.ParallelMoE(16, 32, num_experts=4, top_k=2, mesh=mesh,
+      ...                             rngs=nnx.Rngs(0))
+      >>> y = moe(jnp.ones((2, 8, 16)))
+      >>> y.shape, y.sharding.spec, moe.gate_up[...].sharding.spec
+      ((2, 8, 16), P('expert', None, None), P('expert', None, 'model'))
+      >>> int(moe.tokens_per_expert[...].sum())  # 16 tokens x 2 experts
+      32
+    """
+
+    @options_lib.option_keywords
+    def __init__(
+        self,
+        features: int,
+        expert_hidden: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        routing: str = "softmax",
+        normalize_top_k: bool = True,
+        n_groups: int | None = None,
+        topk_groups: int | None = None,
+        routed_scaling: float = 1.0,
+        shared_experts: int = 0,
+        shared_expert_gate: bool = False,
+        capacity_factor: float | None = None,
+        dispatch_implementation: str | None = None,
+        grouped_matmul_implementation=None,
+        options: options_lib.LayerOptions | None = None,
+        kernel_init=default_kernel_init,
+        expert_init=expert_kernel_init,
+        rngs: nnx.Rngs,
+    ):
+        self.routing_config = router_lib.RoutingConfig(
+            num_experts=num_experts, top_k=top_k, rule=routing, normalize_top_k=normalize_top_k,
+            n_groups=n_groups, topk_groups=topk_groups, routed_scaling=routed_scaling,
+        )  # fmt: skip
+        if capacity_factor is not None and (
+            isinstance(capacity_factor, bool)
+            or not isinstance(capacity_factor, (int, float))
+            or not capacity_factor > 0
+        ):
+            raise ValueError(f"capacity_factor={capacity_factor!r} must be None or > 0")
+        if isinstance(shared_experts, bool) or not isinstance(shared_experts, int):
+            raise ValueError(f"shared_experts={shared_experts!r} must be an int >= 0")
+        if shared_experts < 0:
+            raise ValueError(f"shared_experts={shared_experts!r} must be an int >= 0")
+        if dispatch_implementation is not None:
+            expert_dispatch.check_implementation(dispatch_implementation)
+        options = options_lib.configure(self, options, sequence_parallel=False)
+        mesh = self.mesh
+        fsdp_lib.check_kernel("features", features, mesh, self.zero)
+        _sharding.check_divisible("expert_hidden", expert_hidden, mesh, self.model_axis)
+        _sharding.check_divisible("num_experts", num_experts, mesh, self.expert_axis)
+        self.features, self.expert_hidden = features, expert_hidden
+        self.num_experts, self.top_k = num_experts, top_k
+        self.shared_experts, self.shared_expert_gate = shared_experts, bool(shared_expert_gate)
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        platform = mesh.devices.flat[0].platform
+        self.dispatch_implementation = (
+            dispatch_implementation or expert_dispatch.default_implementation(platform)
+        )
+        self.grouped_matmul_implementation = grouped_matmul_implementation
+        E, F, H, S = num_experts, features, expert_hidden, shared_experts * expert_hidden
+        if S:
+            _sharding.check_divisible("shared_experts * expert_hidden", S, mesh, self.model_axis)
+        make = _sharding.param_maker(rngs, self.param_dtype, mesh)
+        specs = self._kernel_specs()
+        self.router = make(kernel_init, (F, E), P())
+        self.gate_up = make(expert_init, (E, F, 2 * H), specs["gate_up"])
+        self.down = make(expert_init, (E, H, F), specs["down"])
+        self.shared_up = make(kernel_init, (F, 2 * S), specs["shared_up"]) if S else None
+        self.shared_down = make(kernel_init, (S, F), specs["shared_down"]) if S else None
+        self.shared_gate = make(kernel_init, (F, 1), P()) if S and shared_expert_gate else None
+        replicated = NamedSharding(mesh, P())
+        if routing == "sigmoid":
+            bias = jax.device_put(jnp.zeros((E,), jnp.float32), replicated)
+            self.selection_bias = router_lib.SelectionBias(bias)
+        else:
+            self.selection_bias = None
+        zeros = {"tokens_per_expert": jnp.zeros((E,), jnp.int32), "dropped_tokens": jnp.int32(0)}
+        for name in STATS:
+            value = zeros.get(name, jnp.float32(0))
+            setattr(self, name, MoEStats(jax.device_put(value, replicated)))
+
+    # --- layout -------------------------------------------------------------------------
+
+    def io_spec(self):
+        """PartitionSpec of the `[B, T, features]` input and output."""
+        sequence = _sharding.sequence_spec(
+            self.sequence_axis, self.model_axis, self.sequence_parallel
+        )
+        return P(self.batch_axes, sequence, None)
+
+    def _batch_axes(self) -> tuple:
+        batch = self.batch_axes
+        return () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+
+    def _token_axes(self) -> tuple:
+        """The axes the tokens are split over (each device routes its own)."""
+        return self._batch_axes() + ((self.sequence_axis,) if self.sequence_axis else ())
+
+    def token_groups(self) -> tuple[int, int]:
+        """`(batch shards, sequence shards)`: how the tokens split into routing groups
+        (the capacity is per group); the oracle `reference.moe` takes it."""
+        batch = _sharding.axes_size(self.mesh, self._batch_axes())
+        return batch, _sharding.axis_size(self.mesh, self.sequence_axis)
+
+    def _ep(self) -> int:
+        return _sharding.axis_size(self.mesh, self.expert_axis)
+
+    def local_params(self, dtype):
+        """`local`'s parameters and their specs (`param_values_and_specs`), as `ParallelMLP`."""
+        return self.param_values_and_specs(dtype)
+
+    def set_stats(self, stats: dict):
+        """Writes a call's `stats` (`local`'s second output) to the `MoEStats` variables."""
+        for name in STATS:
+            getattr(self, name)[...] = stats[name]
+
+    def stats_specs(self) -> dict:
+        """Out-specs of `local`'s stats: replicated."""
+        return {name: P() for name in STATS}
+
+    # the dimension of each kernel that ZeRO-3 shards over fsdp (F, which model leaves whole)
+    _FSDP_DIMS = {"gate_up": 1, "down": 2, "shared_up": 0, "shared_down": 1}
+
+    def _kernel_specs(self) -> dict:
+        ex, m, fsdp = self.expert_axis, self.model_axis, self.zero.param_axis
+        return {
+            "gate_up": P(ex, fsdp, m),
+            "down": P(ex, m, fsdp),
+            "shared_up": P(fsdp, m),
+            "shared_down": P(m, fsdp),
+        }
+
+    def _weight(self, name, shard, like):
+        """Per shard: a kernel in `like`'s dtype, all-gathered over fsdp under zero=3."""
+        if shard is None:
+            return None
+        return fsdp_lib.gather(self.zero, shard, self._FSDP_DIMS[name], like.dtype, like)
+
+    def param_values_and_specs(self, dtype):
+        """`[router, bias, gate_up, down, shared_up, shared_down, shared_gate]` and specs.
+
+        The expert and shared kernels stay in `param_dtype` (cast, and under zero=3
+        gathered, per shard); the gate is cast to `dtype`; router and bias stay float32.
+        """
+        get = lambda v: None if v is None else v[...]  # noqa: E731
+        gate = None if self.shared_gate is None else self.shared_gate[...].astype(dtype)
+        names = ("gate_up", "down", "shared_up", "shared_down")
+        values = [self.router[...], get(self.selection_bias)]
+        values += [get(getattr(self, name)) for name in names] + [gate]
+        specs = self._kernel_specs()
+        return values, [P(), P(), *(specs[name] for name in names), P()]
+
+    # --- per shard ----------------------------------------------------------------------
+
+    def _experts(self, rows, sizes, offset, gate_up, down):
+        """SwiGLU experts over `rows [R, F]` sorted by expert: `[R, F]` (partial over model)."""
+        gmm = dict(group_offset=offset, implementation=self.grouped_matmul_implementation,
+                   precision=self.precision)  # fmt: skip
+        rows, gate_up, down = match_varying(rows, gate_up, down)
+        h = checkpoint_name(grouped_matmul(rows, gate_up, sizes, **gmm), "moe_up")  # [R, 2H/m]
+        return checkpoint_name(
+            grouped_matmul(activate("swiglu", h), down, sizes, **gmm), "moe_down"
+        )
+
+    def _slots(self, experts, n):
+        """Sorted slots: `(order, sorted_experts)`; dropped slots get expert E and go last."""
+        E, k = self.num_experts, self.top_k
+        slot_experts = experts.T.reshape(n * k)  # slot-major: every first choice first
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * n * k / E)
+            order = jnp.argsort(slot_experts, stable=True)
+            sorted_e = slot_experts[order]
+            counts = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1)
+            rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[sorted_e]
+            keep = jnp.zeros((n * k,), bool).at[order].set(rank < capacity)
+            slot_experts = jnp.where(keep, slot_experts, E)
+        order = jnp.argsort(slot_experts, stable=True)
+        return order, slot_experts[order]
+
+    def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate):
+        """Per shard: `(y, stats)` for this device's tokens `x [b, t, F]`."""
+        E, k, F = self.num_experts, self.top_k, self.features
+        model, sp = self.model_axis, self.sequence_parallel and self.model_axis is not None
+        if sp:
+            x = lax.all_gather(x, model, axis=1, tiled=True)
+        b, t, _ = x.shape
+        n = b * t
+        gate_up, down = self._weight("gate_up", gate_up, x), self._weight("down", down, x)
+        shared_up = self._weight("shared_up", shared_up, x)
+        shared_down = self._weight("shared_down", shared_down, x)
+        xf = x.reshape(n, F)
+        logits = router_lib.router_logits(xf, router)  # [n, E] float32
+        experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
+        order, sorted_e = self._slots(experts, n)
+        rows = xf[order % n]  # [A, F]: slot a is token a % n (slot-major)
+        ep = self._ep()
+        if ep > 1:
+            plan_args = dict(
+                axis_name=self.expert_axis, implementation=self.dispatch_implementation
+            )
+            received, received_e, plan = expert_dispatch.dispatch(
+                rows, sorted_e, num_experts=E, **plan_args
+            )
+            received = checkpoint_name(received, "moe_dispatch")
+            local_order = jnp.argsort(received_e, stable=True)
+            local_e = received_e[local_order]
+            xs = jnp.where((local_e < E)[:, None], received[local_order], 0)
+            sizes = jnp.zeros((E,), jnp.int32).at[local_e].add(1, mode="drop")
+            offset = lax.axis_index(self.expert_axis) * (E // ep)
+            ys = self._experts(xs, sizes, offset, gate_up, down)
+            ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to the receive order
+            y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
+            y_sorted = checkpoint_name(y_sorted, "moe_combine")
+        else:
+            sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
+            y_sorted = self._experts(rows, sizes, None, gate_up, down)
+        y_slots = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(k, n, F)
+        y = jnp.einsum("NK,KNF->NF", weights, y_slots.astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST)  # fmt: skip
+        if shared_up is not None:
+            h = activate(
+                "swiglu",
+                jnp.dot(
+                    xf, shared_up, precision=self.precision, preferred_element_type=jnp.float32
+                ).astype(x.dtype),
+            )
+            s = jnp.dot(h, shared_down, precision=self.precision,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+            if shared_gate is not None:
+                g = jnp.dot(xf, shared_gate, precision=self.precision,
+                            preferred_element_type=jnp.float32)  # fmt: skip
+                s = jax.nn.sigmoid(g) * s
+            y = y + s
+        y = y.astype(x.dtype).reshape(b, t, F)
+        if model is not None and sp:
+            y = lax.psum_scatter(y, model, scatter_dimension=1, tiled=True)
+        elif model is not None:
+            y = lax.psum(y, model)
+        stats = self._stats(logits, experts, probs, sorted_e, n)
+        return y, stats
+
+    def _stats(self, logits, experts, probs, sorted_e, n):
+        """The call's statistics over every token (summed over the token axes)."""
+        E, k = self.num_experts, self.top_k
+        sums = dict(
+            counts=router_lib.tokens_per_expert(experts, E),
+            probs=probs.sum(0),
+            z=router_lib.z_loss_sum(logits),
+            dropped=jnp.sum(sorted_e == E, dtype=jnp.int32),
+            tokens=jnp.float32(n),
+        )
+        token_axes = self._token_axes()
+        if token_axes:
+            sums = lax.psum(sums, token_axes)
+        if self.sequence_parallel and self.model_axis is not None:  # the same on every model shard
+            model = self.model_axis
+            sums = jax.tree.map(
+                lambda v: lax.pmean(v, model) if v.dtype == jnp.float32 else lax.pmax(v, model),
+                sums,
+            )
+        N = sums["tokens"]
+        return dict(
+            load_balancing_loss=router_lib.load_balancing_loss(sums["counts"], sums["probs"], N, k),
+            router_z_loss=sums["z"] / N,
+            tokens_per_expert=sums["counts"],
+            dropped_tokens=sums["dropped"],
+        )
+
+    # --- calls --------------------------------------------------------------------------
+
+    def _check(self, x):
+        _sharding.check_activations(x)
+        if x.ndim != 3 or x.shape[-1] != self.features:
+            raise ValueError(f"x has shape {x.shape}; expected [B, T, {self.features}]")
+        B, T = x.shape[:2]
+        _sharding.check_divisible("batch size B", B, self.mesh, self.batch_axes)
+        sequence = _sharding.sequence_spec(
+            self.sequence_axis, self.model_axis, self.sequence_parallel
+        )
+        _sharding.check_divisible("sequence length T", T, self.mesh, sequence)
+
+    def forward_with_stats(self, x):
+        """`(y, stats)` without the input checks and without writing `MoEStats`."""
+        dtype = _sharding.compute_dtype(self.dtype, x, self.gate_up[...])
+        values, specs = self.param_values_and_specs(dtype)
+        x = x.astype(dtype)
+        spec = self.io_spec()
+        local = fsdp_lib.reshard_after_forward(self.local, self.zero)
+        return _sharding.shard_map_call(
+            local, self.mesh, [x, *values], [spec, *specs], (spec, self.stats_specs())
+        )
+
+    def __call__(self, x):
+        """`x` `[B, T, features]` -> `[B, T, features]`, sharded as `io_spec()`; writes the
+        layer's `MoEStats` (`load_balancing_loss`, `router_z_loss`, `tokens_per_expert`,
+        `dropped_tokens`).
+
+        Raises:
+          TypeError: `x` is not floating point.
+          ValueError: wrong shape, or B / T not divisible by their mesh axes.
+        """
+        self._check(x)
+        if x.size == 0:
+            raise ValueError(f"x has shape {x.shape}: ParallelMoE needs at least one token")
+        y, stats = _sharding.call_compiled(self, "forward_with_stats", x)
+        self.set_stats(stats)
+        return y
+
+
+__all__ = ["STATS", "MoEStats", "ParallelMoE", "expert_kernel_init", "moe_stats"]

@@ -1,0 +1,158 @@
+"""Expert dispatch and combine (`sf.collectives.expert_dispatch`) against their definition.
+
+The oracle is a NumPy model of the routing: device d's receive buffer holds, chunk by
+chunk (chunk s from device s), the rows of device s whose expert lives on d, in order,
+then padding. The dense CPU path must give exactly that (padding poisoned with NaN
+never reaches a result), and combine must bring every row's result back to it, with
+the transposes (the gradient) doing the same in reverse. On a GPU (`-m gpu`) the
+ragged path (`lax.ragged_all_to_all`) must equal the dense one.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardfuse.collectives import expert_dispatch
+
+E, A, F = 8, 6, 3  # experts, routed rows per device, features
+
+
+def _routing(seed, ep, *, dropped=1):
+    """Per device: rows `[A, F]` and their sorted experts, the last `dropped` rows dropped."""
+    rng = np.random.default_rng(seed)
+    rows = rng.normal(size=(ep, A, F)).astype(np.float32)
+    experts = np.sort(rng.integers(0, E, size=(ep, A - dropped)), axis=-1)
+    experts = np.concatenate([experts, np.full((ep, dropped), E)], axis=-1).astype(np.int32)
+    return rows, experts
+
+
+def _expected_receive(rows, experts, ep):
+    """NumPy: each device's receive buffer and its experts (padding NaN / E)."""
+    per = E // ep
+    buffers = np.full((ep, ep, A, F), np.nan, np.float32)
+    ids = np.full((ep, ep, A), E, np.int32)
+    for d in range(ep):
+        for s in range(ep):
+            mine = (experts[s] // per == d) & (experts[s] < E)
+            buffers[d, s, : mine.sum()] = rows[s][mine]
+            ids[d, s, : mine.sum()] = experts[s][mine]
+    return buffers.reshape(ep, ep * A, F), ids.reshape(ep, ep * A)
+
+
+def _run(mesh, implementation, rows, experts, pad_value=np.nan):
+    """dispatch, then `results = 2 * received + expert id`, then combine; per device."""
+
+    def local(rows, experts):
+        received, received_ids, plan = expert_dispatch.dispatch(
+            rows[0], experts[0], num_experts=E, axis_name="expert",
+            implementation=implementation, pad_value=pad_value,
+        )  # fmt: skip
+        results = 2 * received + received_ids[:, None].astype(rows.dtype)
+        back = expert_dispatch.combine(results, plan, axis_name="expert",
+                                       implementation=implementation)  # fmt: skip
+        return received[None], received_ids[None], back[None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P("expert")),
+                       out_specs=(P("expert"), P("expert"), P("expert")))  # fmt: skip
+    put = functools.partial(jax.device_put, device=NamedSharding(mesh, P("expert")))
+    return jax.jit(fn)(put(rows), put(experts))
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_dense_dispatch_and_combine_match_their_definition(ep):
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    rows, experts = _routing(ep, ep, dropped=1 + ep % 3)
+    received, ids, back = (np.asarray(a) for a in _run(mesh, "dense", rows, experts))
+    want_rows, want_ids = _expected_receive(rows, experts, ep)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(received, want_rows)  # padding: the poison, NaN
+    valid = experts < E
+    want_back = np.where(valid[..., None], 2 * rows + experts[..., None].astype(np.float32), 0)
+    assert np.isfinite(back).all()  # the NaN padding never comes back
+    np.testing.assert_array_equal(back, want_back)
+
+
+def test_every_row_to_one_device_is_dropless():
+    ep = 4
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    rows, _ = _routing(0, ep, dropped=0)
+    experts = np.zeros((ep, A), np.int32)  # every row of every device to expert 0
+    received, ids, back = (np.asarray(a) for a in _run(mesh, "dense", rows, experts))
+    np.testing.assert_array_equal(received[0].reshape(ep, A, F), rows)
+    np.testing.assert_array_equal(back, 2 * rows)
+
+
+def test_gradient_goes_back_through_both_transfers():
+    ep = 4
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    rows, experts = _routing(3, ep, dropped=2)
+    ct = np.random.default_rng(1).normal(size=rows.shape).astype(np.float32)
+
+    def f(rows):
+        return _run(mesh, "dense", rows, experts, pad_value=0.0)[2]
+
+    _, vjp = jax.vjp(f, jnp.asarray(rows))
+    (grad,) = vjp(jnp.asarray(ct))
+    np.testing.assert_array_equal(np.asarray(grad), np.where(experts[..., None] < E, 2 * ct, 0.0))
+
+
+def test_dense_over_one_axis_of_a_bigger_mesh():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    rows, experts = _routing(5, 8)
+    rows4, experts4 = rows.reshape(2, 4, A, F), experts.reshape(2, 4, A)
+
+    def local(rows, experts):
+        received, ids, plan = expert_dispatch.dispatch(
+            rows[0, 0], experts[0, 0], num_experts=E, axis_name="expert", implementation="dense"
+        )
+        back = expert_dispatch.combine(2 * received, plan, axis_name="expert",
+                                       implementation="dense")  # fmt: skip
+        return back[None, None]
+
+    spec = P("data", "expert")
+    put = functools.partial(jax.device_put, device=NamedSharding(mesh, spec))
+    back = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(
+        put(rows4), put(experts4)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(back), np.where(experts4[..., None] < E, 2 * rows4, 0.0)
+    )
+
+
+def test_implementation_is_checked():
+    with pytest.raises(ValueError, match="dispatch_implementation='mpi'"):
+        expert_dispatch.check_implementation("mpi")
+    assert expert_dispatch.default_implementation("cpu") == "dense"
+    assert expert_dispatch.default_implementation("gpu") == "ragged"
+
+
+@pytest.mark.gpu
+def test_ragged_equals_dense_on_gpu():
+    ep = len(jax.devices())
+    if ep < 2:
+        pytest.skip("ragged_all_to_all needs at least two GPUs to move anything")
+    mesh = jax.make_mesh((ep,), ("expert",))
+    rows, experts = _routing(7, ep)
+    run = functools.partial(_run, mesh, rows=rows, experts=experts, pad_value=0.0)
+    for got, want in zip(run("ragged"), run("dense"), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_ragged_on_this_cpu_equals_dense_or_is_unimplemented():
+    """XLA:CPU has no ragged-all-to-all (jax#34755): the day it has, this compares the two."""
+    ep = 4
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    rows, experts = _routing(11, ep)
+    dense = _run(mesh, "dense", rows, experts, pad_value=0.0)
+    try:
+        ragged = _run(mesh, "ragged", rows, experts, pad_value=0.0)
+    except jax.errors.JaxRuntimeError as e:
+        assert "ragged-all-to-all" in str(e) and "not supported" in str(e), e
+        pytest.skip("XLA:CPU cannot run ragged-all-to-all (jax#34755); dense is the CPU path")
+    for got, want in zip(ragged, dense, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
