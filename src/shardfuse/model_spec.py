@@ -106,6 +106,7 @@ Example:
 """
 
 import dataclasses
+import functools
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -494,7 +495,7 @@ class ModelSpec:
             self.experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
         )
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> tuple[int, ...]:
         """The blocks whose MLP is a mixture of experts, in order (empty when dense).
 
@@ -541,6 +542,9 @@ class ModelSpec:
         """
         if not self.is_moe_layer(layer):
             return self.mlp_matrices * self.hidden * self.ffn_hidden
+        return self._moe_mlp_params(active)
+
+    def _moe_mlp_params(self, active: bool) -> int:
         routed = (self.top_k if active else self.experts) * self.expert_params()
         shared = (
             self.shared_experts * self.mlp_matrices * self.hidden * (self.shared_expert_ffn_hidden)
@@ -572,9 +576,11 @@ class ModelSpec:
           >>> models.get("qwen3-30b-a3b").mlp_width()
           6144
         """
+        n_moe = len(self.moe_layers)
+        if not n_moe:
+            return self.ffn_hidden
         moe = self.top_k * self.expert_ffn_hidden
         moe += self.shared_experts * self.shared_expert_ffn_hidden
-        n_moe = len(self.moe_layers)
         return self._mean(n_moe * moe + (self.num_layers - n_moe) * self.ffn_hidden)
 
     def _mean(self, total):
@@ -604,15 +610,28 @@ class ModelSpec:
         """
         if layer is not None:
             return self.attention_matmul_params() + self.mlp_matmul_params(layer, active=active)
-        if not self.moe_layers:
-            return self.attention_matmul_params() + self.mlp_matmul_params(0)
-        mlp = sum(self.mlp_matmul_params(i, active=active) for i in range(self.num_layers))
-        return self.attention_matmul_params() + self._mean(mlp)
+        return self.attention_matmul_params() + self._mean(self._mlp_total(active))
+
+    def _mlp_total(self, active: bool) -> int:
+        """The MLP matmul weights of all the blocks (the search asks for them often: no loop)."""
+        n_moe = len(self.moe_layers)
+        dense = self.mlp_matrices * self.hidden * self.ffn_hidden
+        moe = self._moe_mlp_params(active) if n_moe else 0
+        return n_moe * moe + (self.num_layers - n_moe) * dense
 
     @property
     def norm_params(self) -> int:
         """Parameters of one norm: scale (RMSNorm), scale and shift (LayerNorm)."""
         return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def _layer_extras(self) -> int:
+        """A block's weights beyond its matmuls: biases and two norms."""
+        biases = 0
+        if self.use_bias or self.qkv_bias:
+            biases += (self.heads + 2 * self.kv_heads) * self.head_dim
+        if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
+            biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
+        return biases + 2 * self.norm_params
 
     def layer_params(self, layer: int | None = None, *, active: bool = False):
         """Weights of a transformer block: q, k, v, o projections, MLP, biases, two norms.
@@ -625,12 +644,7 @@ class ModelSpec:
           >>> models.get("llama3-8b").layer_params()
           218112000
         """
-        biases = 0
-        if self.use_bias or self.qkv_bias:
-            biases += (self.heads + 2 * self.kv_heads) * self.head_dim
-        if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
-            biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
-        return self.layer_matmul_params(layer, active=active) + biases + 2 * self.norm_params
+        return self.layer_matmul_params(layer, active=active) + self._layer_extras()
 
     def embedding_params(self) -> int:
         """Input embedding, output projection (once when tied), positions, the final norm."""
@@ -650,7 +664,8 @@ class ModelSpec:
           >>> round(models.get("mixtral-8x7b").num_params() / 1e9, 2)
           46.7
         """
-        layers = sum(self.layer_params(i, active=active) for i in range(self.num_layers))
+        per_layer = self.attention_matmul_params() + self._layer_extras()
+        layers = self.num_layers * per_layer + self._mlp_total(active)
         return layers + self.embedding_params()
 
     def active_params(self) -> int:

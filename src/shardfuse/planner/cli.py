@@ -91,17 +91,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_mesh(text: str) -> dict:
-    """argparse `type` of `--mesh`: `axes.parse_mesh`, its error as argparse's.
+    """argparse `type` of `--mesh`: `axes.parse_mesh`, its error as argparse's; the
+    planner's axes (`MESH_AXES`: the expert axis among them) accepted.
 
     Example:
       >>> from shardfuse.planner.cli import parse_mesh
       >>> parse_mesh("pipeline=2, model=4")
       {'pipeline': 2, 'model': 4}
+      >>> parse_mesh("expert=8,data=2")
+      {'expert': 8, 'data': 2}
     """
+    # Until `axes.MESH_AXES` holds the expert axis (issue 44's layers), its size is read
+    # here and the rest by `axes.parse_mesh`.
+    sizes, rest = {}, []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = (x.strip() for x in part.partition("="))
+        if name in MESH_AXES and name not in axes.MESH_AXES:
+            if not value.isdigit() or int(value) < 1:
+                raise argparse.ArgumentTypeError(
+                    f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {MESH_AXES}"
+                )
+            sizes[name] = int(value)
+        else:
+            rest.append(part)
     try:
-        return axes.parse_mesh(text)
+        parsed = axes.parse_mesh(",".join(rest))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    return {**sizes, **parsed} if sizes else parsed
 
 
 def load_model(text: str) -> models.ModelSpec:
