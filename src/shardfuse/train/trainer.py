@@ -179,10 +179,16 @@ def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
 
 
 def from_plan(config: TrainConfig, plan) -> TrainConfig:
-    """`config` with the mesh and options of `plan` (an `sf.planner.Plan`)."""
+    """`config` with the mesh and options of `plan` (an `sf.planner.Plan`).
+
+    The plan's axes of size 1 that the trainer's mesh lacks (the planner's expert axis,
+    until `axes.MESH_AXES` holds it) are left out; any other size reaches
+    `TrainConfig.mesh_shape`, which names it.
+    """
+    mesh = {axis: size for axis, size in plan.mesh_shape.items() if axis in AXES or size != 1}
     return dataclasses.replace(
         config,
-        mesh=dict(plan.mesh_shape),
+        mesh=mesh,
         global_batch=plan.global_batch,
         seq_len=plan.seq_len,
         options=plan.run_options(),
