@@ -201,3 +201,28 @@ def test_cli_plans_moe_models_and_takes_the_expert_axis(capsys):
     assert plans and all(p["mesh"]["expert"] == 8 for p in plans)
     with pytest.raises(argparse.ArgumentTypeError, match="expert=0"):
         cli.parse_mesh("expert=0")
+
+
+@pytest.mark.parametrize(
+    "spec_fields, nodes, batch, seq",
+    [
+        (dict(experts=16, top_k=2, expert_hidden=256), 2, 64, 2048),  # small experts: roofline
+        (dict(experts=8, top_k=2, shared_experts=1, moe_first_dense=1), 1, 32, 4096),
+    ],
+)
+def test_branch_and_bound_is_exact_for_experts(monkeypatch, spec_fields, nodes, batch, seq):
+    """The bound takes the routed experts at their best roofline: pruning a mixture of experts'
+    search returns exactly the exhaustive search's plans."""
+    from shardfuse.planner import search
+
+    spec = models.ModelSpec("moe", hidden=1024, heads=8, kv_heads=4, head_dim=128,
+                            ffn_hidden=2048, num_layers=8, vocab_size=32000,
+                            **spec_fields)  # fmt: skip
+    cluster = hardware.cluster("h100", nodes=nodes)
+    kwargs = dict(global_batch=batch, seq_len=seq, top_k=5)
+    pruned = plan(spec, cluster, **kwargs)
+    monkeypatch.setattr(search, "BOUND", False)
+    exhaustive = plan(spec, cluster, **kwargs)
+    assert [(p.parallelism, p.step_time_s) for p in pruned] == [
+        (p.parallelism, p.step_time_s) for p in exhaustive
+    ]
