@@ -5,9 +5,10 @@ MegaScale 2024, Llama 3 2024, PaLM 2022, MaxText on TPU v5p/v5e, MT-NLG 2022,
 Megatron-Core's Qwen3-235B mixture of experts: A100, H100, TPU v4, v5p, v5e),
 with its published parallelism pinned and its system's assumptions preset, must
 be predicted within 15% (relative) of the published MFU, TFLOP/s per device or
-step time. The efficiencies were fitted only to Narayanan et al. 2021 Table 1 (tests/planner/test_published.py), which none
-of these runs is part of. Runs the model does not hold are listed as strict
-xfails with the reason: they fail loudly the day they start to hold.
+step time. The efficiencies were fitted only to Narayanan et al. 2021 Table 1
+(tests/planner/test_published.py), which none of these runs is part of. Runs
+the model does not hold are listed as strict xfails with the reason: they fail
+loudly the day they start to hold.
 """
 
 import pytest
