@@ -147,8 +147,9 @@ def load_model(text: str) -> models.ModelSpec:
         raise ValueError(f"--model JSON: {error}") from None
 
 
+MESH_HEADER = f"mesh ({' '.join(axis[0] for axis in MESH_AXES)})"  # "mesh (p d f e s m)"
 COLUMNS = (
-    "columns: # rank; mesh sizes (pipeline data fsdp sequence model); options (ZeRO stage, "
+    f"columns: # rank; mesh sizes ({' '.join(MESH_AXES)}); options (ZeRO stage, "
     "remat policy, microbatch size x microbatches, schedule/virtual stages, context-parallel "
     "strategy); step s: predicted seconds per step; MFU: model FLOPs / (devices x peak x step); "
     "GB/dev: predicted peak memory per device; terms: every time term in seconds, "
@@ -159,7 +160,7 @@ COLUMNS = (
 def table(plans) -> str:
     """The plans as a text table: rank, mesh, options, step time, MFU, memory, every term."""
     header = (
-        f"{'#':>2}  {'mesh (p d f s m)':17} {'options':42} {'step s':>9} {'MFU':>6} "
+        f"{'#':>2}  {MESH_HEADER:18} {'options':42} {'step s':>9} {'MFU':>6} "
         f"{'GB/dev':>7}  terms (s)"
     )
     lines = [header, "-" * len(header)]
@@ -170,7 +171,7 @@ def table(plans) -> str:
             for t in p.estimate.time
         )
         lines.append(
-            f"{rank:>2}  {mesh:17} {p.options_text():42} {p.step_time_s:9.4g} "
+            f"{rank:>2}  {mesh:18} {p.options_text():42} {p.step_time_s:9.4g} "
             f"{p.mfu:6.1%} {p.memory_bytes / 1e9:7.2f}  {terms}"
         )
     return "\n".join(lines)

@@ -140,7 +140,7 @@ def _planner_inputs(config: TrainConfig, device_count: int, chip: str) -> tuple:
 def parallelism_of(config: TrainConfig, device_count: int):
     """The `sf.planner.Parallelism` that `config` runs (the inverse of `from_plan`)."""
     sizes = dict(zip(AXES, config.mesh_shape(device_count), strict=True))
-    replicas = sizes["data"] * sizes["fsdp"]
+    replicas = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)  # expert: a batch axis too
     options = config.options.replace(mesh_shape=None)  # the mesh: `sizes`
     return planner.Parallelism(
         **sizes,
