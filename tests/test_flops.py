@@ -7,6 +7,7 @@ import pytest
 from shardfuse import flops, models
 from shardfuse.bench import flops as bench_flops
 from shardfuse.models import ModelSpec
+from shardfuse.planner import MESH_AXES as planner_axes
 from shardfuse.planner import Assumptions
 from shardfuse.train import (
     AXES,
@@ -90,7 +91,9 @@ def test_trainer_mfu_equals_planner_mfu():
     assert e.model_flops == flops.model_flops(
         config.model, seq_len=config.seq_len, batch=config.global_batch
     )
-    assert parallelism_of(config, 8).mesh_shape == {**dict.fromkeys(AXES, 1), "data": 2, "model": 4}
+    # the planner's axes: the trainer's and the expert axis (size 1)
+    expected = {**dict.fromkeys(planner_axes, 1), "data": 2, "model": 4}
+    assert parallelism_of(config, 8).mesh_shape == expected and set(AXES) <= set(planner_axes)
     # same peak: the planner's compute dtype is the trainer's
     assert Assumptions.float32().compute_dtype == COMPUTE_DTYPE
     # the planner's MFU had its step taken as long as the measured one

@@ -16,6 +16,16 @@ neither is the embedding lookup.
 
   model FLOPs per token = 3 x (L x (2 W + 4 a d min(s, window)) + 2 h V)
 
+Mixtures of experts count their ACTIVE weights, as published MoE MFU does
+(Megatron-Core's `num_floating_point_operations`, MaxText, DeepSeek-V3): `W` is a
+block's active matmul weights, `ModelSpec.layer_matmul_params()` (the mean over
+the blocks): attention, the `top_k` routed experts a token runs through, the
+shared experts, and the router's `h x experts` matmul (and Qwen2-MoE's shared
+expert gate, `h x 1`). The backward and the remat recomputation multiply the
+same `W`, so every formula below holds unchanged. The memory counts every
+expert (`ModelSpec.num_params()`); `expert_matmul_flops` is the routed part,
+which runs as grouped matmuls. Mixtral 8x7B: 12.9B active of 46.7B weights.
+
 The causal convention, stated once: **no causal halving**. A causal model is
 charged every key of its window (`min(s, window)` keys per query), as PaLM
 (`6N + 12 L H Q T`) and Megatron (`96 B s l h^2 (1 + s / 6h + V / 16 l h)`)
@@ -234,8 +244,35 @@ def mean_visible_keys(s: int, window: int | None, causal_skip: bool) -> float:
 
 
 def layer_matmul_flops(spec: ModelSpec) -> float:
-    """Forward matmul FLOPs of one block per token: `2 x` its matmul weights (norms excluded)."""
+    """Forward matmul FLOPs of one block per token: `2 x` its active matmul weights (norms
+    excluded; a mixture of experts: the `top_k` routed experts, shared experts and router),
+    the mean over the blocks.
+
+    Example:
+      >>> from shardfuse import flops, models
+      >>> spec = models.ModelSpec.tiny(hidden=64, ffn_hidden=128, experts=4, top_k=2)
+      >>> # q and o 64 x 64, k and v 64 x 32 (2 kv heads of 16); 3 SwiGLU matrices of 2
+      >>> # experts; the router 64 x 4
+      >>> flops.layer_matmul_flops(spec) == 2 * (64 * (64 + 2 * 32) + 64 * 64
+      ...                                        + 2 * 3 * 64 * 128 + 64 * 4)
+      True
+    """
     return 2.0 * spec.layer_matmul_params()
+
+
+def expert_matmul_flops(spec: ModelSpec) -> float:
+    """Forward FLOPs per token of the routed experts of one block (the mean over the blocks):
+    `2 x top_k x` one expert's weights; 0 in a dense model. The part of
+    `layer_matmul_flops` that runs as grouped matmuls (the planner prices it apart).
+
+    Example:
+      >>> from shardfuse import flops, models
+      >>> flops.expert_matmul_flops(models.get("mixtral-8x7b")) == 2 * 2 * 3 * 4096 * 14336
+      True
+      >>> flops.expert_matmul_flops(models.get("llama3-8b"))
+      0.0
+    """
+    return 2.0 * spec.routed_expert_params(active=True)
 
 
 def layer_attention_flops(spec: ModelSpec, seq_len: int, *, causal_skip: bool = False) -> float:

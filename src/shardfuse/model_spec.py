@@ -28,6 +28,40 @@ Every figure is the published checkpoint's `config.json` on the Hugging Face Hub
                d_model 12288, 96 layers, 96 heads of 128, d_ff = 4 d_model, context 2048;
                the GPT-2 BPE vocabulary of 50257 tokens; GELU MLP, tied embeddings
 
+Mixtures of experts (`experts` routed experts of `expert_hidden`, `top_k` per token;
+the counts `num_params()` / `active_params()` give are the published totals):
+
+  mixtral-8x7b      mistralai/Mixtral-8x7B-v0.1   4096, 32, 8, 14336, 32 layers, vocab 32000,
+                    num_local_experts 8, num_experts_per_tok 2 (renormalised softmax),
+                    rope_theta 1e6, rms_norm_eps 1e-5; 46.7B total, 12.9B active
+  qwen1.5-moe-a2.7b Qwen/Qwen1.5-MoE-A2.7B        2048, 16, 16, intermediate 5632, 24 layers,
+                    vocab 151936, num_experts 60, num_experts_per_tok 4,
+                    moe_intermediate_size 1408, shared_expert_intermediate_size 5632 (one
+                    sigmoid-gated shared expert), norm_topk_prob false, qkv bias; 14.3B / 2.7B
+  qwen2-57b-a14b    Qwen/Qwen2-57B-A14B           3584, 28, 4, 18944, 28 layers, vocab 151936,
+                    64 experts, top 8, moe_intermediate_size 2560,
+                    shared_expert_intermediate_size 20480 (gated), norm_topk_prob false,
+                    qkv bias; 57.4B / 14.2B
+  qwen3-30b-a3b     Qwen/Qwen3-30B-A3B            2048, 32, 4, head_dim 128, 6144, 48 layers,
+                    vocab 151936, 128 experts, top 8, moe_intermediate_size 768,
+                    norm_topk_prob true; 30.5B / 3.3B
+  qwen3-235b-a22b   Qwen/Qwen3-235B-A22B          4096, 64, 4, head_dim 128, 12288, 94 layers,
+                    vocab 151936, 128 experts, top 8, moe_intermediate_size 1536,
+                    norm_topk_prob true; 235B / 22B
+
+The `ffn_hidden` of a model whose every block is a mixture of experts is its
+`intermediate_size`, which no block reads. Qwen3's per-head q/k RMSNorms (2 x 128
+weights a block) are not a `ModelSpec` field: its counts are short by 12288 (30B)
+and 24064 (235B) weights. Transformers' `MixtralConfig`, `Qwen2MoeConfig` and
+`Qwen3MoeConfig` defaults are the Mixtral, Qwen1.5-MoE and Qwen3-30B figures (the
+last with 24 layers). DeepSeek-V3 is not in the table: its multi-head latent
+attention (low-rank q and kv projections, `kv_lora_rank` 512, a decoupled RoPE key
+of 64 dims) has no honest `ModelSpec` form (heads x head_dim would miscount its
+attention weights and FLOPs); its MoE part alone (256 routed experts of 2048, one
+shared, top 8 of 8 groups limited to 4, sigmoid routing, routed scaling 2.5, the
+first 3 blocks dense) is what the fields `expert_groups`, `topk_groups`,
+`routing="sigmoid"`, `routed_scaling` and `moe_first_dense` express.
+
 The GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473),
 Table 1: "gpt-1.7b" ... "gpt-1t", with the heads, hidden size and layers of the
@@ -48,6 +82,21 @@ every linear and the learned LayerNorm shift) and `qkv_bias` (biases on the
 query, key and value projections only, as Qwen2); `activation`,
 `tied_embeddings`, `window`, `logit_softcap`.
 
+Mixture of experts (`experts > 0`; `sf.layers.ParallelMoE` builds it, issue 44):
+`experts` routed experts of `expert_hidden` units (None: `ffn_hidden`), `top_k` of
+them per token, scored by `routing` ("softmax", or "sigmoid" as DeepSeek-V3),
+`normalize_top_k` (the k weights renormalised to sum to 1: Mixtral, Qwen3;
+Qwen2-MoE's `norm_topk_prob=False` does not), group-limited selection
+(`expert_groups` groups, the best `topk_groups` of them searched: DeepSeek-V3)
+and `routed_scaling` (a factor on the routed output); `shared_experts` always-on
+experts of `shared_expert_hidden` (None: `expert_hidden`), optionally behind a
+sigmoid gate (`shared_expert_gate`, Qwen2-MoE); which blocks: every `moe_every`-th
+(`(i + 1) % moe_every == 0`, Qwen2-MoE's `decoder_sparse_step`) from block
+`moe_first_dense` on (DeepSeek's `first_k_dense_replace`): `is_moe_layer(i)`,
+`moe_layers`. Counts: `num_params()` holds every expert (memory),
+`active_params()` the weights one token reads (`top_k` routed experts, the shared
+ones and the router: the published MoE MFU's count, `shardfuse.flops`).
+
 Example:
   >>> from shardfuse import models
   >>> models.get("llama3-70b").kv_heads
@@ -57,10 +106,106 @@ Example:
 """
 
 import dataclasses
+import functools
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned", "none")
+ROUTINGS = ("softmax", "sigmoid")  # router scores: Mixtral/Qwen softmax, DeepSeek-V3 sigmoid
+# Fields that only a mixture of experts reads, with their dense defaults.
+MOE_DEFAULTS = dict(
+    top_k=1,
+    expert_hidden=None,
+    shared_experts=0,
+    shared_expert_hidden=None,
+    shared_expert_gate=False,
+    moe_every=1,
+    moe_first_dense=0,
+    routing="softmax",
+    normalize_top_k=True,
+    expert_groups=1,
+    topk_groups=1,
+    routed_scaling=1.0,
+)
+
+
+def _positive_int(value, *, zero_ok=False) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= (0 if zero_ok else 1)
+
+
+def check_moe(spec) -> None:
+    """ValueError naming the field unless `spec`'s mixture-of-experts fields are consistent.
+
+    Dense (`experts=0`): every MoE field at its default (`MOE_DEFAULTS`). MoE:
+    `1 <= top_k <= experts`; `expert_groups` divides `experts`, `1 <= topk_groups
+    <= expert_groups` and the chosen groups hold at least `top_k` experts; at
+    least one block is a mixture of experts (`moe_first_dense < num_layers`).
+
+    Example:
+      >>> from shardfuse.models import ModelSpec
+      >>> ModelSpec.tiny(experts=4, top_k=5)
+      Traceback (most recent call last):
+      ...
+      ValueError: ModelSpec.top_k=5 must be an int in [1, experts=4]
+    """
+    if not _positive_int(spec.experts, zero_ok=True):
+        raise ValueError(f"ModelSpec.experts={spec.experts!r} must be an int >= 0 (0: dense)")
+    if spec.experts == 0:
+        for field, default in MOE_DEFAULTS.items():
+            if getattr(spec, field) != default:
+                raise ValueError(
+                    f"ModelSpec.{field}={getattr(spec, field)!r} needs a mixture of experts "
+                    f"(experts > 0); experts=0 is a dense model ({field}={default!r})"
+                )
+        return
+    if not _positive_int(spec.top_k) or spec.top_k > spec.experts:
+        raise ValueError(
+            f"ModelSpec.top_k={spec.top_k!r} must be an int in [1, experts={spec.experts}]"
+        )
+    for field, zero_ok in (("moe_every", False), ("moe_first_dense", True),
+                           ("shared_experts", True), ("expert_groups", False),
+                           ("topk_groups", False)):  # fmt: skip
+        if not _positive_int(getattr(spec, field), zero_ok=zero_ok):
+            least = 0 if zero_ok else 1
+            raise ValueError(
+                f"ModelSpec.{field}={getattr(spec, field)!r} must be an int >= {least}"
+            )
+    for field in ("expert_hidden", "shared_expert_hidden"):
+        value = getattr(spec, field)
+        if value is not None and not _positive_int(value):
+            raise ValueError(f"ModelSpec.{field}={value!r} must be None or a positive int")
+    for field in ("shared_expert_gate", "normalize_top_k"):
+        if not isinstance(getattr(spec, field), bool):
+            raise ValueError(f"ModelSpec.{field}={getattr(spec, field)!r} must be a bool")
+    if spec.routing not in ROUTINGS:
+        raise ValueError(f"ModelSpec.routing={spec.routing!r} must be one of {ROUTINGS}")
+    scaling = spec.routed_scaling
+    if isinstance(scaling, bool) or not isinstance(scaling, int | float) or not scaling > 0:
+        raise ValueError(f"ModelSpec.routed_scaling={scaling!r} must be a positive number")
+    if spec.shared_experts == 0 and (spec.shared_expert_gate or spec.shared_expert_hidden):
+        raise ValueError(
+            f"ModelSpec.shared_experts=0 with shared_expert_gate={spec.shared_expert_gate} / "
+            f"shared_expert_hidden={spec.shared_expert_hidden}: no shared expert to size or gate"
+        )
+    if spec.experts % spec.expert_groups:
+        raise ValueError(
+            f"ModelSpec.expert_groups={spec.expert_groups} must divide experts={spec.experts}"
+        )
+    if spec.topk_groups > spec.expert_groups:
+        raise ValueError(
+            f"ModelSpec.topk_groups={spec.topk_groups} must be <= expert_groups="
+            f"{spec.expert_groups}"
+        )
+    if spec.topk_groups * (spec.experts // spec.expert_groups) < spec.top_k:
+        raise ValueError(
+            f"ModelSpec.topk_groups={spec.topk_groups}: {spec.topk_groups} groups of "
+            f"{spec.experts // spec.expert_groups} experts hold fewer than top_k={spec.top_k}"
+        )
+    if spec.moe_first_dense >= spec.num_layers or not spec.moe_layers:
+        raise ValueError(
+            f"ModelSpec.moe_first_dense={spec.moe_first_dense} with moe_every={spec.moe_every} "
+            f"leaves no mixture-of-experts block among num_layers={spec.num_layers}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +240,18 @@ class ModelSpec:
       use_bias: biases on every linear layer (q, k, v, o and the MLP), GPT-style.
       qkv_bias: biases on the q, k and v projections only (Qwen2); implied by
         `use_bias`.
+      experts: routed experts per mixture-of-experts block (0: a dense model).
+      top_k: experts each token is routed to (`1 <= top_k <= experts`).
+      expert_hidden: hidden size of one routed expert (None: `ffn_hidden`).
+      shared_experts, shared_expert_hidden: always-on experts and their hidden size
+        (None: `expert_hidden`).
+      shared_expert_gate: a sigmoid gate `hidden -> 1` on the shared experts' output
+        (Qwen2-MoE).
+      moe_every, moe_first_dense: which blocks are MoE (`is_moe_layer`).
+      routing: "softmax" or "sigmoid" router scores.
+      normalize_top_k: the top-k weights renormalised to sum to 1.
+      expert_groups, topk_groups: group-limited top-k (DeepSeek-V3: 8 groups, 4 searched).
+      routed_scaling: factor on the routed experts' output (DeepSeek-V3: 2.5).
 
     Raises:
       ValueError: a size is not a positive int, `heads % kv_heads != 0`, or an
@@ -127,6 +284,19 @@ class ModelSpec:
     max_positions: int | None = None
     use_bias: bool = False
     qkv_bias: bool = False
+    experts: int = 0
+    top_k: int = 1
+    expert_hidden: int | None = None
+    shared_experts: int = 0
+    shared_expert_hidden: int | None = None
+    shared_expert_gate: bool = False
+    moe_every: int = 1
+    moe_first_dense: int = 0
+    routing: str = "softmax"
+    normalize_top_k: bool = True
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
 
     def __post_init__(self):
         for field in (
@@ -198,6 +368,7 @@ class ModelSpec:
                 f"ModelSpec.head_dim={self.head_dim} must be even with positions='rope' "
                 "(rotary embeddings rotate pairs)"
             )
+        check_moe(self)
 
     @classmethod
     def gpt(cls, name: str, hidden: int, heads: int, num_layers: int, vocab_size: int = 51200):
@@ -291,38 +462,189 @@ class ModelSpec:
         """`hidden x ffn_hidden` matrices per MLP: 3 gated (swiglu), 2 plain (gelu)."""
         return 3 if self.activation == "swiglu" else 2
 
-    def layer_matmul_params(self) -> int:
-        """Matmul weights of one block: q, k, v, o projections and the MLP (what FLOPs count).
+    # ---- mixture of experts ----
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any block's MLP is a mixture of experts (`experts > 0`)."""
+        return self.experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) is a mixture of experts.
+
+        Blocks `moe_first_dense, ...` whose number `layer + 1` is a multiple of
+        `moe_every` (Qwen2-MoE's `decoder_sparse_step`; DeepSeek's
+        `first_k_dense_replace` is `moe_first_dense`).
+
+        Raises:
+          ValueError: `layer` outside `[0, num_layers)`.
+
+        Example:
+          >>> from shardfuse.models import ModelSpec
+          >>> spec = ModelSpec.tiny(num_layers=4, experts=4, top_k=2, moe_every=2)
+          >>> [spec.is_moe_layer(i) for i in range(4)]
+          [False, True, False, True]
+        """
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, int)
+            or not 0 <= layer < self.num_layers
+        ):
+            raise ValueError(f"layer={layer!r} must be an int in [0, num_layers={self.num_layers})")
+        return (
+            self.experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
+        )
+
+    @functools.cached_property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The blocks whose MLP is a mixture of experts, in order (empty when dense).
+
+        Example:
+          >>> from shardfuse.models import ModelSpec
+          >>> ModelSpec.tiny(num_layers=4, experts=4, moe_first_dense=1).moe_layers
+          (1, 2, 3)
+        """
+        if self.experts == 0:
+            return ()
+        return tuple(
+            i for i in range(self.moe_first_dense, self.num_layers) if (i + 1) % self.moe_every == 0
+        )
+
+    @property
+    def expert_ffn_hidden(self) -> int:
+        """Hidden size of one routed expert: `expert_hidden`, else `ffn_hidden`."""
+        return self.ffn_hidden if self.expert_hidden is None else self.expert_hidden
+
+    @property
+    def shared_expert_ffn_hidden(self) -> int:
+        """Hidden size of one shared expert: `shared_expert_hidden`, else `expert_ffn_hidden`."""
+        if self.shared_expert_hidden is None:
+            return self.expert_ffn_hidden
+        return self.shared_expert_hidden
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert: `mlp_matrices x hidden x expert_ffn_hidden`."""
+        return self.mlp_matrices * self.hidden * self.expert_ffn_hidden
+
+    def mlp_matmul_params(self, layer: int, *, active: bool = True) -> int:
+        """Matmul weights of block `layer`'s MLP; `active`: those one token reads.
+
+        Dense: `mlp_matrices x hidden x ffn_hidden`. Mixture of experts: the
+        routed experts (`top_k` of them active, all `experts` in total), the
+        shared experts, the router (`hidden x experts`) and the shared expert's
+        gate (`hidden x 1`, Qwen2-MoE) -- the count of published MoE MFU.
+
+        Example:
+          >>> from shardfuse import models
+          >>> mixtral = models.get("mixtral-8x7b")
+          >>> mixtral.mlp_matmul_params(0) == 2 * 3 * 4096 * 14336 + 4096 * 8
+          True
+        """
+        if not self.is_moe_layer(layer):
+            return self.mlp_matrices * self.hidden * self.ffn_hidden
+        return self._moe_mlp_params(active)
+
+    def _moe_mlp_params(self, active: bool) -> int:
+        routed = (self.top_k if active else self.experts) * self.expert_params()
+        shared = (
+            self.shared_experts * self.mlp_matrices * self.hidden * (self.shared_expert_ffn_hidden)
+        )
+        router = self.hidden * self.experts + (self.hidden if self.shared_expert_gate else 0)
+        return routed + shared + router
+
+    def routed_expert_params(self, *, active: bool = True) -> float:
+        """Routed experts' weights per block, the mean over the blocks (`top_k` of them when
+        `active`): what an expert axis shards, and what runs as grouped matmuls.
+
+        Example:
+          >>> from shardfuse import models
+          >>> models.get("mixtral-8x7b").routed_expert_params(active=False) == 8 * 3 * 4096 * 14336
+          True
+        """
+        per = (self.top_k if active else self.experts) * self.expert_params()
+        return self._mean(per * len(self.moe_layers))
+
+    def mlp_width(self) -> float:
+        """Hidden units of the MLP a token runs through, the mean over the blocks.
+
+        `ffn_hidden` dense; in a mixture of experts `top_k x expert_ffn_hidden +
+        shared_experts x shared_expert_ffn_hidden` (what the activations of a
+        token hold).
+
+        Example:
+          >>> from shardfuse import models
+          >>> models.get("qwen3-30b-a3b").mlp_width()
+          6144
+        """
+        n_moe = len(self.moe_layers)
+        if not n_moe:
+            return self.ffn_hidden
+        moe = self.top_k * self.expert_ffn_hidden
+        moe += self.shared_experts * self.shared_expert_ffn_hidden
+        return self._mean(n_moe * moe + (self.num_layers - n_moe) * self.ffn_hidden)
+
+    def _mean(self, total):
+        """`total / num_layers`, an int where it divides."""
+        return total // self.num_layers if total % self.num_layers == 0 else total / self.num_layers
+
+    # ---- parameter counts ----
+
+    def attention_matmul_params(self) -> int:
+        """Matmul weights of one block's attention: the q, k, v and o projections."""
+        q_out = self.heads * self.head_dim
+        kv_out = self.kv_heads * self.head_dim
+        return self.hidden * (q_out + 2 * kv_out) + q_out * self.hidden
+
+    def layer_matmul_params(self, layer: int | None = None, *, active: bool = True):
+        """Matmul weights of a block: q, k, v, o projections and the MLP (what FLOPs count).
+
+        `layer`: that block's; None: the mean over the blocks (every block's in a
+        dense model; an int where it divides). `active`: the weights one token
+        reads (a mixture of experts: `top_k` routed experts, the shared ones and
+        the router, `mlp_matmul_params`); False: all of them.
 
         Example:
           >>> from shardfuse import models
           >>> models.get("llama3-8b").layer_matmul_params()
           218103808
         """
-        q_out = self.heads * self.head_dim
-        kv_out = self.kv_heads * self.head_dim
-        attention = self.hidden * (q_out + 2 * kv_out) + q_out * self.hidden
-        return attention + self.mlp_matrices * self.hidden * self.ffn_hidden
+        if layer is not None:
+            return self.attention_matmul_params() + self.mlp_matmul_params(layer, active=active)
+        return self.attention_matmul_params() + self._mean(self._mlp_total(active))
+
+    def _mlp_total(self, active: bool) -> int:
+        """The MLP matmul weights of all the blocks (the search asks for them often: no loop)."""
+        n_moe = len(self.moe_layers)
+        dense = self.mlp_matrices * self.hidden * self.ffn_hidden
+        moe = self._moe_mlp_params(active) if n_moe else 0
+        return n_moe * moe + (self.num_layers - n_moe) * dense
 
     @property
     def norm_params(self) -> int:
         """Parameters of one norm: scale (RMSNorm), scale and shift (LayerNorm)."""
         return (2 if self.norm == "layernorm" else 1) * self.hidden
 
-    def layer_params(self) -> int:
-        """Weights of one transformer block: q, k, v, o projections, MLP, biases, two norms.
+    def _layer_extras(self) -> int:
+        """A block's weights beyond its matmuls: biases and two norms."""
+        biases = 0
+        if self.use_bias or self.qkv_bias:
+            biases += (self.heads + 2 * self.kv_heads) * self.head_dim
+        if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
+            biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
+        return biases + 2 * self.norm_params
+
+    def layer_params(self, layer: int | None = None, *, active: bool = False):
+        """Weights of a transformer block: q, k, v, o projections, MLP, biases, two norms.
+
+        `layer` and `active` as in `layer_matmul_params`, but all experts by
+        default (`active=False`: what memory holds).
 
         Example:
           >>> from shardfuse import models
           >>> models.get("llama3-8b").layer_params()
           218112000
         """
-        biases = 0
-        if self.use_bias or self.qkv_bias:
-            biases += (self.heads + 2 * self.kv_heads) * self.head_dim
-        if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
-            biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
-        return self.layer_matmul_params() + biases + 2 * self.norm_params
+        return self.layer_matmul_params(layer, active=active) + self._layer_extras()
 
     def embedding_params(self) -> int:
         """Input embedding, output projection (once when tied), positions, the final norm."""
@@ -330,15 +652,31 @@ class ModelSpec:
         positions = self.max_positions * self.hidden if self.positions == "learned" else 0
         return tables * self.vocab_size * self.hidden + positions + self.norm_params
 
-    def num_params(self) -> int:
+    def num_params(self, *, active: bool = False) -> int:
         """Total weights: `num_layers * layer_params() + embedding_params()`.
+
+        `active=True`: the weights one token reads (`active_params`).
 
         Example:
           >>> from shardfuse import models
           >>> round(models.get("llama3-8b").num_params() / 1e9, 2)
           8.03
+          >>> round(models.get("mixtral-8x7b").num_params() / 1e9, 2)
+          46.7
         """
-        return self.num_layers * self.layer_params() + self.embedding_params()
+        per_layer = self.attention_matmul_params() + self._layer_extras()
+        layers = self.num_layers * per_layer + self._mlp_total(active)
+        return layers + self.embedding_params()
+
+    def active_params(self) -> int:
+        """Weights one token reads: `num_params(active=True)` (all of them in a dense model).
+
+        Example:
+          >>> from shardfuse import models
+          >>> round(models.get("mixtral-8x7b").active_params() / 1e9, 2)
+          12.88
+        """
+        return self.num_params(active=True)
 
     @property
     def causal_mask(self) -> tuple[tuple[int, int] | None, str]:
@@ -408,6 +746,87 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec.gpt("gpt-310b", 16384, 128, 96),
         ModelSpec.gpt("gpt-530b", 20480, 128, 105),
         ModelSpec.gpt("gpt-1t", 25600, 160, 128),
+        # Mixtures of experts (module docstring): every block's MLP routed.
+        ModelSpec(
+            "mixtral-8x7b",
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            num_layers=32,
+            vocab_size=32000,
+            rope_theta=1e6,
+            norm_eps=1e-5,
+            experts=8,
+            top_k=2,
+        ),  # fmt: skip
+        ModelSpec(
+            "qwen1.5-moe-a2.7b",
+            2048,
+            16,
+            16,
+            128,
+            5632,
+            num_layers=24,
+            vocab_size=151936,
+            rope_theta=1e6,
+            qkv_bias=True,
+            experts=60,
+            top_k=4,
+            expert_hidden=1408,
+            shared_experts=1,
+            shared_expert_hidden=5632,
+            shared_expert_gate=True,
+            normalize_top_k=False,
+        ),  # fmt: skip
+        ModelSpec(
+            "qwen2-57b-a14b",
+            3584,
+            28,
+            4,
+            128,
+            18944,
+            num_layers=28,
+            vocab_size=151936,
+            rope_theta=1e6,
+            qkv_bias=True,
+            experts=64,
+            top_k=8,
+            expert_hidden=2560,
+            shared_experts=1,
+            shared_expert_hidden=20480,
+            shared_expert_gate=True,
+            normalize_top_k=False,
+        ),  # fmt: skip
+        ModelSpec(
+            "qwen3-30b-a3b",
+            2048,
+            32,
+            4,
+            128,
+            6144,
+            num_layers=48,
+            vocab_size=151936,
+            rope_theta=1e6,
+            experts=128,
+            top_k=8,
+            expert_hidden=768,
+        ),  # fmt: skip
+        ModelSpec(
+            "qwen3-235b-a22b",
+            4096,
+            64,
+            4,
+            128,
+            12288,
+            num_layers=94,
+            vocab_size=151936,
+            rope_theta=1e6,
+            experts=128,
+            top_k=8,
+            expert_hidden=1536,
+        ),  # fmt: skip
     )
 }
 

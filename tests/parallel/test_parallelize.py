@@ -139,7 +139,8 @@ CASES = [
 def test_step_from_a_plan_equals_the_step_by_hand(sizes, restrict):
     plan = _plan(sizes, zero=restrict["zero"])
     options = plan.run_options()
-    assert options.mesh_shape == {a: sizes.get(a, 1) for a in AXES}
+    # the planner's axes: these and the expert axis (size 1 for a dense model)
+    assert options.mesh_shape == {a: sizes.get(a, 1) for a in planner.MESH_AXES}
     mesh = plan.mesh()
     run = parallelize(SPEC, plan, mesh, optimizer=optax.adamw(1e-2), rngs=nnx.Rngs(0))
     got = _trajectory(run.model, run.optimizer, run.step, mesh)

@@ -28,7 +28,7 @@ def _run(argv):
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_plan_builds_its_mesh(axis_type):
     p = plan(TINY, EIGHT, global_batch=8, seq_len=64)[0]
-    mesh = p.mesh(jax.devices()[:8], axis_types=(axis_type,) * 5)
+    mesh = p.mesh(jax.devices()[:8], axis_types=(axis_type,) * len(MESH_AXES))
     assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == p.mesh_shape
     assert set(mesh.axis_types) == {axis_type}
     with pytest.raises(ValueError, match="devices has 4 devices, the plan needs 8"):

@@ -44,8 +44,8 @@ def _paper_plan(run):
 def test_predicted_tflops_match_table1(name):
     run = TABLE1[name]
     model, _, paper = _paper_plan(run)
-    assert paper.mesh_shape == dict(pipeline=run.pipeline, data=run.data, fsdp=1, sequence=1,
-                                    model=run.tensor)  # fmt: skip
+    assert paper.mesh_shape == dict(pipeline=run.pipeline, data=run.data, fsdp=1, expert=1,
+                                    sequence=1, model=run.tensor)  # fmt: skip
     # The paper's FLOP count, 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) (its eq. 3),
     # is what the cost model's hardware FLOPs are under full recomputation.
     B, s, L, h, V = run.global_batch, run.seq_len, model.num_layers, model.hidden, model.vocab_size

@@ -1,13 +1,14 @@
 """The planner against published large runs it was not fitted to (issue 27, item 3).
 
 Each run of `shardfuse.planner.published.RUNS` (Korthikanti et al. 2022,
-MegaScale 2024, Llama 3 2024, PaLM 2022, MaxText on TPU v5p/v5e, MT-NLG 2022:
-A100, H100, TPU v4, v5p, v5e), with its published parallelism pinned and its
-system's assumptions preset, must be predicted within 15% (relative) of the
-published MFU or TFLOP/s per device. The efficiencies were fitted only to
-Narayanan et al. 2021 Table 1 (tests/planner/test_published.py), which none
-of these runs is part of. Runs the model does not hold are listed as strict
-xfails with the reason: they fail loudly the day they start to hold.
+MegaScale 2024, Llama 3 2024, PaLM 2022, MaxText on TPU v5p/v5e, MT-NLG 2022,
+Megatron-Core's Qwen3-235B mixture of experts: A100, H100, TPU v4, v5p, v5e),
+with its published parallelism pinned and its system's assumptions preset, must
+be predicted within 15% (relative) of the published MFU, TFLOP/s per device or
+step time. The efficiencies were fitted only to Narayanan et al. 2021 Table 1
+(tests/planner/test_published.py), which none of these runs is part of. Runs
+the model does not hold are listed as strict xfails with the reason: they fail
+loudly the day they start to hold.
 """
 
 import pytest
@@ -28,6 +29,9 @@ MISSES = {
     "of the H100 peak; Meta's kernels ran faster (virtual stages not published, pinned at 2)",
     "MaxText 32B v5e": "-24%: 66.9% MFU with full remat means 89% of peak in the matmuls, "
     "above the TPU efficiency assumed (0.7; no TPU MAMF is published)",
+    "Megatron Qwen3-235B MoE overlap": "-27% (step time): `ep_overlap` hides the all-to-alls "
+    "behind the expert compute at the hardware's 0.85; Megatron's 1F1B overlap saved 2.1 s "
+    "of the about 5.7 s the model gives them (the overlap's own cost is not modelled)",
 }
 
 

@@ -11,7 +11,12 @@ of copies of its fields. Each choice is checked by the options that own it:
 - `num_microbatches`, `schedule`, `virtual_stages`: the pipeline schedule
   (`schedule.check_schedule`; `Pipeline` checks them again against the size of
   the pipeline axis, which the options do not know);
-- `layout`: the ring (`ring_attention.layouts.check_layout`).
+- `layout`: the ring (`ring_attention.layouts.check_layout`);
+- `capacity_factor`, `aux_loss_coef`, `z_loss_coef`: the mixture-of-experts
+  blocks' (issue 44), checked here (`check_moe_options`): `sf.layers.LayerOptions`
+  has no such fields, so the MoE layers (`sf.layers.ParallelMoE`) and the losses
+  that add their auxiliary terms (`token_loss`, `parallelize`, the Trainer) read
+  them from these options.
 
 `num_microbatches` is the one name of the microbatch count, as in
 `sf.parallel.Pipeline` and `sf.parallel.accumulate`; `microbatches=` is a
@@ -20,6 +25,7 @@ attribute) for one release.
 """
 
 import dataclasses
+import math
 import warnings
 
 from shardfuse._keywords import renamed_keywords
@@ -45,6 +51,17 @@ class RunOptions:
       layout: ring layout of the sequence over `sequence` ("zigzag", ...).
       mesh_shape: the mesh sizes these options were made for (a plan's), or
         None; `parallelize` checks them against its mesh.
+      capacity_factor: mixture of experts: None (default) dropless, every routed
+        token computed; a number > 0: each expert takes at most
+        `ceil(capacity_factor x tokens x top_k / experts)` tokens per batch shard,
+        the rest dropped (counted and reported by the MoE layer, never silent).
+      aux_loss_coef: coefficient of the Switch load-balancing loss (Fedus et al.
+        2021: `experts x sum_e f_e P_e`, f the fraction of routed tokens, P the mean
+        router probability of expert e) added to the training loss; default 0.01
+        (Switch Transformer; Mixtral's transformers config uses 0.001 for
+        fine-tuning), 0 turns it off.
+      z_loss_coef: coefficient of the router z-loss (Zoph et al. 2022, ST-MoE:
+        the mean of `logsumexp(router logits)^2`); default 0.0 (ST-MoE uses 1e-3).
 
     Raises:
       ValueError, TypeError: a choice outside its valid values, named by the
@@ -72,11 +89,15 @@ class RunOptions:
     virtual_stages: int = 1
     layout: str = "zigzag"
     mesh_shape: dict | None = None
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
 
     def __post_init__(self):
         self.layer_options()  # zero, remat, prefetch, sequence_parallel: the layers' checks
         check_schedule(self.schedule, 1, self.num_microbatches, self.virtual_stages)
         check_layout(self.layout)
+        check_moe_options(self.capacity_factor, self.aux_loss_coef, self.z_loss_coef)
 
     def layer_options(self, mesh=None, **changes) -> LayerOptions:
         """The `sf.layers.LayerOptions` of this run's layers on `mesh`, with `changes`.
@@ -119,6 +140,36 @@ class RunOptions:
             stacklevel=2,
         )
         return self.num_microbatches
+
+
+def check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef) -> None:
+    """ValueError naming the option unless the mixture-of-experts options are valid.
+
+    `capacity_factor`: None (dropless) or a finite number > 0; `aux_loss_coef`
+    and `z_loss_coef`: finite numbers >= 0.
+
+    Example usage::
+
+      >>> from shardfuse.parallel.options import check_moe_options
+      >>> check_moe_options(1.25, 0.01, 1e-3)
+      >>> check_moe_options(0, 0.01, 0.0)
+      Traceback (most recent call last):
+      ...
+      ValueError: capacity_factor=0 must be None (dropless) or a number > 0
+    """
+
+    def number(value):
+        return (
+            not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+        )
+
+    if capacity_factor is not None and not (number(capacity_factor) and capacity_factor > 0):
+        raise ValueError(
+            f"capacity_factor={capacity_factor!r} must be None (dropless) or a number > 0"
+        )
+    for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+        if not (number(value) and value >= 0):
+            raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns the loss off)")
 
 
 RunOptions.__init__ = renamed_keywords(microbatches="num_microbatches")(RunOptions.__init__)

@@ -1,7 +1,8 @@
 """What `plan` searches: the mesh shapes that fit a model, and the values of each option.
 
-`mesh_shapes` enumerates the mesh sizes `(pipeline, data, fsdp, sequence,
-model)` whose product is the device count and that the model divides.
+`mesh_shapes` enumerates the mesh sizes `(pipeline, data, fsdp, expert,
+sequence, model)` whose product is the device count and that the model divides
+(an expert axis > 1 only for a mixture of experts, its size dividing the experts).
 
 `Choices.of` checks `plan`'s keywords (each one value or a tuple of values of
 a `Parallelism` field) against the planner's vocabulary (`options`: the ZeRO
@@ -14,6 +15,7 @@ import dataclasses
 
 from shardfuse.model_spec import ModelSpec
 from shardfuse.planner import options
+from shardfuse.planner.constraints import mlp_widths
 from shardfuse.planner.options import MESH_AXES, Assumptions, check_positive_int
 
 SEARCHED_CP_STRATEGIES = ("ring", "all_gather", "ulysses")  # ulysses_ring: not modelled apart
@@ -92,18 +94,24 @@ def mesh_shapes(
     assumptions: Assumptions | None = None,
     rejected: list | None = None,
 ):
-    """Mesh sizes `(pipeline, data, fsdp, sequence, model)` with product `n` that fit the model.
+    """Mesh sizes `(pipeline, data, fsdp, expert, sequence, model)` (`MESH_AXES` order) with
+    product `n` that fit the model.
 
     The sequence must divide by what shards it (`constraints.sequence_shards`:
     the ring, and `model` only with sequence parallelism). Shapes that match
     the pins in `fixed` but break a rule are appended to `rejected` as
-    `(shape, rule)` when a list is given.
+    `(shape, rule)` when a list is given. The expert axis splits the batch with
+    data and fsdp; it is searched for a mixture of experts only, over the sizes
+    that divide its experts.
 
     Example:
       >>> from shardfuse import models
       >>> from shardfuse.planner.search import mesh_shapes
-      >>> (1, 1, 1, 1, 8) in list(mesh_shapes(models.get("llama3-8b"), 8, global_batch=8,
-      ...                                    seq_len=4096))
+      >>> (1, 1, 1, 1, 1, 8) in list(mesh_shapes(models.get("llama3-8b"), 8, global_batch=8,
+      ...                                       seq_len=4096))
+      True
+      >>> (1, 1, 1, 8, 1, 1) in list(mesh_shapes(models.get("mixtral-8x7b"), 8, global_batch=8,
+      ...                                       seq_len=4096))
       True
     """
     fixed = fixed or {}
@@ -117,9 +125,10 @@ def mesh_shapes(
     for T in divisors(n):
         if not ok("model", T):
             continue
-        if model.heads % T or model.ffn_hidden % T:
-            reject({"model": T}, f"heads={model.heads} and ffn_hidden={model.ffn_hidden} % "
-                                 f"model={T} != 0")  # fmt: skip
+        widths = mlp_widths(model)
+        if model.heads % T or any(width % T for width in widths.values()):
+            sizes = " and ".join(f"{name}={width}" for name, width in widths.items())
+            reject({"model": T}, f"heads={model.heads} and {sizes} % model={T} != 0")
             continue
         if model.kv_heads % T and T % model.kv_heads:
             reject({"model": T}, f"kv_heads={model.kv_heads} and model={T}: neither divides")
@@ -146,10 +155,18 @@ def mesh_shapes(
                 if global_batch % replicas:
                     reject(
                         {"pipeline": P, "sequence": C, "model": T},
-                        f"global_batch={global_batch} % (data x fsdp={replicas}) != 0",
+                        f"global_batch={global_batch} % (data x fsdp x expert={replicas}) != 0",
                     )
                     continue
-                for F in divisors(replicas):
-                    D = replicas // F
-                    if ok("fsdp", F) and ok("data", D):
-                        yield P, D, F, C, T
+                for E in divisors(replicas):
+                    if not ok("expert", E):
+                        continue
+                    if E > 1 and (not model.experts or model.experts % E):
+                        reject({"expert": E}, f"experts={model.experts} % expert={E} != 0"
+                               if model.experts else f"expert={E}: {model.name} has no "
+                               "mixture-of-experts block")  # fmt: skip
+                        continue
+                    for F in divisors(replicas // E):
+                        D = replicas // (E * F)
+                        if ok("fsdp", F) and ok("data", D):
+                            yield P, D, F, E, C, T

@@ -91,17 +91,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_mesh(text: str) -> dict:
-    """argparse `type` of `--mesh`: `axes.parse_mesh`, its error as argparse's.
+    """argparse `type` of `--mesh`: `axes.parse_mesh`, its error as argparse's; the
+    planner's axes (`MESH_AXES`: the expert axis among them) accepted.
 
     Example:
       >>> from shardfuse.planner.cli import parse_mesh
       >>> parse_mesh("pipeline=2, model=4")
       {'pipeline': 2, 'model': 4}
+      >>> parse_mesh("expert=8,data=2")
+      {'expert': 8, 'data': 2}
     """
+    # Until `axes.MESH_AXES` holds the expert axis (issue 44's layers), its size is read
+    # here and the rest by `axes.parse_mesh`.
+    sizes, rest = {}, []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = (x.strip() for x in part.partition("="))
+        if name in MESH_AXES and name not in axes.MESH_AXES:
+            if not value.isdigit() or int(value) < 1:
+                raise argparse.ArgumentTypeError(
+                    f"--mesh entry {part!r} must be AXIS=SIZE with AXIS in {MESH_AXES}"
+                )
+            sizes[name] = int(value)
+        else:
+            rest.append(part)
     try:
-        return axes.parse_mesh(text)
+        parsed = axes.parse_mesh(",".join(rest))
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    return {**sizes, **parsed} if sizes else parsed
 
 
 def load_model(text: str) -> models.ModelSpec:
@@ -130,8 +147,9 @@ def load_model(text: str) -> models.ModelSpec:
         raise ValueError(f"--model JSON: {error}") from None
 
 
+MESH_HEADER = f"mesh ({' '.join(axis[0] for axis in MESH_AXES)})"  # "mesh (p d f e s m)"
 COLUMNS = (
-    "columns: # rank; mesh sizes (pipeline data fsdp sequence model); options (ZeRO stage, "
+    f"columns: # rank; mesh sizes ({' '.join(MESH_AXES)}); options (ZeRO stage, "
     "remat policy, microbatch size x microbatches, schedule/virtual stages, context-parallel "
     "strategy); step s: predicted seconds per step; MFU: model FLOPs / (devices x peak x step); "
     "GB/dev: predicted peak memory per device; terms: every time term in seconds, "
@@ -142,7 +160,7 @@ COLUMNS = (
 def table(plans) -> str:
     """The plans as a text table: rank, mesh, options, step time, MFU, memory, every term."""
     header = (
-        f"{'#':>2}  {'mesh (p d f s m)':17} {'options':42} {'step s':>9} {'MFU':>6} "
+        f"{'#':>2}  {MESH_HEADER:18} {'options':42} {'step s':>9} {'MFU':>6} "
         f"{'GB/dev':>7}  terms (s)"
     )
     lines = [header, "-" * len(header)]
@@ -153,7 +171,7 @@ def table(plans) -> str:
             for t in p.estimate.time
         )
         lines.append(
-            f"{rank:>2}  {mesh:17} {p.options_text():42} {p.step_time_s:9.4g} "
+            f"{rank:>2}  {mesh:18} {p.options_text():42} {p.step_time_s:9.4g} "
             f"{p.mfu:6.1%} {p.memory_bytes / 1e9:7.2f}  {terms}"
         )
     return "\n".join(lines)

@@ -30,6 +30,18 @@ the backward compute that its parameter gathers left free.
   microbatch (ZeRO-3). The reduction of the last microbatch's gradients can hide only
   behind that microbatch's backward (`2/3 x compute / m`), ZeRO-3's per-
   microbatch reduce-scatters behind every backward.
+- expert_parallel (a mixture of experts over `expert` = EP > 1): per MoE block and
+  microbatch, the dispatch all-to-all (each routed copy of a token to its
+  expert's device) and the combine (the expert outputs back): each device sends
+  `routed tokens x h x bytes x (EP - 1) / EP` per all-to-all, routed tokens =
+  `top_k x` its tokens (over `model` with sequence parallelism): `2 x` that
+  forward, the same backward (the transposed all-to-alls of the cotangents), and
+  again when the backward reruns the forward (remat "full"). An all-to-all
+  over a switch is limited by each device's egress; a group spanning nodes
+  sends its copies for the node's other members over the node's links and the
+  rest over the network at once, the slower setting the time (with
+  `Assumptions.ep_node_dedup`, DeepEP, one copy per remote node). Exposed
+  unless `Assumptions.ep_overlap` (then hidden behind the expert compute).
 - pipeline_p2p: the stage-boundary sends: shardfuse's lockstep executor
   ppermutes both directions every tick, exposed; an async pipeline sends
   `2 v m` times, hidden with `pp_overlap`.
@@ -98,6 +110,92 @@ def context_parallel_term(model, parallelism, a, *, mb_tokens, layer_microbatche
         window = (C - 1) / C * attention_s if overlapped else 0.0
     what = f"{strategy} attention over sequence={C} on {name}: K/V traffic"
     return exposed_term("context_parallel", cp, window, overlap, what)
+
+
+def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Seconds of one all-to-all over `n` devices of a `nbytes` buffer per device: it sends
+    `(n - 1) / n` of it, at the link's bandwidth, in one latency.
+
+    Example:
+      >>> from shardfuse.planner.comm import all_to_all_s
+      >>> all_to_all_s(4, 4e9, 1e9, 0.5), all_to_all_s(1, 4e9, 1e9, 0.5)
+      (3.5, 0.0)
+    """
+    if n <= 1:
+        return 0.0
+    return nbytes * (n - 1) / n / bandwidth + latency
+
+
+def remote_node_copies(top_k: int, experts: int, nodes: int, *, dedup: bool) -> float:
+    """Copies of one token that cross the network in a dispatch over an expert group of
+    `nodes` nodes (the experts spread evenly; the token's own node holds `1 / nodes`).
+
+    Without `dedup` every routed copy whose expert sits on another node: `top_k x (nodes -
+    1) / nodes`. With it (DeepEP) one copy per remote node holding at least one of its
+    `top_k` experts (drawn without replacement, uniformly): `(nodes - 1) x (1 - P(none of
+    a node's experts))`.
+
+    Example:
+      >>> from shardfuse.planner.comm import remote_node_copies
+      >>> remote_node_copies(8, 128, 4, dedup=False)
+      6.0
+      >>> round(remote_node_copies(8, 128, 4, dedup=True), 2)
+      2.72
+    """
+    if nodes <= 1:
+        return 0.0
+    if not dedup:
+        return top_k * (nodes - 1) / nodes
+    per_node = experts / nodes
+    missed = 1.0
+    for i in range(top_k):
+        missed *= max(0.0, experts - per_node - i) / (experts - i)
+    return (nodes - 1) * (1 - missed)
+
+
+def expert_parallel_term(*, E, in_node, tokens, model, act, moe_layer_microbatches,
+                         reruns_forward, links, expert_s, a, overlap):  # fmt: skip
+    """The dispatch and combine all-to-alls over `expert` of the step (module docstring).
+
+    One all-to-all moves each device's `tokens x top_k` routed copies of `[h]`: the
+    copies for the `in_node - 1` other group members of its node over the node's link,
+    the copies for other nodes (`remote_node_copies` per token) over the network; the
+    two run at once, the slower sets the time, plus one latency.
+
+    Args:
+      E: the expert axis size; in_node: its members within one node.
+      tokens: tokens of one device per microbatch (after sequence parallelism).
+      model: the `ModelSpec` (top_k, experts, hidden).
+      act: bytes per activation element.
+      moe_layer_microbatches: MoE blocks of the fullest stage x microbatches.
+      reruns_forward: the backward reruns the forward (one more dispatch and combine).
+      links: `((bytes/s, latency, name) inside a node, the same across nodes)`.
+      expert_s: the routed experts' compute beside which an overlapped all-to-all hides.
+      a, overlap: the `Assumptions` and the hardware's overlap fraction.
+
+    Returns:
+      `(Term, per_layer_forward_bytes)`: the term, and the bytes one device sends per
+      MoE block forward (`2 x tokens x top_k x h x act x (E - 1) / E`).
+    """
+    (bw_in, lat_in, name_in), (bw_out, lat_out, name_out) = links
+    row = model.hidden * act
+    k = model.top_k
+    nodes = E // in_node
+    local = tokens * k * row * (in_node - 1) / E
+    remote = tokens * row * remote_node_copies(k, model.experts, nodes, dedup=a.ep_node_dedup)
+    one = max(local / bw_in, remote / bw_out if remote else 0.0) + (lat_out if remote else lat_in)
+    all_to_alls = 4 + (2 if reruns_forward else 0)
+    total = moe_layer_microbatches * all_to_alls * one
+    window = expert_s if a.ep_overlap else 0.0
+    where = f"on {name_in}" if nodes == 1 else (
+        f"over {nodes} nodes: {local / 1e6:.3g} MB on {name_in}, {remote / 1e6:.3g} MB on "
+        f"{name_out}" + (" (one copy per remote node)" if a.ep_node_dedup else "")
+    )  # fmt: skip
+    what = (f"{moe_layer_microbatches:g} MoE layer-microbatches x {all_to_alls} all-to-alls "
+            f"(dispatch, combine; forward and backward) of [{tokens * k:g}, {model.hidden}] "
+            f"over expert={E} {where}")  # fmt: skip
+    forward_bytes = 2 * tokens * k * row * (E - 1) / E
+    return exposed_term("expert_parallel", total, window, overlap, what), forward_bytes
 
 
 def data_parallel_terms(*, parallelism, params_dev, a, links, compute_s, overlap):

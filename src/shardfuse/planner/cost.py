@@ -3,14 +3,24 @@
 Every number is a named term with its formula (`Estimate.time`, `.memory`), so
 a plan explains itself. Notation: B global batch (sequences), s sequence
 length, L layers, h hidden, a query heads, k kv heads, d head dim, f MLP
-hidden, V vocabulary; mesh sizes P pipeline, D data, F fsdp, C sequence,
-T model; R = D F replicas, mb sequences per microbatch, m microbatches per
-replica, v virtual stages.
+hidden, V vocabulary; mesh sizes P pipeline, D data, F fsdp, E expert,
+C sequence, T model; R = D F E replicas, mb sequences per microbatch, m
+microbatches per replica, v virtual stages.
 
 FLOPs: `shardfuse.flops`, the one definition (model FLOPs for MFU, PaLM and
 Megatron's convention, no causal halving; hardware FLOPs with the remat
 policy's recomputation and, with `Assumptions.causal_skip`, causal attention
-charged its visible keys only).
+charged its visible keys only; a mixture of experts its active weights).
+
+Mixture of experts (issue 44): the routed experts' FLOPs (`Step.expert_flops`)
+run at `Assumptions.grouped_matmul_efficiency` of the matmul rate, and below it
+where their matmuls are memory-bound (`Step.expert_roofline`: small experts
+split over `model`, few tokens per expert) (in `compute`); over an expert axis
+E > 1 every device waits for the most loaded one (`expert_imbalance`:
+`(imbalance - 1) x` the routed compute, the imbalance capped by a capacity
+factor) and the tokens travel by all-to-all
+(`expert_parallel`, `comm.expert_parallel_term`); the expert weights are
+sharded over E (and T), their optimizer state over F per ZeRO (`memory`).
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
@@ -49,6 +59,7 @@ from shardfuse.model_spec import ModelSpec
 from shardfuse.planner.comm import (
     context_parallel_term,
     data_parallel_terms,
+    expert_parallel_term,
     exposed_term,
     tensor_parallel_term,
 )
@@ -133,18 +144,27 @@ def axis_link(cluster: Cluster, parallelism: Parallelism, axis: str) -> tuple[fl
 def compute_term(step: Step) -> Term:
     """The matmuls and attention cores: the step's hardware FLOPs at the rates they reach.
 
-    What the search's bound reads too: it is the same for every mesh of a cluster.
+    What the search's bound reads too: it is the same for every mesh of a cluster, but for
+    a mixture of experts' roofline (`Step.expert_roofline`), which the bound takes at 1.
     """
     n, rate, attention_flops = step.n, step.rate, step.attention_flops
-    compute = (step.hardware_flops - attention_flops) / n / rate + attention_flops / n / (
-        step.attention_rate
-    )
+    expert_flops = step.expert_flops
+    dense = step.hardware_flops - attention_flops - expert_flops
+    compute = dense / n / rate + attention_flops / n / step.attention_rate
+    if expert_flops:
+        compute += step.expert_s
     peak = step.peak_flops / 1e12
     attention = ""
     if step.attention_rate != rate:
         attention = (
             f"; the {attention_flops:.3e} of attention at "
             f"{step.attention_rate / step.peak_flops:.3g}"
+        )
+    if expert_flops:
+        attention += (
+            f"; the {expert_flops:.3e} of the routed experts' grouped matmuls at "
+            f"{step.a.grouped_matmul_efficiency:g} x the matmul efficiency x roofline "
+            f"{step.expert_roofline:.3g}"
         )
     return Term(
         "compute",
@@ -161,13 +181,13 @@ def elementwise_term(step: Step) -> Term:
     model, a, T = step.model, step.a, step.T
     act = a.activation_bytes
     token_split = T if a.sequence_parallel else 1
-    mlp_io = (3 if model.activation == "swiglu" else 2) * model.ffn_hidden / T
+    mlp_io = (3 if model.activation == "swiglu" else 2) * model.mlp_width() / T
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
     passes = 3 + (1 if step.reruns_forward else 0)
     hbm = step.cluster.device.hbm_gb_per_s * 1e9
-    token_layers = step.tokens / (step.D * step.F * step.C * step.P) * model.num_layers
+    token_layers = step.tokens / (step.D * step.F * step.E * step.C * step.P) * model.num_layers
     return Term(
         "elementwise",
         token_layers * traffic * passes / hbm,
@@ -195,6 +215,72 @@ def context_parallel(step: Step) -> Term:
         link=axis_link(step.cluster, step.parallelism, "sequence"),
         attention_s=step.attention_s, overlap=step.overlap,
     )  # fmt: skip
+
+
+def moe_layers_of_stage(step: Step) -> float:
+    """MoE blocks of the fullest pipeline stage: its layers x the model's MoE fraction."""
+    model = step.model
+    return step.layers_dev * len(model.moe_layers) / model.num_layers
+
+
+def axis_in_node(cluster: Cluster, parallelism: Parallelism, axis: str) -> int:
+    """Members of a group over mesh axis `axis` that share one node (devices laid out as
+    `axis_link` lays them out).
+
+    Example:
+      >>> from shardfuse import hardware
+      >>> from shardfuse.planner.cost import axis_in_node
+      >>> from shardfuse.planner.options import Parallelism
+      >>> c = hardware.cluster("h100", nodes=4)
+      >>> axis_in_node(c, Parallelism.of(expert=16, model=2), "expert")
+      4
+    """
+    sizes = parallelism.mesh_shape
+    stride = 1
+    for inner in reversed(MESH_AXES):
+        if inner == axis:
+            break
+        stride *= sizes[inner]
+    per_node = cluster.devices_per_node
+    if per_node % stride:
+        return 1
+    return max(1, min(sizes[axis], per_node // stride))
+
+
+def expert_parallel(step: Step) -> Term:
+    """The dispatch and combine all-to-alls over `expert` (`comm.expert_parallel_term`)."""
+    model, a, cluster = step.model, step.a, step.cluster
+    token_split = step.T if a.sequence_parallel else 1
+    intra = ring_bandwidth(cluster.intra_link.gb_per_s, cluster.intra_link.egress_gb_per_s,
+                           bidirectional=True)  # fmt: skip
+    inter = ring_bandwidth(cluster.inter_link.gb_per_s, cluster.inter_link.egress_gb_per_s,
+                           bidirectional=False)  # fmt: skip
+    links = ((intra, cluster.intra_link.latency_us * 1e-6, cluster.intra_link.name),
+             (inter, cluster.inter_link.latency_us * 1e-6, cluster.inter_link.name))  # fmt: skip
+    term, _ = expert_parallel_term(
+        E=step.E, in_node=axis_in_node(cluster, step.parallelism, "expert"),
+        tokens=step.mb_tokens / token_split, model=model, act=a.activation_bytes,
+        moe_layer_microbatches=step.m * moe_layers_of_stage(step),
+        reruns_forward=step.reruns_forward, links=links, expert_s=step.expert_s, a=a,
+        overlap=step.overlap,
+    )  # fmt: skip
+    return term
+
+
+def expert_imbalance(step: Step) -> Term:
+    """Over an expert axis the step waits for the most loaded device: `(imbalance - 1) x` the
+    routed experts' compute, the imbalance `Assumptions.expert_imbalance` capped by the run's
+    `capacity_factor` (a device computes at most its capacity)."""
+    imbalance = step.a.expert_imbalance
+    capacity = step.parallelism.options.capacity_factor
+    why = f"expert_imbalance {imbalance:g}"
+    if capacity is not None and capacity < imbalance:
+        imbalance, why = max(1.0, capacity), f"capacity_factor {capacity:g} (dropping tokens)"
+    return Term(
+        "expert_imbalance",
+        (imbalance - 1) * step.expert_s,
+        f"({why} - 1) x {step.expert_s:.3g} s of routed expert compute over expert={step.E}",
+    )
 
 
 def offload(step: Step, per_token: dict, compute_s: float) -> Term:
@@ -231,11 +317,21 @@ def pipeline(step: Step, terms: list) -> list:
 
 
 def data_parallel(step: Step, params_dev: float, compute_s: float) -> list:
-    """ZeRO-3's gathers and the gradient reduction over `data` and `fsdp` (`comm`)."""
+    """ZeRO-3's gathers and the gradient reduction over `data` and `fsdp` (`comm`).
+
+    The expert axis splits the batch too: the gradients are reduced over data x
+    expert (the slower of their links) and fsdp. (The routed experts' own gradients
+    need no reduction over `expert`; counted with the rest, a small overestimate.)
+    """
+    parallelism = step.parallelism
+    links = [axis_link(step.cluster, parallelism, axis) for axis in ("data", "fsdp")]
+    if step.E > 1:
+        expert_link = axis_link(step.cluster, parallelism, "expert")
+        links[0] = expert_link if step.D == 1 else min(links[0], expert_link)
+        parallelism = parallelism.replace(data=step.D * step.E, expert=1)
     return data_parallel_terms(
-        parallelism=step.parallelism, params_dev=params_dev, a=step.a, compute_s=compute_s,
-        overlap=step.overlap,
-        links=tuple(axis_link(step.cluster, step.parallelism, axis) for axis in ("data", "fsdp")),
+        parallelism=parallelism, params_dev=params_dev, a=step.a, compute_s=compute_s,
+        overlap=step.overlap, links=tuple(links),
     )  # fmt: skip
 
 
@@ -265,8 +361,9 @@ def estimate(
     The step time is the sum of the named terms of the module docstring, each
     one function of the step's `Step` (its sizes and rates, derived once):
     `compute_term`, `elementwise_term`, `tensor_parallel` (T > 1),
-    `context_parallel` (C > 1), `offload` (remat "offload"), `pipeline` (P > 1),
-    `data_parallel` (D x F > 1) and `optimizer_term`; the memory is
+    `context_parallel` (C > 1), `expert_parallel` and `expert_imbalance` (a mixture
+    of experts over E > 1), `offload` (remat "offload"), `pipeline` (P > 1),
+    `data_parallel` (D x F x E > 1) and `optimizer_term`; the memory is
     `memory.memory_terms`.
 
     Args:
@@ -303,11 +400,13 @@ def estimate(
         time.append(tensor_parallel(step))
     if step.C > 1:
         time.append(context_parallel(step))
+    if step.E > 1 and model.moe_layers:
+        time += [expert_parallel(step), expert_imbalance(step)]
     if parallelism.options.remat == "offload":
         time.append(offload(step, per_token, compute.value))
     if step.P > 1:
         time += pipeline(step, time)
-    if step.D * step.F > 1:
+    if step.D * step.F * step.E > 1:
         time += data_parallel(step, params_dev, compute.value)
     time.append(optimizer_term(step, params_dev))
     step_time = sum(t.value for t in time)

@@ -9,6 +9,13 @@ tiles, q/k/v/o, the collective matmuls' buffers, ZeRO-3's gathered layers),
 whichever is larger; the ZeRO update's working memory beyond the backward
 pass's; the outputs when not donated. Checked against the compiled training
 steps of tests/planner/test_memory.py; the fitted terms say so.
+
+A mixture of experts: the routed experts' weights (and so their gradients and
+optimizer state) are sharded over `expert` x `model` (expert parallelism, expert
+tensor parallelism), then over `fsdp` per ZeRO stage like every weight; a token's
+activations hold its `top_k` routed copies (`ModelSpec.mlp_width`) and the
+dispatched and combined `[tokens x top_k, h]` buffers. Not yet checked against
+compiled MoE programs (the MoE layers land with issue 44's other half).
 See `cost` for the notation.
 """
 
@@ -70,7 +77,7 @@ def saved_elements_per_token(
       64.0
     """
     t = parallelism.model
-    h, d, f = model.hidden, model.head_dim, model.ffn_hidden
+    h, d, f = model.hidden, model.head_dim, model.mlp_width()
     heads = model.heads / t
     kv_heads = max(model.kv_heads / t, 1.0)
     token_split = t if (a.sequence_parallel or a.residual_sharded) else 1
@@ -86,7 +93,10 @@ def saved_elements_per_token(
     mlp = (6 if swiglu else 2) * f / t
     up = (2 if swiglu else 1) * f / t  # the MLP up-projection's output
     scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key * seq_len
-    full = residual + qkv + out + mlp
+    # A mixture of experts keeps the dispatched copies of its tokens (the grouped matmul's
+    # input, `top_k` rows of h per token) and the experts' outputs before the combine.
+    dispatched = model.top_k * h / token_split * len(model.moe_layers) / model.num_layers
+    full = residual + qkv + out + mlp + 2 * dispatched
     # The ZeRO-3 layer prefetch keeps each layer's input only, as "full" does (the policy
     # applies inside the layer's rerun, in its backward working set).
     policy = "full" if parallelism.options.prefetch else parallelism.options.remat
@@ -97,6 +107,7 @@ def saved_elements_per_token(
         # pass needs (q, k/v, attention out, MLP up) and the block input; "dots" also
         # the attention core's output.
         saved = 2 * h / token_split + qkv + up + (heads * d if policy == "dots" else 0.0)
+        saved += dispatched  # the grouped matmul's input, which the backward reads
         scores = 0.0
     else:  # "full", "offload": the layer input only (offload: the rest goes to the host)
         saved, scores = h / token_split, 0.0
@@ -127,8 +138,29 @@ def slowest_stage_layers(model: ModelSpec, parallelism: Parallelism) -> float:
     return max(_stage_layers(L, P))
 
 
+def layer_params_per_device(model: ModelSpec, parallelism: Parallelism) -> float:
+    """One block's weights on one device, the mean over the blocks: the matmul weights over
+    T, the routed experts' over E x T (expert parallelism, expert tensor parallelism), the
+    norms whole.
+
+    Example:
+      >>> from shardfuse import models
+      >>> from shardfuse.planner.memory import layer_params_per_device
+      >>> from shardfuse.planner.options import Parallelism
+      >>> mixtral = models.get("mixtral-8x7b")
+      >>> expert = 3 * 4096 * 14336
+      >>> layer_params_per_device(mixtral, Parallelism(expert=8)) == (
+      ...     mixtral.layer_params() - 7 * expert)
+      True
+    """
+    T, E, h = parallelism.model, parallelism.expert, model.hidden
+    experts = model.routed_expert_params(active=False)
+    return (model.layer_params() - experts - 2 * h) / T + experts / (E * T) + 2 * h
+
+
 def params_per_device(model: ModelSpec, parallelism: Parallelism, a: Assumptions) -> float:
-    """Parameters one device holds before ZeRO: a stage's layers over T, the embedding tables.
+    """Parameters one device holds before ZeRO: a stage's layers over T (routed experts over
+    E x T: `layer_params_per_device`), the embedding tables.
 
     Example:
       >>> from shardfuse import models
@@ -139,7 +171,7 @@ def params_per_device(model: ModelSpec, parallelism: Parallelism, a: Assumptions
       True
     """
     T, P, h, V = parallelism.model, parallelism.pipeline, model.hidden, model.vocab_size
-    layer = (model.layer_params() - 2 * h) / T + 2 * h
+    layer = layer_params_per_device(model, parallelism)
     table_in = V * h / (T if a.embedding_sharded else 1)
     table_out = V * h / T
     if P == 1:
@@ -160,7 +192,7 @@ def table_params_per_device(model: ModelSpec, parallelism: Parallelism, a: Assum
       >>> table_params_per_device(model, Parallelism(model=8), Assumptions()) == 2 * 128256 * 512
       True
     """
-    layer = (model.layer_params() - 2 * model.hidden) / parallelism.model + 2 * model.hidden
+    layer = layer_params_per_device(model, parallelism)
     layers = slowest_stage_layers(model, parallelism) * layer
     return params_per_device(model, parallelism, a) - layers - model.hidden
 
@@ -387,8 +419,10 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
         buffers = collective_buffers(T)
         work += buffers * mb_tokens * h * act
         parts.append(f"{buffers:.3g} [{mb_tokens:g}, {h}] collective-matmul buffers")
+    experts = model.routed_expert_params(active=False)
+    gathered = (model.layer_params() - experts + experts / parallelism.expert) / T  # one layer
     if z == 3 and F > 1:
-        layer = model.layer_params() / T * a.param_bytes
+        layer = gathered * a.param_bytes
         if parallelism.options.prefetch:  # the next layer's weights, gathered meanwhile
             work += 4 * layer
             parts.append("4 gathered layers (two weights, the next layer's, one whole gradient)")
@@ -396,7 +430,7 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
             work += 3 * layer
             parts.append("3 gathered layers (two weights, one whole gradient)")
     elif z == 2 and F > 1 and P == 1:
-        work += model.layer_params() / T * a.grad_bytes
+        work += gathered * a.grad_bytes
         parts.append("one layer's whole gradient (before its reduce-scatter)")
     terms.append(
         Term(

@@ -1,7 +1,7 @@
 """The knobs a plan sets (`Parallelism`) and the assumptions the cost model makes (`Assumptions`).
 
 A `Parallelism` is one point of the search space: the mesh sizes over the axes
-`pipeline, data, fsdp, sequence, model` (outermost to innermost), the run's
+`pipeline, data, fsdp, expert, sequence, model` (outermost to innermost), the run's
 options (`sf.parallel.RunOptions`: ZeRO, remat, prefetch, microbatches, the
 pipeline schedule) and the planner's own choices (microbatch size,
 context-parallel strategy). `Assumptions` are the numbers
@@ -11,7 +11,7 @@ fraction of peak FLOP/s a matmul reaches (default: per hardware generation,
 and how much of them hides (default: per hardware), and how the pipeline
 executor runs. Presets (`Assumptions.preset(name)`, `PRESETS`): "shardfuse"
 (the default: shardfuse's layers and pipeline executor as they run today),
-"megatron-2021", "megatron-2022", "megascale", "llama3", "maxtext", "palm"
+"megatron-2021", "megatron-2022", "megascale", "megatron-moe", "llama3", "maxtext", "palm"
 (the systems of the published runs in tests/planner/test_validation.py).
 """
 
@@ -19,11 +19,20 @@ import dataclasses
 import functools
 import warnings
 
-from shardfuse.axes import MESH_AXES as MESH_AXES  # outermost -> innermost
+from shardfuse import axes
 from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes the FLOPs
 from shardfuse.layers.fsdp import ZERO_STAGES as ZERO_STAGES  # their one home
 from shardfuse.parallel.options import RunOptions
 from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
+
+# The expert axis (issue 44): `axes.EXPERT` where the axes module declares it; until then
+# the planner places it where the issue does, between fsdp and sequence. Merge note: with
+# `axes.EXPERT` in `axes.MESH_AXES` this is `axes.MESH_AXES` itself.
+EXPERT = getattr(axes, "EXPERT", "expert")
+if EXPERT in axes.MESH_AXES:
+    MESH_AXES = axes.MESH_AXES  # outermost -> innermost
+else:
+    MESH_AXES = (axes.PIPELINE, axes.DATA, axes.FSDP, EXPERT, axes.SEQUENCE, axes.MODEL)
 
 PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO2_SCATTER = ("microbatch", "step")
@@ -57,6 +66,9 @@ class Parallelism:
 
     Attributes:
       pipeline, data, fsdp, sequence, model: mesh axis sizes.
+      expert: the expert axis size (keyword only, default 1): a mixture of
+        experts' routed experts are sharded over it and tokens dispatched to them
+        by all-to-all; outside the MoE blocks it splits the batch like `data`.
       options: the run's `sf.parallel.RunOptions` (its `zero` over the `fsdp`
         axis: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters
         sharded; `remat` of each block; `prefetch` of the ZeRO-3 layers;
@@ -84,6 +96,7 @@ class Parallelism:
     options: RunOptions = RunOptions()
     microbatch_size: int = 1
     cp_strategy: str = "ring"
+    expert: int = dataclasses.field(default=1, kw_only=True)  # keyword: positions unchanged
 
     def __post_init__(self):
         for name in (*MESH_AXES, "microbatch_size"):
@@ -120,8 +133,9 @@ class Parallelism:
 
     @property
     def replicas(self) -> int:
-        """Data-parallel replicas: `data * fsdp` (each sees `global_batch / replicas` sequences)."""
-        return self.data * self.fsdp
+        """Data-parallel replicas: `data * fsdp * expert` (each sees `global_batch / replicas`
+        sequences; the expert axis splits the batch outside the MoE blocks)."""
+        return self.data * self.fsdp * self.expert
 
     def choices(self) -> dict:
         """The choices a plan makes beyond the mesh, flat: the run's options it sets,
@@ -198,6 +212,24 @@ class Assumptions:
       donate: the step donates its parameters and optimizer state (outputs
         reuse the input buffers); False adds a second copy of them (outputs).
       offload_gb_per_s: host link bandwidth for remat="offload" (PCIe 5: 50 GB/s).
+      expert_imbalance: mixture of experts over an expert axis > 1: the most loaded
+        device's routed tokens over the mean, which every device waits for (the
+        routed experts' compute is charged this factor; a `capacity_factor` caps
+        it). STATED, not measured: 1.15 by default, inside the 1.1-1.25 that
+        auxiliary-loss-balanced routers leave at scale (a trained router's load;
+        an untrained one is worse).
+      grouped_matmul_efficiency: the routed experts' grouped matmuls reach this
+        fraction of the dense matmul efficiency (ragged groups, partial tiles at
+        group boundaries, smaller matmuls per expert). STATED: 0.85 by default
+        (MaxText reports MFU falling with many small experts, maxtext#1256; no
+        per-kernel figure is published to fit).
+      ep_overlap: the dispatch and combine all-to-alls hide behind the expert
+        compute (chunked, as the collective matmuls hide theirs); False
+        (default): exposed.
+      ep_node_dedup: an expert group spanning nodes sends each token once to each
+        remote node that holds one of its experts, which forwards it over the node's
+        own links (DeepSeek-V3's dispatch, DeepEP); False (default, shardfuse's
+        all-to-all): every routed copy crosses the network.
       reserved_fraction: HBM kept free for the runtime, fragmentation and
         workspace; a plan must fit in `(1 - reserved_fraction) * HBM`.
 
@@ -234,6 +266,10 @@ class Assumptions:
     donate: bool = True
     offload_gb_per_s: float = 50.0
     reserved_fraction: float = 0.1
+    expert_imbalance: float = 1.15
+    grouped_matmul_efficiency: float = 0.85
+    ep_overlap: bool = False
+    ep_node_dedup: bool = False
 
     def __post_init__(self):
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
@@ -246,6 +282,12 @@ class Assumptions:
             raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
         if not 0 <= self.reserved_fraction < 1:
             raise ValueError(f"reserved_fraction={self.reserved_fraction!r} must be in [0, 1)")
+        if not self.expert_imbalance >= 1:
+            raise ValueError(f"expert_imbalance={self.expert_imbalance!r} must be >= 1")
+        if not 0 < self.grouped_matmul_efficiency <= 1:
+            raise ValueError(
+                f"grouped_matmul_efficiency={self.grouped_matmul_efficiency!r} must be in (0, 1]"
+            )
 
     def efficiency_for(self, device) -> float:
         """`compute_efficiency`, or the device's (`efficiency.matmul_efficiency`) when None."""
@@ -352,6 +394,23 @@ class Assumptions:
         )  # fmt: skip
 
     @classmethod
+    def megatron_moe(cls) -> "Assumptions":
+        """Megatron-Core MoE on H100s (2025; the Qwen3 runs of `published.RUNS`).
+
+        As `megatron_2022` (bf16, sequence parallelism, tensor-parallel collectives not
+        overlapped, an async interleaved pipeline keeping its activations), with
+        Transformer Engine's flash attention (causal blocks skipped), the gradient
+        reduction overlapped with the backward pass (`--overlap-grad-reduce`), DeepEP's
+        dispatch (`ep_node_dedup`: a token crosses the network once per remote node), and
+        the expert all-to-alls exposed (`ep_overlap=False`; their "1F1B overlap" run,
+        preset "megatron-moe-overlap", sets it).
+        """
+        return dataclasses.replace(
+            cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,
+            dp_overlap=1.0, ep_node_dedup=True,
+        )  # fmt: skip
+
+    @classmethod
     def maxtext(cls) -> "Assumptions":
         """MaxText on TPU (XLA: async collectives overlapped, flash attention, no pipeline)."""
         return cls(name="maxtext", causal_skip=False, tp_overlap=True, dp_overlap=1.0,
@@ -391,6 +450,10 @@ PRESETS = {
     "megatron-2021": Assumptions.megatron_2021,
     "megatron-2022": Assumptions.megatron_2022,
     "megascale": Assumptions.megascale,
+    "megatron-moe": Assumptions.megatron_moe,
+    "megatron-moe-overlap": lambda: dataclasses.replace(
+        Assumptions.megatron_moe(), name="megatron-moe-overlap", ep_overlap=True
+    ),
     "llama3": Assumptions.llama3,
     "maxtext": Assumptions.maxtext,
     "palm": Assumptions.palm,

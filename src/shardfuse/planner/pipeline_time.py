@@ -26,7 +26,15 @@ def num_ticks(schedule: str, p: int, m: int, v: int = 1) -> int:
 
 
 # Time terms a pipeline stage runs per microbatch (the rest runs once per step).
-PIPELINED = ("compute", "elementwise", "tensor_parallel", "context_parallel", "offload")
+PIPELINED = (
+    "compute",
+    "elementwise",
+    "tensor_parallel",
+    "context_parallel",
+    "offload",
+    "expert_parallel",
+    "expert_imbalance",
+)
 
 
 def pipeline_terms(parallelism, a, terms, *, head_s, send_bytes, link, overlap):

@@ -35,7 +35,8 @@ class Plan:
       >>> from shardfuse.planner import plan
       >>> best = plan(models.get("llama3-8b"), hardware.cluster("h100"), global_batch=64,
       ...             seq_len=8192)[0]
-      >>> sorted(best.mesh_shape) == sorted(("pipeline", "data", "fsdp", "sequence", "model"))
+      >>> sorted(best.mesh_shape) == sorted(
+      ...     ("pipeline", "data", "fsdp", "expert", "sequence", "model"))
       True
       >>> best.memory_bytes < 80e9
       True
@@ -165,7 +166,8 @@ class Plan:
           >>> from shardfuse.planner import plan
           >>> d = plan(models.get("llama3-8b"), hardware.cluster("h100"), global_batch=64,
           ...          seq_len=8192)[0].to_dict()
-          >>> sorted(d["mesh"]) == sorted(["pipeline", "data", "fsdp", "sequence", "model"])
+          >>> sorted(d["mesh"]) == sorted(
+          ...     ["pipeline", "data", "fsdp", "expert", "sequence", "model"])
           True
           >>> json.loads(json.dumps(d)) == d
           True

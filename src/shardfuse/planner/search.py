@@ -1,9 +1,10 @@
 """The search: every mesh and options that keep the model's divisibility, ranked by step time.
 
-Enumerates mesh shapes `(pipeline, data, fsdp, sequence, model)` whose
+Enumerates mesh shapes `(pipeline, data, fsdp, expert, sequence, model)` whose
 product is the device count (model divides the heads and MLP; sequence
 divides the sequence; pipeline x virtual stages divides the layers; data x
-fsdp divides the batch), then per shape the ZeRO stage (1-3 over a real fsdp
+fsdp x expert divides the batch; expert divides a mixture of experts' experts),
+then per shape the ZeRO stage (1-3 over a real fsdp
 axis, 0 without one), the remat policy, the microbatch size, the pipeline
 schedule and virtual stages, and the context-parallel strategy. A `Parallelism`
 whose predicted memory exceeds the device's is dropped (checked once per
@@ -188,7 +189,8 @@ class _Search:
         meshes = mesh_shapes(self.model, self.cluster.num_devices, global_batch=self.global_batch,
                              seq_len=self.seq_len, fixed=c.mesh, assumptions=self.a,
                              rejected=self.rejected)  # fmt: skip
-        return sorted(meshes, key=lambda shape: (shape[0], shape[3]))
+        sequence = MESH_AXES.index("sequence")
+        return sorted(meshes, key=lambda shape: (shape[0], shape[sequence]))
 
     def cannot_win(self, policy, allowed, P, m, v) -> bool:
         """compute x (1 + the least bubble of `allowed`) beyond the top_k-th time so far."""
@@ -197,11 +199,11 @@ class _Search:
         bubble = _least_bubble(allowed, P, m, v)
         return self.compute_s[policy] * (1 + bubble) > -self.best_times[0] * 1.001
 
-    def visit(self, P, D, F, C, T):
+    def visit(self, P, D, F, E, C, T):
         """Every candidate of one mesh shape."""
         c = self.choices
         self.shapes += 1
-        per_replica = self.global_batch // (D * F)
+        per_replica = self.global_batch // (D * F * E)
         if F == 1:
             stages = (0,) if 0 in c.zeros else ()
         else:
@@ -209,10 +211,12 @@ class _Search:
         mbs = [b for b in divisors(per_replica) if c.sizes is None or b in c.sizes][::-1]
         cps = ("ring",) if C == 1 else c.strategies
         for z in stages:
-            states = state_bytes(self.model, Parallelism(P, D, F, C, T).replace(zero=z), self.a)
+            states = state_bytes(
+                self.model, Parallelism(P, D, F, C, T, expert=E).replace(zero=z), self.a
+            )
             if states > self.limit:  # parameters, gradients and optimizer alone do not fit
                 if self.smallest is None or states < self.smallest[0].memory_bytes:
-                    probe = Parallelism(P, D, F, C, T).replace(
+                    probe = Parallelism(P, D, F, C, T, expert=E).replace(
                         zero=z, remat=c.remats[-1], num_microbatches=per_replica
                     )
                     self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
@@ -229,7 +233,7 @@ class _Search:
                         # is a lower bound on the step time
                         if self.cannot_win(policy, c.schedules, P, m, self.max_v):
                             continue
-                        base = Parallelism(P, D, F, C, T, microbatch_size=mb,
+                        base = Parallelism(P, D, F, C, T, microbatch_size=mb, expert=E,
                                            cp_strategy=cps[0]).replace(
                             zero=z, remat=policy, num_microbatches=m, prefetch=prefetch,
                         )  # fmt: skip
@@ -318,11 +322,16 @@ def _rank(e, parallelism):
 
 def compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumptions) -> float:
     """The compute term (`cost.compute_term`) of remat `policy`: the same for every mesh of the
-    cluster (data parallelism over all its devices, one sequence each, scaled to the batch)."""
+    cluster (data parallelism over all its devices, one sequence each, scaled to the batch);
+    a mixture of experts' routed matmuls at their best roofline (`Step.expert_roofline`, which
+    depends on the mesh and microbatch), so that it bounds every mesh's from below."""
     everywhere = Parallelism.of(data=cluster.num_devices, remat=policy)
     step = Step.of(model, cluster, everywhere, global_batch=cluster.num_devices, seq_len=seq_len,
                    assumptions=assumptions)  # fmt: skip
-    return compute_term(step).value * global_batch / cluster.num_devices
+    seconds = compute_term(step).value
+    if step.expert_flops:  # a lower bound: the routed experts at their best roofline (1)
+        seconds -= step.expert_s * (1 - step.expert_roofline)
+    return seconds * global_batch / cluster.num_devices
 
 
 def _best(model, cluster, kwargs, parallelisms, known=None):

@@ -25,8 +25,8 @@ class Step:
     Attributes:
       model, cluster, parallelism, a: the inputs (`a`: the `Assumptions`).
       B, s: sequences per step and tokens per sequence.
-      n: devices; P, D, F, C, T: the mesh sizes; mb, m: sequences per microbatch
-        and microbatches per replica.
+      n: devices; P, D, F, C, T: the mesh sizes; E: the expert axis; mb, m: sequences
+        per microbatch and microbatches per replica (of `D x F x E`).
       peak_flops: the device's dense peak FLOP/s for the compute dtype.
       efficiency, overlap: the matmul efficiency and the overlap fraction assumed.
       rate, attention_rate: FLOP/s reached by the matmuls and by attention.
@@ -35,6 +35,9 @@ class Step:
       visible: keys a query attends to, on average.
       hardware_flops: FLOPs the devices execute in the step (all devices).
       attention_flops: the attention cores' share of them.
+      expert_flops: the routed experts' share of them (grouped matmuls; 0 when dense):
+        `flops.expert_matmul_flops` per token and block, forward, backward and the
+        recomputed forward under remat "full" (or the prefetch's rerun).
       reruns_forward: the backward reruns each layer's whole forward (remat "full",
         or the ZeRO-3 prefetch's recomputation).
     """
@@ -49,6 +52,7 @@ class Step:
     P: int
     D: int
     F: int
+    E: int
     C: int
     T: int
     mb: int
@@ -65,6 +69,7 @@ class Step:
     hardware_flops: float
     attention_flops: float
     reruns_forward: bool
+    expert_flops: float = 0.0
 
     @classmethod
     def of(cls, model, cluster, parallelism, *, global_batch, seq_len, assumptions=None):
@@ -105,6 +110,14 @@ class Step:
             attention_flops = (
                 (flops.TRAINING_OVER_FORWARD * L + rerun_layers) * tokens * (attention_hw)
             )
+        # The routed experts' grouped matmuls: forward, backward (2 x), and the forward once
+        # more where the backward reruns it ("full"; the prefetch: every layer but the last).
+        expert_passes = flops.TRAINING_OVER_FORWARD * L
+        if options.prefetch:
+            expert_passes += L - 1
+        elif options.remat == "full":
+            expert_passes += L
+        expert_flops = expert_passes * tokens * flops.expert_matmul_flops(model)
         return cls(
             model=model,
             cluster=cluster,
@@ -116,6 +129,7 @@ class Step:
             P=parallelism.pipeline,
             D=parallelism.data,
             F=parallelism.fsdp,
+            E=parallelism.expert,
             C=parallelism.sequence,
             T=parallelism.model,
             mb=parallelism.microbatch_size,
@@ -132,6 +146,7 @@ class Step:
             hardware_flops=hardware_flops,
             attention_flops=attention_flops,
             reruns_forward=options.remat == "full" or options.prefetch,
+            expert_flops=expert_flops,
         )
 
     @property
@@ -142,6 +157,50 @@ class Step:
             flops.TRAINING_OVER_FORWARD * self.tokens * model.num_layers
             * flops.layer_matmul_flops(model) / self.n / self.rate
         )  # fmt: skip
+
+    @property
+    def expert_roofline(self) -> float:
+        """The routed experts' matmuls' roofline: `min(1, intensity / ridge)`.
+
+        One expert's matmuls on one device are `[M, K] @ [K, N]` with `{K, N} = {h,
+        expert_hidden / T}` (expert tensor parallelism splits the expert) and M its
+        tokens per microbatch: `mb_tokens x top_k x E / experts` (balanced routing over
+        the expert group's tokens). Their arithmetic intensity, `2 M N K / (bytes x (M K
+        + K N + M N))` FLOP per byte, against the device's ridge point (peak FLOP/s over
+        HBM bytes/s): below it the matmul is memory-bound. Small experts split over T,
+        or many experts with few tokens each, fall below it (maxtext#1256's MFU drop
+        with many small experts). 1 for a dense model.
+
+        Example:
+          >>> from shardfuse import hardware, models
+          >>> from shardfuse.planner.options import Parallelism
+          >>> from shardfuse.planner.step import Step
+          >>> qwen = models.get("qwen3-30b-a3b")  # experts of 768; 96 wide over model=8
+          >>> step = Step.of(qwen, hardware.cluster("h100"), Parallelism(model=8),
+          ...                global_batch=8, seq_len=4096)
+          >>> round(step.expert_roofline, 2)
+          0.23
+        """
+        model = self.model
+        if not model.moe_layers:
+            return 1.0
+        M = self.mb_tokens * model.top_k * self.E / model.experts
+        K, N = model.hidden, model.expert_ffn_hidden / self.T
+        nbytes = self.a.activation_bytes
+        intensity = 2 * M * N * K / (nbytes * (M * K + K * N + M * N))
+        ridge = self.peak_flops / (self.cluster.device.hbm_gb_per_s * 1e9)
+        return min(1.0, intensity / ridge)
+
+    @property
+    def expert_rate(self) -> float:
+        """FLOP/s of the routed experts' grouped matmuls: the matmul rate x
+        `Assumptions.grouped_matmul_efficiency` x `expert_roofline`."""
+        return self.rate * self.a.grouped_matmul_efficiency * self.expert_roofline
+
+    @property
+    def expert_s(self) -> float:
+        """Seconds of the routed experts' grouped matmuls of the step, per device (balanced)."""
+        return self.expert_flops / self.n / self.expert_rate
 
     @property
     def attention_s(self) -> float:

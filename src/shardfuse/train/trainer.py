@@ -140,7 +140,7 @@ def _planner_inputs(config: TrainConfig, device_count: int, chip: str) -> tuple:
 def parallelism_of(config: TrainConfig, device_count: int):
     """The `sf.planner.Parallelism` that `config` runs (the inverse of `from_plan`)."""
     sizes = dict(zip(AXES, config.mesh_shape(device_count), strict=True))
-    replicas = sizes["data"] * sizes["fsdp"]
+    replicas = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)  # expert: a batch axis too
     options = config.options.replace(mesh_shape=None)  # the mesh: `sizes`
     return planner.Parallelism(
         **sizes,
@@ -179,10 +179,16 @@ def estimate_for(config: TrainConfig, device_count: int, *, chip: str = "h100"):
 
 
 def from_plan(config: TrainConfig, plan) -> TrainConfig:
-    """`config` with the mesh and options of `plan` (an `sf.planner.Plan`)."""
+    """`config` with the mesh and options of `plan` (an `sf.planner.Plan`).
+
+    The plan's axes of size 1 that the trainer's mesh lacks (the planner's expert axis,
+    until `axes.MESH_AXES` holds it) are left out; any other size reaches
+    `TrainConfig.mesh_shape`, which names it.
+    """
+    mesh = {axis: size for axis, size in plan.mesh_shape.items() if axis in AXES or size != 1}
     return dataclasses.replace(
         config,
-        mesh=dict(plan.mesh_shape),
+        mesh=mesh,
         global_batch=plan.global_batch,
         seq_len=plan.seq_len,
         options=plan.run_options(),
