@@ -215,8 +215,10 @@ class _Search:
                     probe = Parallelism(P, D, F, C, T).replace(
                         zero=z, remat=c.remats[-1], num_microbatches=per_replica
                     )
-                    self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
-                                     probe)  # fmt: skip
+                    # only a probe the rules accept is estimated (the schedule checks its m)
+                    if not parallelism_constraints(self.model, probe, **self.sizes_only()):
+                        self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
+                                         probe)  # fmt: skip
                 continue
             for prefetch in c.prefetches:
                 fitted = set()  # microbatch sizes at which a cheaper policy already fits
