@@ -283,6 +283,24 @@ def _peak_in_flight(schedule: str, stages: int, num_microbatches: int, virtual: 
     return float(max(lockstep_table(schedule, stages, num_microbatches, virtual).in_flight()))
 
 
+@functools.lru_cache(maxsize=4096)
+def _backward_ticks_outside_loops(schedule: str, stages: int, microbatches: int, virtual: int):
+    """Ticks with a B slot that the executor scans alone (a segment of one tick): XLA inlines
+    a scan of one iteration, and its scheduler then allocates that tick's residual buffers
+    (the stage's layer-scan outputs, zero-initialised with no operand) at the start of the
+    step, so they are live beside every loop before them.
+
+    >>> [_backward_ticks_outside_loops(name, 2, 4, 1) for name in ("1f1b", "gpipe")]
+    [1, 0]
+    """
+    from shardfuse.parallel.pipeline.executor import segments
+
+    table = lockstep_table(schedule, stages, microbatches, virtual)
+    return sum(
+        1 for item in segments(table.active()) if item[0] == "scan" and item[1][2] and item[3] == 1
+    )
+
+
 def in_flight_microbatches(parallelism: Parallelism, a: Assumptions) -> float:
     """Microbatch-chunks the most loaded stage holds from their forward to their backward.
 
@@ -382,13 +400,19 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
         # The pipeline keeps each microbatch in flight as its stage input and recomputes
         # the stage forward in its backward tick (`Pipeline(residuals="recompute")`).
         # The executor's lockstep table: stage 0 holds its microbatches from F to B,
-        # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe.
+        # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe. A B tick
+        # scanned alone keeps its recomputed chunk beside the loops' (measured on the
+        # compiled steps of tests/planner/test_memory.py: 1F1B and zb-h1 at P = 2, whose
+        # drain is one tick).
         in_flight = in_flight_microbatches(parallelism, a)
         inputs = in_flight * mb_tokens * h / T * act
-        activations = inputs + stage
+        chunks = 1
+        if a.pipeline_executor == "lockstep":
+            chunks += _backward_ticks_outside_loops(parallelism.options.schedule, P, m, v)
+        activations = inputs + chunks * stage
         what = (
             f"{in_flight:.3g} microbatches in flight x {mb_tokens:g} tokens x {h}/{T} x {act} B "
-            f"(stage inputs) + one microbatch's recomputed chunk: {mb_tokens:g} tokens x "
+            f"(stage inputs) + {chunks} microbatch's recomputed chunk: {mb_tokens:g} tokens x "
             f"{saved / act:.4g} elements x {act} B x {chunk:g} layers"
         )
     terms.append(Term("activations", activations, f"{what} (remat={parallelism.options.remat})"))
