@@ -143,3 +143,14 @@ def test_a_pipeline_without_a_microbatch_per_stage_is_not_a_candidate():
         plan(tiny, cluster, mesh={"pipeline": 4, "data": 2}, **kwargs)
     plans = plan(tiny, cluster, mesh={"pipeline": 2}, top_k=50, **kwargs)
     assert plans and all(4 // p.parallelism.mesh_shape["data"] >= 2 for p in plans)
+
+
+def test_a_pinned_option_that_breaks_a_rule_is_named_not_memory():
+    """When the candidates that fit all break a rule (here the pinned virtual stages), the
+    error names the rule, not the memory."""
+    tiny = models.ModelSpec("tiny", hidden=64, heads=4, kv_heads=2, head_dim=16,
+                            ffn_hidden=128, num_layers=8, vocab_size=256)  # fmt: skip
+    with pytest.raises(PlanningError, match=r"num_layers=8 % \(pipeline=2 x virtual=3\)") as e:
+        plan(tiny, hardware.cluster("h100"), global_batch=8, seq_len=64, mesh={"pipeline": 2},
+             schedule="interleaved", virtual_stages=3)  # fmt: skip
+    assert "fits in" not in str(e.value)

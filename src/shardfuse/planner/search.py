@@ -372,7 +372,7 @@ def _schedules(model, base, schedules, virtuals=None):
 def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, remats, zeros,
                     rejected=()):  # fmt: skip
     where = f"{model.name} ({model.num_params() / 1e9:.3g}B parameters) on {cluster.describe()}"
-    if smallest is None:
+    if smallest is None or (smallest[0].fits and rejected):  # what fits breaks a rule
         rules = sorted({rule for _, rule in rejected})
         failed = f"; rules that failed: {'; '.join(rules[:8])}" if rules else ""
         return (
