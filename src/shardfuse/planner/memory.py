@@ -443,6 +443,15 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
                 f"{h}/{T} x {chunk:g} layers x {act} B (the tick's buffers, fitted)",
             )
         )
+    if P == 1:
+        # The gradient of the embedded batch: the transpose of the accumulation's microbatch
+        # slicing, a zero-initialised [batch, s / C, h] buffer that the slices' gradients are
+        # written into after the loop. Having no operand, XLA:CPU allocates it at the step's
+        # start (jax 0.12, and 0.10.2's IR emitters: tests/planner/test_memory.py's buffer
+        # assignments; 0.10.2's fusion emitters write it in place).
+        tokens = m * mb_tokens
+        what = f"{tokens:g} tokens of the replica's batch x {h} x {act} B (its gradient)"
+        terms.append(Term("input_gradient", tokens * h * act, what))
     logits = mb_tokens * model.vocab_size / T * a.logits_bytes * a.logits_copies
     terms.append(
         Term(
