@@ -154,3 +154,24 @@ def test_a_pinned_option_that_breaks_a_rule_is_named_not_memory():
         plan(tiny, hardware.cluster("h100"), global_batch=8, seq_len=64, mesh={"pipeline": 2},
              schedule="interleaved", virtual_stages=3)  # fmt: skip
     assert "fits in" not in str(e.value)
+
+
+def test_the_generator_catches_candidates_the_rules_did_not_check(monkeypatch):
+    """Planted bug: the search's rule check turned off. The generated problems then reach a
+    candidate that the schedule refuses (an internal ValueError) or a plan that breaks a
+    rule (the body's assertion)."""
+    import hypothesis
+
+    from shardfuse.planner import search
+
+    monkeypatch.setattr(search, "parallelism_constraints", lambda *args, **kwargs: [])
+    no_shrink = hypothesis.settings(settings(30), phases=(hypothesis.Phase.generate,))
+
+    @no_shrink
+    @given(problems(512))
+    def drawn(problem):
+        _plans_or_named_error(problem)
+
+    with pytest.raises((AssertionError, ValueError)) as caught:
+        drawn()
+    assert not isinstance(caught.value, PlanningError)
