@@ -98,8 +98,9 @@ def mesh_shapes(
     product `n` that fit the model.
 
     The sequence must divide by what shards it (`constraints.sequence_shards`:
-    the ring, and `model` only with sequence parallelism). Shapes that match
-    the pins in `fixed` but break a rule are appended to `rejected` as
+    the ring, and `model` only with sequence parallelism); a pipeline needs at
+    least one microbatch per stage (the batch per replica at least `pipeline`). Shapes
+    that match the pins in `fixed` but break a rule are appended to `rejected` as
     `(shape, rule)` when a list is given. The expert axis splits the batch with
     data and fsdp; it is searched for a mixture of experts only, over the sizes
     that divide its experts.
@@ -156,6 +157,13 @@ def mesh_shapes(
                     reject(
                         {"pipeline": P, "sequence": C, "model": T},
                         f"global_batch={global_batch} % (data x fsdp x expert={replicas}) != 0",
+                    )
+                    continue
+                if P > 1 and global_batch // replicas < P:  # no schedule runs m < P
+                    reject(
+                        {"pipeline": P, "sequence": C, "model": T},
+                        f"global_batch={global_batch} / (data x fsdp x expert={replicas}) = "
+                        f"{global_batch // replicas} microbatches at most < pipeline={P}",
                     )
                     continue
                 for E in divisors(replicas):

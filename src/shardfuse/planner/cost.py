@@ -43,7 +43,9 @@ and optimizer state divided over F per ZeRO stage; activations per layer
 and microbatch in the style of Korthikanti et al. 2022 (the tensors each
 block keeps for its backward pass, divided by T with sequence parallelism
 and by C), times the layers of a stage and the microbatches in flight
-(the executor's lockstep table: GPipe m, 1F1B and ZB-H1 min(m, 2P - 1), interleaved its peak);
+(the executor's lockstep table: GPipe m, 1F1B and ZB-H1 min(m, 2P - 1), interleaved its peak;
+an async executor's: 1F1B min(m, P)): their stage inputs when the backward reruns the stage,
+all their saved activations when the residuals are stored (Megatron);
 one layer's working set in its backward pass (its activations, recomputed or
 kept, and their cotangents); with tensor parallelism the full-sequence
 buffers of the collective matmuls; the logits of one microbatch;

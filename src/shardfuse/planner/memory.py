@@ -24,6 +24,7 @@ import functools
 from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel.pipeline.balance import balance_stages
 from shardfuse.parallel.pipeline.lockstep import lockstep_table
+from shardfuse.parallel.pipeline.schedule import closed_form_in_flight
 from shardfuse.planner.options import Assumptions, Parallelism
 from shardfuse.planner.terms import Term
 
@@ -96,12 +97,23 @@ def saved_elements_per_token(
     # A mixture of experts keeps the dispatched copies of its tokens (the grouped matmul's
     # input, `top_k` rows of h per token) and the experts' outputs before the combine.
     dispatched = model.top_k * h / token_split * len(model.moe_layers) / model.num_layers
-    full = residual + qkv + out + mlp + 2 * dispatched
+    full = residual + qkv + out + mlp
+    if a.saved_activations == "korthikanti":
+        # Megatron-LM's layers (Korthikanti et al. 2022, sec. 4.1, in elements of
+        # `activation_bytes`): the two norms' inputs and outputs and the two 1-byte dropout
+        # masks, replicated over `model` without sequence parallelism ("10 sbh"), and over
+        # `model`: q, k, v, the output projection's input, the MLP activation's input(s)
+        # and output ("24 sbh / t" for a GELU MLP of 4h). "selective" recomputes the
+        # attention core only: all of it but the scores.
+        full = (4 * h + 2 * h / a.activation_bytes) / token_split + qkv + heads * d + up + f / t
+    full += 2 * dispatched
     # The ZeRO-3 layer prefetch keeps each layer's input only, as "full" does (the policy
     # applies inside the layer's rerun, in its backward working set).
     policy = "full" if parallelism.options.prefetch else parallelism.options.remat
     if policy == "none":
         saved = full
+    elif policy in ("selective", "dots") and a.saved_activations == "korthikanti":
+        saved, scores = full, 0.0
     elif policy in ("selective", "dots"):
         # `shardfuse.layers.remat`: the linear projections' outputs that the backward
         # pass needs (q, k/v, attention out, MLP up) and the block input; "dots" also
@@ -304,6 +316,45 @@ def _peak_in_flight(schedule: str, stages: int, num_microbatches: int, virtual: 
     return float(max(lockstep_table(schedule, stages, num_microbatches, virtual).in_flight()))
 
 
+@functools.lru_cache(maxsize=4096)
+def _backward_ticks_outside_loops(schedule: str, stages: int, microbatches: int, virtual: int):
+    """Ticks with a B slot that the executor scans alone (a segment of one tick): XLA inlines
+    a scan of one iteration, and its scheduler then allocates that tick's residual buffers
+    (the stage's layer-scan outputs, zero-initialised with no operand) at the start of the
+    step, so they are live beside every loop before them.
+
+    >>> [_backward_ticks_outside_loops(name, 2, 4, 1) for name in ("1f1b", "gpipe")]
+    [1, 0]
+    """
+    from shardfuse.parallel.pipeline.executor import segments
+
+    table = lockstep_table(schedule, stages, microbatches, virtual)
+    return sum(
+        1 for item in segments(table.active()) if item[0] == "scan" and item[1][2] and item[3] == 1
+    )
+
+
+def in_flight_microbatches(parallelism: Parallelism, a: Assumptions) -> float:
+    """Microbatch-chunks the most loaded stage holds from their forward to their backward.
+
+    The executor's table: shardfuse's lockstep executor (`lockstep.lockstep_table`: 1F1B
+    and zb-h1 hold `min(m, 2 P - 1)`, a tick holding an F and a B), or an async one's
+    (Megatron: `schedule.closed_form_in_flight`, 1F1B `min(m, P)`).
+
+    Example:
+      >>> from shardfuse.planner.memory import in_flight_microbatches
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
+      >>> pipe = Parallelism.of(pipeline=4, num_microbatches=8)
+      >>> in_flight_microbatches(pipe, Assumptions()), in_flight_microbatches(
+      ...     pipe, Assumptions.megatron_2022())
+      (7.0, 4.0)
+    """
+    o, P = parallelism.options, parallelism.pipeline
+    if a.pipeline_executor == "async":
+        return float(closed_form_in_flight(o.schedule, P, o.num_microbatches, o.virtual_stages))
+    return _peak_in_flight(o.schedule, P, o.num_microbatches, o.virtual_stages)
+
+
 def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers_dev, seq_len):
     """The memory `Term`s of `cost.estimate` (see the module docstring); bytes per device.
 
@@ -368,21 +419,46 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
         what = (
             f"{mb_tokens:g} tokens x {saved / act:.4g} elements x {act} B x {layers_dev:g} layers"
         )
+    elif not a.pipeline_recompute:
+        # Residuals stored (`Pipeline(residuals="stored")`, Megatron): every microbatch in
+        # flight keeps its chunk's saved activations (Korthikanti et al. 2022, sec. 4.2.3:
+        # 1F1B's first stage holds P microbatches of L / P layers, L layers' worth).
+        in_flight = in_flight_microbatches(parallelism, a)
+        activations = in_flight * stage
+        what = (
+            f"{in_flight:.3g} microbatch-chunks in flight x {mb_tokens:g} tokens x "
+            f"{saved / act:.4g} elements x {act} B x {chunk:g} layers (residuals stored)"
+        )
     else:
         # The pipeline keeps each microbatch in flight as its stage input and recomputes
         # the stage forward in its backward tick (`Pipeline(residuals="recompute")`).
         # The executor's lockstep table: stage 0 holds its microbatches from F to B,
-        # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe.
-        in_flight = _peak_in_flight(parallelism.options.schedule, P, m, v)
+        # 2 P - 1 ticks for 1F1B (a tick holds an F and a B), all m for GPipe. A B tick
+        # scanned alone keeps its recomputed chunk beside the loops' (measured on the
+        # compiled steps of tests/planner/test_memory.py: 1F1B and zb-h1 at P = 2, whose
+        # drain is one tick).
+        in_flight = in_flight_microbatches(parallelism, a)
         inputs = in_flight * mb_tokens * h / T * act
-        activations = inputs + stage
+        chunks = 1
+        if a.pipeline_executor == "lockstep":
+            chunks += _backward_ticks_outside_loops(parallelism.options.schedule, P, m, v)
+        activations = inputs + chunks * stage
         what = (
             f"{in_flight:.3g} microbatches in flight x {mb_tokens:g} tokens x {h}/{T} x {act} B "
-            f"(stage inputs) + one microbatch's recomputed chunk: {mb_tokens:g} tokens x "
+            f"(stage inputs) + {chunks} microbatch's recomputed chunk: {mb_tokens:g} tokens x "
             f"{saved / act:.4g} elements x {act} B x {chunk:g} layers"
         )
     terms.append(Term("activations", activations, f"{what} (remat={parallelism.options.remat})"))
-    if P > 1:
+    if P > 1 and a.pipeline_executor == "async":
+        # An async executor (Megatron's) takes each microbatch from the data loader when its
+        # first forward runs and accumulates the gradients in place: beyond the activations
+        # in flight, a stage holds its send and receive buffers (an activation and a
+        # gradient each way).
+        split = T if a.sequence_parallel else 1
+        sends = 4 * mb_tokens * h / split * act
+        what = f"4 x {mb_tokens:g} tokens x {h}/{split} x {act} B (sends and receives)"
+        terms.append(Term("pipeline_buffers", sends, what))
+    elif P > 1:
         # the [m, b, T, F] pipeline input, its gradient and the stage outputs; the tick's
         # weight gradient beside its accumulator
         buffers = 3 * m * mb_tokens * h / T * act
@@ -400,6 +476,15 @@ def memory_terms(model, parallelism, a, params_dev, per_token, mb_tokens, layers
                 f"{h}/{T} x {chunk:g} layers x {act} B (the tick's buffers, fitted)",
             )
         )
+    if P == 1:
+        # The gradient of the embedded batch: the transpose of the accumulation's microbatch
+        # slicing, a zero-initialised [batch, s / C, h] buffer that the slices' gradients are
+        # written into after the loop. Having no operand, XLA:CPU allocates it at the step's
+        # start (jax 0.12, and 0.10.2's IR emitters: tests/planner/test_memory.py's buffer
+        # assignments; 0.10.2's fusion emitters write it in place).
+        tokens = m * mb_tokens
+        what = f"{tokens:g} tokens of the replica's batch x {h} x {act} B (its gradient)"
+        terms.append(Term("input_gradient", tokens * h * act, what))
     logits = mb_tokens * model.vocab_size / T * a.logits_bytes * a.logits_copies
     terms.append(
         Term(

@@ -36,6 +36,7 @@ else:
 
 PIPELINE_EXECUTORS = ("lockstep", "async")
 ZERO2_SCATTER = ("microbatch", "step")
+SAVED_ACTIVATIONS = ("shardfuse", "korthikanti")
 CP_STRATEGIES = ("ring", "all_gather", "ulysses", "ulysses_ring")
 
 
@@ -205,6 +206,14 @@ class Assumptions:
         `attention_scores_bytes_per_key` bytes per head and key (Korthikanti et al.'s
         5: fp16 softmax output, its dropout mask and dropout output).
       attention_scores_bytes_per_key: see `flash_attention`.
+      saved_activations: which tensors a layer keeps for its backward pass
+        (`memory.saved_elements_per_token`): "shardfuse" (its layers', counted with
+        `jax.ad_checkpoint.print_saved_residuals`; "selective" keeps the projections'
+        outputs and recomputes the norms and the MLP activation too) or "korthikanti"
+        (Megatron-LM's, Korthikanti et al. 2022 sec. 4.1: `sbh (34 + 5 a s / h)` bytes a
+        GPT layer, the norms' inputs and outputs, the dropout masks and the MLP
+        activation's input and output included; "selective" recomputes the attention
+        core only).
       embedding_sharded: embedding and output tables are split over `model`
         (vocabulary-parallel); False: the input table is replicated.
       logits_bytes: bytes per logit kept for the loss (float32 cross-entropy).
@@ -260,6 +269,7 @@ class Assumptions:
     residual_sharded: bool = False
     flash_attention: bool = True
     attention_scores_bytes_per_key: int = 5
+    saved_activations: str = "shardfuse"
     embedding_sharded: bool = True
     logits_bytes: int = 4
     logits_copies: int = 2
@@ -278,6 +288,7 @@ class Assumptions:
             raise ValueError(f"overlap={self.overlap!r} must be in [0, 1]")
         _choice("pipeline_executor", self.pipeline_executor, PIPELINE_EXECUTORS)
         _choice("zero2_scatter", self.zero2_scatter, ZERO2_SCATTER)
+        _choice("saved_activations", self.saved_activations, SAVED_ACTIVATIONS)
         if not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
         if not 0 <= self.reserved_fraction < 1:
@@ -339,7 +350,8 @@ class Assumptions:
         all-reduced in fp16 after the backward pass (no overlap), tensor-parallel
         all-reduces exposed, point-to-point pipeline sends exposed, attention
         computed in full (no causal skipping), no flash attention; the distributed
-        optimizer reduce-scatters the accumulated gradients once a step.
+        optimizer reduce-scatters the accumulated gradients once a step; the layers keep
+        what Megatron's keep for the backward pass (`saved_activations="korthikanti"`).
         """
         return cls(
             name="megatron-2021",
@@ -353,6 +365,7 @@ class Assumptions:
             pipeline_executor="async",
             pipeline_recompute=False,
             zero2_scatter="step",
+            saved_activations="korthikanti",
         )
 
     @classmethod

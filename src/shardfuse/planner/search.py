@@ -219,8 +219,10 @@ class _Search:
                     probe = Parallelism(P, D, F, C, T, expert=E).replace(
                         zero=z, remat=c.remats[-1], num_microbatches=per_replica
                     )
-                    self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
-                                     probe)  # fmt: skip
+                    # only a probe the rules accept is estimated (the schedule checks its m)
+                    if not parallelism_constraints(self.model, probe, **self.sizes_only()):
+                        self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
+                                         probe)  # fmt: skip
                 continue
             for prefetch in c.prefetches:
                 fitted = set()  # microbatch sizes at which a cheaper policy already fits
@@ -379,7 +381,7 @@ def _schedules(model, base, schedules, virtuals=None):
 def _no_fit_message(model, cluster, global_batch, seq_len, smallest, shapes, remats, zeros,
                     rejected=()):  # fmt: skip
     where = f"{model.name} ({model.num_params() / 1e9:.3g}B parameters) on {cluster.describe()}"
-    if smallest is None:
+    if smallest is None or (smallest[0].fits and rejected):  # what fits breaks a rule
         rules = sorted({rule for _, rule in rejected})
         failed = f"; rules that failed: {'; '.join(rules[:8])}" if rules else ""
         return (

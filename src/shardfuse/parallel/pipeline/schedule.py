@@ -149,6 +149,23 @@ def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1):
     return (p - 1) / (3 * m + p - 1)
 
 
+def closed_form_in_flight(schedule: str, p: int, m: int, v: int = 1) -> int:
+    """Peak microbatch-chunks whose forward is done and backward not, on stage 0 (the most
+    loaded): GPipe `m`, 1F1B and zb-h1 `min(m, p)`, interleaved `min(v m, 2 (p - 1) +
+    (v - 1) p + 1)` (its warm-up and one more); `ScheduleTable.in_flight`'s peak without
+    the simulation. Korthikanti et al. 2022 (sec. 4.2.3): interleaving keeps
+    `1 + (p - 1) / (p v)` times 1F1B's activations.
+
+    >>> closed_form_in_flight("1f1b", 4, 8), closed_form_in_flight("interleaved", 4, 8, 2)
+    (4, 11)
+    """
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min(v * m, 2 * (p - 1) + (v - 1) * p + 1)
+    return min(m, p)
+
+
 class CountTypeError(TypeError, ValueError):
     """A count (`num_microbatches`, ...) that is not an int: a TypeError, and a ValueError
     as every count check raised for it before there was one check."""
