@@ -317,7 +317,7 @@ def _peak_in_flight(schedule: str, stages: int, num_microbatches: int, virtual: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_ticks_outside_loops(schedule: str, stages: int, microbatches: int, virtual: int):
+def _backward_ticks_outside_loops(schedule: str, stages: int, num_microbatches: int, virtual: int):
     """Ticks with a B slot that the executor scans alone (a segment of one tick): XLA inlines
     a scan of one iteration, and its scheduler then allocates that tick's residual buffers
     (the stage's layer-scan outputs, zero-initialised with no operand) at the start of the
@@ -328,7 +328,7 @@ def _backward_ticks_outside_loops(schedule: str, stages: int, microbatches: int,
     """
     from shardfuse.parallel.pipeline.executor import segments
 
-    table = lockstep_table(schedule, stages, microbatches, virtual)
+    table = lockstep_table(schedule, stages, num_microbatches, virtual)
     return sum(
         1 for item in segments(table.active()) if item[0] == "scan" and item[1][2] and item[3] == 1
     )
