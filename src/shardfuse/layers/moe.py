@@ -78,7 +78,8 @@ def moe_stats(module) -> dict:
 
     Returns:
       `{"load_balancing_loss", "router_z_loss", "dropped_tokens"}` -> scalar sums, and
-      `"tokens_per_expert"` -> a list, one `[E]` array per layer (in graph order).
+      `"tokens_per_expert"` -> a list, one `[E]` array per layer (in graph order; the
+      L layers of a `sf.layers.Stack` in layer order).
     """
     out = {"load_balancing_loss": 0.0, "router_z_loss": 0.0, "dropped_tokens": 0}
     per_layer = []
@@ -87,7 +88,9 @@ def moe_stats(module) -> dict:
             for name in ("load_balancing_loss", "router_z_loss", "dropped_tokens"):
                 # (a stacked layer, `sf.layers.Stack`, holds one value per layer: summed)
                 out[name] = out[name] + jnp.sum(getattr(layer, name)[...])
-            per_layer.append(layer.tokens_per_expert[...])
+            counts = layer.tokens_per_expert[...]
+            # a stacked layer's `[L, E]`: one row per layer
+            per_layer.extend(list(counts) if counts.ndim == 2 else [counts])
     out["tokens_per_expert"] = per_layer
     return out
 
