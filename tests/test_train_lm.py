@@ -219,3 +219,19 @@ def test_moe_example_trains_on_an_expert_mesh_and_reports_the_aux_loss(extra):
     assert [sum(c) for c in record["tokens_per_expert"]] == [8 * 16 * 2] * 2
     assert record["aux_loss"] >= 2 * 0.99  # >= 1 a layer (1: balanced)
     assert record["expert_load"] >= 1.0
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_restores_on_another_expert_layout(tmp_path):
+    """A first dense block then MoE blocks (two Stacks), saved on expert=4 and restored on
+    expert=2: every parameter equal."""
+    spec = TINY.replace(num_layers=3, experts=8, top_k=2, moe_first_dense=1)
+    config = dict(model=spec, steps=2, global_batch=8, seq_len=16, checkpoint_dir=str(tmp_path))
+    saved = Trainer(TrainConfig(mesh={"expert": 4, "data": 2}, **config), log=lambda line: None)
+    saved.run()
+    restored = Trainer(TrainConfig(mesh={"expert": 2, "data": 4}, **config), log=lambda line: None)
+    assert restored.step == 2
+    want, got = _params(saved.model), _params(restored.model)
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
