@@ -119,3 +119,21 @@ def test_a_pipeline_of_moe_blocks_is_refused_naming_the_option():
     )
     with pytest.raises(NotImplementedError, match="pipelined=False"):
         sf.parallel.Pipeline(stack, mesh=mesh, num_microbatches=2)
+
+
+def test_uneven_stages_plain_call_writes_the_real_layers_stats():
+    """stage_layers=(2, 1): rows [0, 1, 2, -1]; a plain call writes rows 0-2, the padding
+    row's statistics stay zero, and moe_stats counts the three real layers' tokens."""
+    mesh = jax.make_mesh((2, 2), ("pipeline", "expert"))
+    stack = sf.layers.Stack(
+        lambda rngs: sf.layers.ParallelTransformerBlock(16, 2, 8, moe=MOE, mesh=mesh, rngs=rngs),
+        3,
+        mesh=mesh,
+        layer_axis="pipeline",
+        stage_layers=(2, 1),
+        rngs=nnx.Rngs(0),
+    )
+    stack(jax.random.normal(jax.random.key(1), (4, 8, 16)))
+    counts = np.asarray(stack.blocks.mlp.tokens_per_expert[...])
+    assert counts.shape == (4, 4)
+    assert counts.sum(1).tolist() == [4 * 8 * 2] * 3 + [0]

@@ -452,11 +452,21 @@ class Stack(nnx.Module):
 
     def _write_stats(self, stats, real=None):
         """Writes the layers' `MoEStats` rows (`stats`, `[layers, ...]`) to the stacked
-        variables (`real`: the rows of the real layers, or None: all rows)."""
+        variables (`real` not None: the L real layers' rows of uneven stages, each row
+        gathered from its layer's, padding rows zero, on the stored sharding)."""
         values = nnx.to_pure_dict(stats)
         if real is not None:
+            rows = np.asarray(self.layer_rows())
             stored = nnx.to_pure_dict(nnx.state(self.blocks, MoEStats))
-            values = jax.tree.map(lambda old, new: old.at[real].set(new), stored, values)
+
+            def to_rows(old, new):
+                full = new[np.maximum(rows, 0)]
+                mask = (rows >= 0).reshape(-1, *(1,) * (full.ndim - 1))
+                full = jnp.where(mask, full, jnp.zeros_like(full))
+                spec = getattr(jax.typeof(old).sharding, "spec", None)
+                return full if spec is None else _sharding.place(full, self.mesh, spec)
+
+            values = jax.tree.map(to_rows, stored, values)
         variables = nnx.state(self.blocks, MoEStats)
         nnx.replace_by_pure_dict(variables, values)
         nnx.update(self.blocks, variables)
