@@ -63,17 +63,24 @@ def _one_device(model, names):
     return one
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
-def test_moe_transformer_on_an_expert_mesh_equals_one_device(explicit):
-    names = ("expert", "data")
-    mesh = _mesh((4, 2), names, explicit)
+@pytest.mark.parametrize(
+    "explicit, shape, names",
+    [
+        (True, (4, 2), ("expert", "data")),
+        (False, (4, 2), ("expert", "data")),
+        pytest.param(True, (2, 2, 2), ("expert", "data", "model"), marks=pytest.mark.slow),
+    ],
+    ids=["explicit", "auto", "expert-data-model"],
+)
+def test_moe_transformer_on_an_expert_mesh_equals_one_device(explicit, shape, names):
+    mesh = _mesh(shape, names, explicit)
     model = Transformer(SPEC, mesh=mesh, rngs=nnx.Rngs(0))
     assert isinstance(model.blocks, BlockRuns)
     assert [(run.num_layers, run.has_moe) for run in model.blocks.runs] == [(1, False), (2, True)]
     moe = model.blocks.runs[1].blocks.mlp
     assert moe.gate_up.shape == (2, 8, 16, 16)  # [L, E, F, 2 H]
     assert moe.shared_up.shape == (2, 16, 32)  # S = 1 x shared_expert_hidden
-    assert tuple(moe.gate_up[...].sharding.spec)[:2] == (None, "expert")
+    assert tuple(moe.gate_up[...].sharding.spec)[:2] == (None, "expert")  # [L, E, ...]
     batch = _batch()
     one = _one_device(model, names)
     with jax.set_mesh(mesh):
