@@ -3,6 +3,11 @@
 Single host (8 CPU devices):
   JAX_NUM_CPU_DEVICES=8 python examples/train_lm.py --mesh data=2,sequence=2,model=2 --steps 20
 
+A mixture of experts, 8 experts over an expert axis of 4 (each step prints the
+load-balancing aux loss, the router z-loss and the expert load, max/mean tokens):
+  python examples/train_lm.py --mesh expert=4,data=2 --experts 8 --top-k 2 \
+      [--shared-experts 1] [--capacity-factor 1.25] [--expert-hidden 64]
+
 Several processes (one per host on a cluster; here two local ones on loopback):
   python examples/launch_local.py --num-processes 2 --devices-per-process 4 -- \\
       python examples/train_lm.py --mesh data=2,model=4 --steps 5
@@ -40,6 +45,22 @@ def make_parser():
     p.add_argument("--hidden", type=positive_int, default=128)
     p.add_argument("--vocab", type=positive_int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--experts", type=non_negative_int, default=0, help="routed experts (0: a dense model)"
+    )
+    p.add_argument("--top-k", type=positive_int, default=2, help="experts per token")
+    p.add_argument(
+        "--expert-hidden", type=positive_int, default=None, help="an expert's width (--hidden)"
+    )
+    p.add_argument("--shared-experts", type=non_negative_int, default=0)
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="each expert's capacity (default: dropless); dropped tokens are counted",
+    )
+    p.add_argument("--aux-loss-coef", type=float, default=0.01, help="load-balancing loss")
+    p.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (fsdp)")
     p.add_argument(
         "--remat",
@@ -117,6 +138,14 @@ def setup(args):
     from shardfuse.parallel import RunOptions
     from shardfuse.train import TrainConfig, Trainer, parse_mesh
 
+    moe = {}
+    if args.experts:  # a mixture of experts in every block
+        moe = dict(experts=args.experts, top_k=args.top_k, shared_experts=args.shared_experts,
+                   expert_hidden=args.expert_hidden)  # fmt: skip
+    elif args.shared_experts or args.capacity_factor is not None or args.expert_hidden:
+        raise ValueError(
+            "--shared-experts, --expert-hidden and --capacity-factor need --experts > 0"
+        )
     model = ModelSpec.tiny(
         "train_lm",
         vocab_size=args.vocab,
@@ -125,6 +154,7 @@ def setup(args):
         kv_heads=args.kv_heads,
         ffn_hidden=args.hidden,
         num_layers=args.layers,
+        **moe,
     )
     config = TrainConfig(
         mesh=parse_mesh(args.mesh),
@@ -148,6 +178,9 @@ def setup(args):
             num_microbatches=args.microbatches,
             schedule=args.schedule,
             virtual_stages=args.virtual_stages,
+            capacity_factor=args.capacity_factor,
+            aux_loss_coef=args.aux_loss_coef,
+            z_loss_coef=args.z_loss_coef,
         ),
         init_from=args.init_from,
         export_hf=args.export_hf,

@@ -72,6 +72,11 @@ TRAIN_LM_CASES = [
     (["--zero", "7"], "invalid choice: 7"),
     (["--num-processes", "2"], "coordinator, num_processes and process_id go together"),
     (["--heads", "3"], "hidden=64 must be a multiple of heads=3"),
+    (["--mesh", "expert=4,data=2"], "expert axis 'expert' has size 4 but spec.experts=0"),
+    (["--mesh", "expert=4,data=2", "--experts", "6"], "spec.experts=6 must be divisible by"),
+    (["--experts", "8", "--top-k", "9"], "top_k=9 must be an int in"),
+    (["--experts", "8", "--capacity-factor", "0"], "capacity_factor=0.0 must be None"),
+    (["--capacity-factor", "1.5"], "need --experts > 0"),
 ]
 
 

@@ -180,3 +180,58 @@ def test_the_run_choices_are_one_run_options():
     assert old == config
     with pytest.raises(TypeError, match="options=3 must be an sf.parallel.RunOptions"):
         TrainConfig(options=3)
+
+
+def _example():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([], id="dropless"),
+        pytest.param(["--shared-experts", "1", "--capacity-factor", "1.0"], id="shared-capacity"),
+    ],
+)
+def test_moe_example_trains_on_an_expert_mesh_and_reports_the_aux_loss(extra):
+    """`--mesh expert=4,data=2 --experts 8 --top-k 2`: the loss falls, each step's line
+    prints the aux loss and the expert load, the history holds tokens per expert."""
+    example = _example()
+    argv = ["--mesh", "expert=4,data=2", "--experts", "8", "--top-k", "2", "--steps", "6",
+            "--batch", "8", "--seq-len", "16", "--layers", "2", "--features", "32",
+            "--hidden", "32", "--vocab", "64", "--lr", "1e-2", *extra]  # fmt: skip
+    lines = []
+    trainer = example.setup(example.parse_args(argv))
+    trainer._log = lines.append
+    losses = trainer.run()
+    assert len(losses) == 6 and np.all(np.isfinite(losses)), losses
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert all("aux_loss" in line and "expert_load" in line for line in lines), lines
+    record = trainer.history[-1]
+    assert len(record["tokens_per_expert"]) == 2  # a list of [E] per MoE layer
+    assert [sum(c) for c in record["tokens_per_expert"]] == [8 * 16 * 2] * 2
+    assert record["aux_loss"] >= 2 * 0.99  # >= 1 a layer (1: balanced)
+    assert record["expert_load"] >= 1.0
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_restores_on_another_expert_layout(tmp_path):
+    """A first dense block then MoE blocks (two Stacks), saved on expert=4 and restored on
+    expert=2: every parameter equal."""
+    spec = TINY.replace(num_layers=3, experts=8, top_k=2, moe_first_dense=1)
+    config = dict(model=spec, steps=2, global_batch=8, seq_len=16, checkpoint_dir=str(tmp_path))
+    saved = Trainer(TrainConfig(mesh={"expert": 4, "data": 2}, **config), log=lambda line: None)
+    saved.run()
+    restored = Trainer(TrainConfig(mesh={"expert": 2, "data": 4}, **config), log=lambda line: None)
+    assert restored.step == 2
+    want, got = _params(saved.model), _params(restored.model)
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)

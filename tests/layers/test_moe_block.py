@@ -1,5 +1,6 @@
 """A transformer block whose MLP is a `ParallelMoE` (`ParallelTransformerBlock(moe=...)`),
-against the unsharded reference block, aux losses included; a `Stack` of them is refused."""
+against the unsharded reference block, aux losses included (a `Stack` of them:
+tests/layers/test_moe_stack.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -59,15 +60,16 @@ def test_moe_block_equals_the_reference_block(sequence_parallel):
     assert_close(np.asarray(grads[1]), np.asarray(ref_grads[1]), kind="grad", name="grad x")
 
 
-def test_a_stack_of_moe_blocks_is_refused_not_silent():
-    mesh = jax.make_mesh((2,), ("expert",))
-    with pytest.raises(NotImplementedError, match="ParallelMoE"):
+def test_a_stack_of_moe_blocks_refuses_prefetch_not_silent():
+    mesh = jax.make_mesh((2, 2), ("expert", "fsdp"))
+    with pytest.raises(NotImplementedError, match="prefetch=True"):
         sf.layers.Stack(
             lambda rngs: sf.layers.ParallelTransformerBlock(
-                16, 2, 8, moe=MOE, mesh=mesh, rngs=rngs
+                16, 2, 8, moe=MOE, mesh=mesh, zero=3, rngs=rngs
             ),
             2,
             mesh=mesh,
+            prefetch=True,
             rngs=nnx.Rngs(0),
         )
 

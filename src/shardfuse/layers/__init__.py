@@ -36,7 +36,7 @@ from shardfuse.layers.block import Norm, ParallelTransformerBlock
 from shardfuse.layers.linear import ColumnParallelLinear
 from shardfuse.layers.loss import token_loss
 from shardfuse.layers.mlp import ParallelMLP
-from shardfuse.layers.moe import MoEStats, ParallelMoE, moe_stats
+from shardfuse.layers.moe import MoEStats, ParallelMoE, moe_aux_loss, moe_stats
 from shardfuse.layers.options import LayerOptions
 from shardfuse.layers.row_linear import RowParallelLinear
 from shardfuse.layers.stack import Stack
@@ -55,6 +55,7 @@ __all__ = [
     "canonical_spec",
     "in_manual_region",
     "moe",
+    "moe_aux_loss",
     "moe_stats",
     "options",
     "place",

@@ -201,7 +201,7 @@ class ParallelTransformerBlock(nnx.Module):
         (`num_experts`, `top_k`, `routing`, `shared_experts`, `capacity_factor`, ...):
         the block's MLP is then a mixture of SwiGLU experts, each `hidden_features`
         wide, and the block writes its `MoEStats` on every call
-        (`sf.layers.moe_stats(model)`). A `Stack` of such blocks is not supported yet.
+        (`sf.layers.moe_stats(model)`; a `Stack` of such blocks writes each layer's).
       model_axis: tensor-parallel axis of attention heads and MLP hidden
         units (deprecated spelling: `tp_axis`).
       sequence_axis: context-parallel axis (ring attention); None: the

@@ -78,7 +78,8 @@ def moe_stats(module) -> dict:
 
     Returns:
       `{"load_balancing_loss", "router_z_loss", "dropped_tokens"}` -> scalar sums, and
-      `"tokens_per_expert"` -> a list, one `[E]` array per layer (in graph order).
+      `"tokens_per_expert"` -> a list, one `[E]` array per layer (in graph order; the
+      L layers of a `sf.layers.Stack` in layer order).
     """
     out = {"load_balancing_loss": 0.0, "router_z_loss": 0.0, "dropped_tokens": 0}
     per_layer = []
@@ -87,9 +88,39 @@ def moe_stats(module) -> dict:
             for name in ("load_balancing_loss", "router_z_loss", "dropped_tokens"):
                 # (a stacked layer, `sf.layers.Stack`, holds one value per layer: summed)
                 out[name] = out[name] + jnp.sum(getattr(layer, name)[...])
-            per_layer.append(layer.tokens_per_expert[...])
+            counts = layer.tokens_per_expert[...]
+            # a stacked layer's `[L, E]`: one row per layer
+            per_layer.extend(list(counts) if counts.ndim == 2 else [counts])
     out["tokens_per_expert"] = per_layer
     return out
+
+
+def moe_aux_loss(module, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+    """`aux_loss_coef * load_balancing_loss + z_loss_coef * router_z_loss` of `module`.
+
+    Summed over its MoE layers (`moe_stats`), as their last call wrote them: call it
+    after the model's forward, inside the differentiated function, and add it to the
+    mean task loss (`sf.parallel.parallelize`'s step does, with `RunOptions`'
+    coefficients). 0.0 for a module without a `ParallelMoE`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import shardfuse as sf
+      >>> from shardfuse.layers.moe import moe_aux_loss
+      >>> mesh = jax.make_mesh((2,), ("expert",))
+      >>> moe = sf.layers.ParallelMoE(8, 16, num_experts=4, top_k=1, mesh=mesh,
+      ...                             rngs=nnx.Rngs(0))
+      >>> y = moe(jnp.ones((2, 4, 8)))  # every token alike: one expert takes all 8
+      >>> moe.tokens_per_expert[...].tolist()
+      [0, 0, 8, 0]
+      >>> bool(moe_aux_loss(moe, aux_loss_coef=0.01) > 0.01)  # above 0.01 x 1 (balanced)
+      True
+    """
+    if not aux_loss_coef and not z_loss_coef:
+        return jnp.float32(0.0)
+    stats = moe_stats(module)
+    return aux_loss_coef * stats["load_balancing_loss"] + z_loss_coef * stats["router_z_loss"]
 
 
 class ParallelMoE(nnx.Module):
@@ -103,10 +134,10 @@ class ParallelMoE(nnx.Module):
     model)` (gate and up columns interleaved per hidden unit, as `ParallelMLP`);
     `down` `[E, H, F]` `P(expert, model, None)`; with shared experts `shared_up`
     `[F, 2 * S]` `P(None, model)`, `shared_down` `[S, F]` `P(model, None)`
-    (`S = shared_experts * expert_hidden`) and, gated, `shared_gate` `[F, 1]` `P()`.
-    The sigmoid rule's `selection_bias` `[E]` is a `router_lib.SelectionBias`. The
-    module docstring gives the algorithm, the capacity rule and how to read the
-    auxiliary losses.
+    (`S = shared_hidden`, default `shared_experts * expert_hidden`) and, gated,
+    `shared_gate` `[F, 1]` `P()`. The sigmoid rule's `selection_bias` `[E]` is a
+    `router_lib.SelectionBias`. The module docstring gives the algorithm, the capacity
+    rule and how to read the auxiliary losses.
 
     Args:
       features: model width F.
@@ -119,6 +150,9 @@ class ParallelMoE(nnx.Module):
       n_groups, topk_groups: group-limited routing (DeepSeek), or None.
       routed_scaling: factor on the routed weights.
       shared_experts: number of shared experts (0: none), each `expert_hidden` wide.
+      shared_hidden: the shared experts' total hidden width S (None: `shared_experts *
+        expert_hidden`; Qwen2-MoE's `shared_expert_intermediate_size`); with
+        `shared_experts > 0` only, divisible by the model axis.
       shared_expert_gate: scale the shared experts by `sigmoid(x @ shared_gate)`.
       capacity_factor: None (dropless) or > 0: each expert's capacity per device.
       dispatch_implementation: "ragged", "dense" or None (the mesh's platform:
@@ -166,6 +200,7 @@ class ParallelMoE(nnx.Module):
         topk_groups: int | None = None,
         routed_scaling: float = 1.0,
         shared_experts: int = 0,
+        shared_hidden: int | None = None,
         shared_expert_gate: bool = False,
         capacity_factor: float | None = None,
         dispatch_implementation: str | None = None,
@@ -189,6 +224,16 @@ class ParallelMoE(nnx.Module):
             raise ValueError(f"shared_experts={shared_experts!r} must be an int >= 0")
         if shared_experts < 0:
             raise ValueError(f"shared_experts={shared_experts!r} must be an int >= 0")
+        if shared_hidden is not None and (
+            isinstance(shared_hidden, bool)
+            or not isinstance(shared_hidden, int)
+            or shared_hidden < 1
+            or not shared_experts
+        ):
+            raise ValueError(
+                f"shared_hidden={shared_hidden!r} must be None or a positive int, with "
+                f"shared_experts > 0 (got shared_experts={shared_experts!r})"
+            )
         if dispatch_implementation is not None:
             expert_dispatch.check_implementation(dispatch_implementation)
         options = options_lib.configure(self, options, sequence_parallel=False)
@@ -205,9 +250,10 @@ class ParallelMoE(nnx.Module):
             dispatch_implementation or expert_dispatch.default_implementation(platform)
         )
         self.grouped_matmul_implementation = grouped_matmul_implementation
-        E, F, H, S = num_experts, features, expert_hidden, shared_experts * expert_hidden
+        E, F, H = num_experts, features, expert_hidden
+        S = shared_experts * expert_hidden if shared_hidden is None else shared_hidden
         if S:
-            _sharding.check_divisible("shared_experts * expert_hidden", S, mesh, self.model_axis)
+            _sharding.check_divisible("the shared experts' hidden width", S, mesh, self.model_axis)
         make = _sharding.param_maker(rngs, self.param_dtype, mesh)
         specs = self._kernel_specs()
         self.router = make(kernel_init, (F, E), P())
@@ -455,4 +501,4 @@ class ParallelMoE(nnx.Module):
         return y
 
 
-__all__ = ["STATS", "MoEStats", "ParallelMoE", "expert_kernel_init", "moe_stats"]
+__all__ = ["STATS", "MoEStats", "ParallelMoE", "expert_kernel_init", "moe_aux_loss", "moe_stats"]

@@ -33,7 +33,7 @@ from shardfuse.layers import fsdp as fsdp_lib
 from shardfuse.layers import options as options_lib
 from shardfuse.layers import prefetch as prefetch_lib
 from shardfuse.layers import remat as remat_lib
-from shardfuse.layers.moe import ParallelMoE
+from shardfuse.layers.moe import MoEStats, ParallelMoE
 
 # Variable metadata of a stacked parameter (dimension 0 is the layer axis): ZeRO shards
 # its gradient and optimizer state on a later dimension (`shardfuse.parallel.zero`).
@@ -132,7 +132,11 @@ class Stack(nnx.Module):
     """`num_layers` copies of `make_block(rngs)` applied in order, parameters stacked.
 
     `stack(x, **kwargs)` equals `for block in blocks: x = block(x, **kwargs)`
-    with `blocks[l]` holding slice `l` of every stacked parameter.
+    with `blocks[l]` holding slice `l` of every stacked parameter. Blocks holding a
+    `ParallelMoE` (`ParallelTransformerBlock(moe=...)`): the scan returns each layer's
+    `MoEStats`, written to the stacked variables (`[L]`, `[L, E]`), so that
+    `sf.layers.moe_stats(stack)` sums the aux losses over the L layers, as over the
+    looped blocks (and differentiably, under every remat policy).
 
     Args:
       make_block: `make_block(rngs) -> nnx.Module`, a block whose call maps
@@ -263,10 +267,13 @@ class Stack(nnx.Module):
             mesh,
         )
         abstract = nnx.eval_shape(lambda: make_block(nnx.Rngs(0)))
-        if any(isinstance(node, ParallelMoE) for _, node in nnx.iter_graph(abstract)):
+        # Blocks holding a ParallelMoE write their `MoEStats` on every call: the layer
+        # scan returns each layer's as a scan output, written to the stacked variables.
+        self.has_moe = any(isinstance(node, ParallelMoE) for _, node in nnx.iter_graph(abstract))
+        if self.has_moe and prefetch:
             raise NotImplementedError(
-                "Stack of blocks holding a ParallelMoE: the layer scan does not carry the "
-                "experts' statistics (aux losses) out yet; stack the blocks yourself"
+                "prefetch=True with blocks holding a ParallelMoE: the prefetching scan does "
+                "not carry the experts' statistics out; use prefetch=False"
             )
         graphdef, abstract_state = nnx.split(abstract)
         specs = jax.tree.map(
@@ -330,9 +337,20 @@ class Stack(nnx.Module):
         layer axis (a pipeline stage's local layers). With `prefetch=True`
         (all L layers), the prefetching scan of `shardfuse.layers.prefetch`.
         """
+        return self.apply_layers_with_stats(state, x, **kwargs)[0]
+
+    def apply_layers_with_stats(self, state, x, **kwargs):
+        """`(y, stats)`: `apply_layers` and the layers' `MoEStats`, stacked `[layers, ...]`.
+
+        `stats` is the pure `nnx.State` of the blocks' `MoEStats` variables, one row per
+        layer applied (None when the blocks hold no `ParallelMoE`): what each layer's
+        experts wrote in the scan, carried out of it as a scan output (a value the
+        loss may differentiate: the aux losses' gradients flow back through the scan).
+        """
         x = self._as_carry(state, x, kwargs)
         if self.prefetch and x.size:  # (an empty batch: the plain scan, nothing to gather)
-            return prefetch_lib.apply_layers(self._prefetch_plan(), self.mesh, state, x, kwargs)
+            y = prefetch_lib.apply_layers(self._prefetch_plan(), self.mesh, state, x, kwargs)
+            return y, None
         graphdef = nnx.graphdef(self.blocks)
         # ZeRO-2 (`fsdp.scatter_gradient`): each layer's weight gradient reduce-scattered
         # in the scan's backward, as soon as it is produced.
@@ -341,10 +359,16 @@ class Stack(nnx.Module):
             return self._apply_scattering(graphdef, state, x, kwargs, scatters)
 
         def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, **kwargs), None
+            return self._layer(graphdef, layer_state, x, kwargs)
 
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
-        return jax.lax.scan(body, x, state)[0]
+        return jax.lax.scan(body, x, state)
+
+    def _layer(self, graphdef, layer_state, x, kwargs):
+        """One layer: `(y, its MoEStats state or None)`."""
+        block = nnx.merge(graphdef, layer_state)
+        y = block(x, **kwargs)
+        return y, (nnx.state(block, MoEStats) if self.has_moe else None)
 
     def _apply_scattering(self, graphdef, state, x, kwargs, scatters):
         """The layer scan over `(replicated value, sink)` pairs: a layer slice of each leaf
@@ -359,10 +383,10 @@ class Stack(nnx.Module):
                 v if s is None else fsdp_lib.scatter_gradient(v, sink, s.axis, s.dim - 1)
                 for v, sink, s in zip(values, layer_sinks, scatters, strict=True)
             ]
-            return nnx.merge(graphdef, jax.tree.unflatten(treedef, tied))(x, **kwargs), None
+            return self._layer(graphdef, jax.tree.unflatten(treedef, tied), x, kwargs)
 
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
-        return jax.lax.scan(body, x, (fulls, sinks))[0]
+        return jax.lax.scan(body, x, (fulls, sinks))
 
     def _as_carry(self, state, x, kwargs):
         """`x` with the type a layer's output has, which the layer scan's carry must keep.
@@ -413,6 +437,7 @@ class Stack(nnx.Module):
                 specs,
                 is_leaf=_sharding.is_variable,
             )
+        real = None
         if self.stage_layers is not None:  # the real layers' rows, in order
             real = np.flatnonzero(np.asarray(self.layer_rows()) >= 0)
             state = jax.tree.map(
@@ -420,7 +445,31 @@ class Stack(nnx.Module):
                 state,
                 is_leaf=_sharding.is_variable,
             )
-        return self.apply_layers(state, x, **kwargs)
+        y, stats = self.apply_layers_with_stats(state, x, **kwargs)
+        if stats is not None:
+            self._write_stats(stats, real)
+        return y
+
+    def _write_stats(self, stats, real=None):
+        """Writes the layers' `MoEStats` rows (`stats`, `[layers, ...]`) to the stacked
+        variables (`real` not None: the L real layers' rows of uneven stages, each row
+        gathered from its layer's, padding rows zero, on the stored sharding)."""
+        values = nnx.to_pure_dict(stats)
+        if real is not None:
+            rows = np.asarray(self.layer_rows())
+            stored = nnx.to_pure_dict(nnx.state(self.blocks, MoEStats))
+
+            def to_rows(old, new):
+                full = new[np.maximum(rows, 0)]
+                mask = (rows >= 0).reshape(-1, *(1,) * (full.ndim - 1))
+                full = jnp.where(mask, full, jnp.zeros_like(full))
+                spec = getattr(jax.typeof(old).sharding, "spec", None)
+                return full if spec is None else _sharding.place(full, self.mesh, spec)
+
+            values = jax.tree.map(to_rows, stored, values)
+        variables = nnx.state(self.blocks, MoEStats)
+        nnx.replace_by_pure_dict(variables, values)
+        nnx.update(self.blocks, variables)
 
     def layer_rows(self) -> list:
         """The layer each row of the stacked parameters holds, -1 for a padding row.

@@ -39,8 +39,10 @@ from shardfuse.layers import (
 )
 from shardfuse.layers import options as options_lib
 from shardfuse.layers.loss import token_loss
+from shardfuse.layers.moe import moe_aux_loss
 from shardfuse.layers.stack import Stack, check_head
 from shardfuse.model_spec import ModelSpec
+from shardfuse.models.block_runs import BlockRuns, block_runs, moe_keywords
 
 
 class TiedUnembed(nnx.Module):
@@ -185,11 +187,23 @@ class Transformer(nnx.Module):
         else None (`Stack`'s `stage_layers`).
       layout: ring layout of the sequence over the `sequence` axis
         ("zigzag", "contiguous" or "striped").
+      capacity_factor: the MoE blocks' (`ParallelMoE`): None dropless, else each
+        expert's capacity per device (`RunOptions.capacity_factor`).
       rngs: `nnx.Rngs`.
+
+    Mixture of experts (`spec.experts > 0`): the blocks `spec.is_moe_layer` marks hold
+    a `ParallelMoE` (SwiGLU experts of `spec.expert_ffn_hidden`, experts sharded over
+    the `expert` axis, tokens split over it like a data axis); the others the dense
+    MLP. One kind of block: `blocks` is one `Stack`; mixed kinds: a `BlockRuns`, a
+    `Stack` per run of one kind (`shardfuse.models.block_runs`). Each call writes the
+    layers' `MoEStats` (`sf.layers.moe_stats(model)`; `token_loss_and_aux` adds the
+    aux losses to the loss).
 
     Raises:
       TypeError: `spec` is not a `ModelSpec`.
-      ValueError: sizes the mesh does not divide (from the layers).
+      ValueError: sizes the mesh does not divide (from the layers); an expert axis of
+        size > 1 with no MoE block in the spec; `spec.experts` not divisible by it.
+      NotImplementedError: MoE blocks with `pipelined=True`.
 
     Example usage::
 
@@ -201,6 +215,18 @@ class Transformer(nnx.Module):
       >>> model = sf.models.Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0))
       >>> model(jnp.zeros((2, 16), jnp.int32)).shape
       (2, 16, 256)
+
+    A mixture of experts, 8 experts over an expert axis of 4, the first block dense::
+
+      >>> mesh = jax.make_mesh((4, 2), ("expert", "data"))
+      >>> spec = sf.models.ModelSpec.tiny(num_layers=3, experts=8, top_k=2, moe_first_dense=1)
+      >>> model = sf.models.Transformer(spec, mesh=mesh, rngs=nnx.Rngs(0))
+      >>> [run.num_layers for run in model.blocks.runs]
+      [1, 2]
+      >>> model(jnp.zeros((8, 16), jnp.int32)).shape
+      (8, 16, 256)
+      >>> [int(c.sum()) for c in sf.layers.moe_stats(model)["tokens_per_expert"]]
+      [256, 256]
     """
 
     @options_lib.option_keywords
@@ -212,6 +238,7 @@ class Transformer(nnx.Module):
         pipelined: bool = False,
         stage_layers=None,
         layout: str = "zigzag",
+        capacity_factor: float | None = None,
         rngs: nnx.Rngs,
     ):
         if not isinstance(spec, ModelSpec):
@@ -226,6 +253,8 @@ class Transformer(nnx.Module):
         self.layout, self.sequence_parallel = layout, options.sequence_parallel
         names = options.mesh_axes()
         self.model_axis, self.sequence_axis = names["model_axis"], names["sequence_axis"]
+        _check_experts(spec, mesh, names["expert_axis"], pipelined)
+        self.capacity_factor = capacity_factor
         fsdp = options.zero_options().param_axis  # zero=3: the vocabulary sharded too
         init = nnx.initializers.normal(0.02)
         F = spec.hidden
@@ -241,41 +270,56 @@ class Transformer(nnx.Module):
         # the Stack applies the remat policy per layer; the blocks themselves apply none
         block_options = options.replace(remat="none")
 
-        def block(rngs):
-            return ParallelTransformerBlock(
-                F,
-                spec.heads,
-                spec.ffn_hidden,
-                num_kv_heads=spec.kv_heads,
-                head_dim=spec.head_dim,
-                rope_theta=rope_theta,
-                rope_scaling=spec.rope_scaling,
-                window=spec.causal_mask[0],
-                logit_softcap=spec.logit_softcap,
-                norm=spec.norm,
-                norm_eps=spec.norm_eps,
-                activation=spec.activation,
-                use_bias=spec.use_bias,
-                qkv_bias=spec.qkv_bias,
-                layout=layout,
-                options=block_options,
+        def make_block(moe):
+            def block(rngs):
+                return ParallelTransformerBlock(
+                    F,
+                    spec.heads,
+                    spec.expert_ffn_hidden if moe else spec.ffn_hidden,
+                    num_kv_heads=spec.kv_heads,
+                    head_dim=spec.head_dim,
+                    rope_theta=rope_theta,
+                    rope_scaling=spec.rope_scaling,
+                    window=spec.causal_mask[0],
+                    logit_softcap=spec.logit_softcap,
+                    norm=spec.norm,
+                    norm_eps=spec.norm_eps,
+                    activation=spec.activation,
+                    moe=moe_keywords(spec, capacity_factor) if moe else None,
+                    use_bias=spec.use_bias,
+                    qkv_bias=spec.qkv_bias,
+                    layout=layout,
+                    options=block_options,
+                    rngs=rngs,
+                )
+
+            return block
+
+        runs = [
+            Stack(
+                make_block(moe),
+                count,
+                options=options,
+                layer_axis=axes.PIPELINE if pipelined else None,
+                stage_layers=stage_layers,
                 rngs=rngs,
             )
-
-        self.blocks = Stack(
-            block,
-            spec.num_layers,
-            options=options,
-            layer_axis=axes.PIPELINE if pipelined else None,
-            stage_layers=stage_layers,
-            rngs=rngs,
-        )
+            for moe, count in block_runs(spec)
+        ]
+        # one kind of block: one Stack (one layer scan); mixed kinds: a Stack per run
+        self.blocks = runs[0] if len(runs) == 1 else BlockRuns(runs)
         self.head = LMHead(
             spec,
             options=options,
             embed=self.embed if spec.tied_embeddings else None,
             rngs=rngs,
         )
+
+    def io_spec(self):
+        """PartitionSpec of the blocks' `[B, T, F]` activations."""
+        if isinstance(self.blocks, BlockRuns):
+            return self.blocks.io_spec()
+        return self.blocks.blocks.io_spec()
 
     def positions(self, seq_len: int):
         """int32 `[T]`: the natural position of each token slot in the ring layout order."""
@@ -291,7 +335,7 @@ class Transformer(nnx.Module):
                 "(the learned position table's rows)"
             )
         # the mesh axes the batch and the sequence are split over
-        batch_split, split = map(entry_axes, self.blocks.blocks.io_spec()[:2])
+        batch_split, split = map(entry_axes, self.io_spec()[:2])
         shards = axes_size(self.mesh, split)
         if seq_len % shards:
             raise ValueError(
@@ -329,7 +373,7 @@ class Transformer(nnx.Module):
             table = place(self.pos_embed[...], self.mesh, P())
             rows = jnp.take(table, self.positions(x.shape[1]), axis=0)
             x = x + rows.astype(x.dtype)
-        return place(x, self.mesh, self.blocks.blocks.io_spec())  # the blocks' layout
+        return place(x, self.mesh, self.io_spec())  # the blocks' layout
 
     def _local_position_rows(self, local_len: int):
         """Per shard: position embedding rows `[t, F]` of this sequence shard's tokens."""
@@ -375,8 +419,12 @@ class Transformer(nnx.Module):
         self.check_widths()
         return self.head(self.blocks(self.embed_tokens(tokens)))
 
-    def loss(self, batch):
+    def loss(self, batch, *, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
         """`(sum of token losses, number of tokens)` of `batch` (`sf.layers.token_loss`).
+
+        A mixture of experts: with `aux_loss_coef` / `z_loss_coef` (`RunOptions`'), the
+        sum holds `count x sf.layers.moe_aux_loss(model, ...)`, so that `sum / count` is
+        the mean token loss plus the weighted load-balancing and router z-losses.
 
         `batch`: a dict of int `tokens` and `targets` `[B, T]` and an optional 0/1
         (or weight) `mask` `[B, T]`. `Transformer.loss` is a `loss_fn(model, batch)`
@@ -397,7 +445,31 @@ class Transformer(nnx.Module):
           >>> float(count)
           128.0
         """
-        return token_loss(self(batch["tokens"]), batch["targets"], batch.get("mask"))
+        total, count = token_loss(self(batch["tokens"]), batch["targets"], batch.get("mask"))
+        if aux_loss_coef or z_loss_coef:  # (sum + count x aux) / count = mean + aux
+            total = total + count * moe_aux_loss(self, aux_loss_coef, z_loss_coef)
+        return total, count
+
+
+def _check_experts(spec, mesh, expert_axis, pipelined):
+    """ValueError for an expert axis the spec cannot use; NotImplementedError pipelined."""
+    ep = mesh.shape[expert_axis] if expert_axis in mesh.axis_names else 1
+    if ep > 1 and not spec.is_moe:
+        raise ValueError(
+            f"the mesh's expert axis {expert_axis!r} has size {ep} but spec.experts=0: no "
+            "block is a mixture of experts (give the spec experts= and top_k=, or a mesh "
+            "without the expert axis)"
+        )
+    if spec.is_moe and spec.experts % ep:
+        raise ValueError(
+            f"spec.experts={spec.experts} must be divisible by the size {ep} of the expert "
+            f"axis {expert_axis!r}"
+        )
+    if spec.is_moe and pipelined:
+        raise NotImplementedError(
+            "pipelined=True with mixture-of-experts blocks: the pipeline schedules do not "
+            "carry the experts' aux losses yet; use pipelined=False (no pipeline axis)"
+        )
 
 
 def embed_lookup(table, tokens, mesh):

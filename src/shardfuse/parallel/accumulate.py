@@ -146,6 +146,7 @@ def accumulate(
     reduce_dtype=jnp.float32,
     wrt=nnx.Param,
     scatter: str = "microbatch",
+    has_aux: bool = False,
 ):
     """`fn(model, batch) -> (loss, grads)`: token-weighted gradients over microbatches.
 
@@ -183,10 +184,15 @@ def accumulate(
         reductions as one microbatch, unsharded gradient memory meanwhile).
         Other stages ignore it, except zero=3, whose layers reduce-scatter in
         their backward: "step" raises there.
+      has_aux: `loss_fn` returns `((sum_loss, num_tokens), aux)`, `aux` a pytree of
+        arrays the same on every device (e.g. a MoE model's `MoEStats`, already
+        summed over the batch axes by the layers; a value varying over an axis is
+        averaged over it); `fn` then returns `(loss, grads, aux)`, `aux` combined over
+        the microbatches: floating leaves averaged, integer leaves (counts) summed.
 
     Returns:
-      `fn(model, batch) -> (loss, grads)`; call it inside `nnx.jit` (it is
-      traceable) or eagerly.
+      `fn(model, batch) -> (loss, grads)` (or `(loss, grads, aux)` with `has_aux`);
+      call it inside `nnx.jit` (it is traceable) or eagerly.
 
     Raises:
       ValueError: `num_microbatches` < 1, `zero` not in 0..3, an axis not in
@@ -256,13 +262,14 @@ def accumulate(
             fsdp_axis=fsdp_axis,
             reduce_dtype=reduce_dtype,
             scatter_once=scatter == "step",
+            has_aux=has_aux,
         )
         in_specs = (param_specs, rest_specs, batch_specs)
         args = zero_lib.put((nnx.as_pure(params), nnx.as_pure(rest), batch), in_specs, mesh)
-        loss, grads = jax.shard_map(
-            body, mesh=mesh, in_specs=in_specs, out_specs=(P(), grad_specs)
-        )(*args)
-        return loss, nnx.State(_restore(params, grads))
+        out_specs = (P(), grad_specs, P()) if has_aux else (P(), grad_specs)
+        out = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+        grads = nnx.State(_restore(params, out[1]))
+        return (out[0], grads, out[2]) if has_aux else (out[0], grads)
 
     return run
 
@@ -300,6 +307,7 @@ def _per_shard(
     fsdp_axis,
     reduce_dtype,
     scatter_once=False,
+    has_aux=False,
 ):
     """The body of the full-manual region: scan over microbatches, then one reduction."""
     m = num_microbatches
@@ -356,17 +364,18 @@ def _per_shard(
             p = jax.tree.map(tie, diff, fulls, scatter_dims)
             p = jax.tree.map(gather, p, gather_dims)
             with fsdp_lib.scattering_gradients(scatters):
-                s, n = loss_fn(nnx.merge(graphdef, p, rest), mb)
-            return s, n
+                out = loss_fn(nnx.merge(graphdef, p, rest), mb)
+            (s, n), aux = out if has_aux else (out, None)
+            return s, (n, jax.lax.stop_gradient(aux))
 
         diff = jax.tree.map(sink, fulls, scatter_dims)
-        (s, n), g = jax.value_and_grad(loss, has_aux=True)(diff)
+        (s, (n, aux)), g = jax.value_and_grad(loss, has_aux=True)(diff)
         g = jax.tree.map(lambda x: x.astype(reduce_dtype), g)
-        return g, s.astype(reduce_dtype), n.astype(reduce_dtype)
+        return g, s.astype(reduce_dtype), n.astype(reduce_dtype), aux
 
     def microstep(acc, mb):
-        g, s, n = micro_grads(params, mb)
-        return jax.tree.map(lambda a, x: a + x, acc, g), (s, n)
+        g, s, n, aux = micro_grads(params, mb)
+        return jax.tree.map(lambda a, x: a + x, acc, g), (s, n, aux)
 
     # The buffer's type (shape, and the axes it varies over) is that of one microbatch's
     # gradients: traced abstractly here, never computed.
@@ -380,7 +389,7 @@ def _per_shard(
             for a in avals[: grad_tree.num_leaves]
         ],
     )
-    acc, (sums, counts) = lax.scan(microstep, acc, micro)
+    acc, (sums, counts, auxes) = lax.scan(microstep, acc, micro)
     if scatter_once:  # ZeRO-2, scatter="step": the whole local sum, reduce-scattered once
         acc = jax.tree.map(scatter, acc, param_specs, grad_specs, is_leaf=None)
     s, n = jnp.sum(sums), jnp.sum(counts)
@@ -396,4 +405,21 @@ def _per_shard(
         return g / total_n
 
     grads = jax.tree.map(finish, acc, grad_specs, is_leaf=None)
+    if has_aux:
+        return total_s / total_n, grads, jax.tree.map(_combine_aux, auxes)
     return total_s / total_n, grads
+
+
+def _combine_aux(values):
+    """`[M, ...]` per-microbatch aux values -> one: floats averaged, integers summed, then
+    averaged over any axis they still vary over (so that `P()` describes them)."""
+    if jnp.issubdtype(values.dtype, jnp.integer):
+        value = jnp.sum(values, axis=0)
+    else:
+        value = jnp.mean(values, axis=0)
+    axes = tuple(sorted(varying_axes(value)))
+    if not axes:
+        return value
+    if jnp.issubdtype(value.dtype, jnp.integer):
+        return lax.pmax(value, axes)
+    return lax.pmean(value, axes)

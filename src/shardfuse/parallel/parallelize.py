@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from shardfuse import axes
 from shardfuse.collectives.ring_attention import to_ring_layout
 from shardfuse.layers.loss import token_loss
+from shardfuse.layers.moe import MoEStats, moe_aux_loss
 from shardfuse.model_spec import ModelSpec
 from shardfuse.models.transformer import Transformer
 from shardfuse.parallel.accumulate import accumulate
@@ -57,7 +58,12 @@ class Run:
         natural order), `weights` `[B, T]` the targets' token weights (a
         padding mask: 0 for padding; None: every token 1), as `accumulate` and
         `Pipeline.loss` take them; it updates the model and optimizer in place
-        and returns the token-weighted mean loss before the update.
+        and returns the token-weighted mean loss before the update. A mixture of
+        experts: the loss trained and returned is that mean plus `aux_loss_coef x
+        load_balancing_loss + z_loss_coef x router_z_loss` (`RunOptions`), and the
+        step writes the model's `MoEStats` (`sf.layers.moe_stats(run.model)`: the aux
+        losses averaged over the microbatches, tokens per expert summed), the
+        step's metrics.
       mesh: the mesh.
       options: the `RunOptions` applied.
       stage_layers: the layers per pipeline stage when uneven, else None.
@@ -184,6 +190,8 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
         layout=options.layout,
         **model_kwargs,
     )
+    if spec.is_moe:  # the MoE blocks' capacity (None: dropless)
+        model_keywords.setdefault("capacity_factor", options.capacity_factor)
     if init is None:
         model = Transformer(spec, rngs=nnx.Rngs(0) if rngs is None else rngs, **model_keywords)
     else:
@@ -201,7 +209,7 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
     tx = optax.adamw(3e-3) if optimizer is None else optimizer
     zero_optimizer = ZeroOptimizer(model, tx, mesh=mesh, zero=zero)
     # 7. the step
-    step = nnx.jit(_step_fn(mesh, options, zero, pipeline))
+    step = nnx.jit(_step_fn(mesh, options, zero, pipeline, moe=spec.is_moe))
     return Run(model, zero_optimizer, step, mesh, options, stage_layers)
 
 
@@ -220,7 +228,7 @@ def _pipeline_of(mesh, options: RunOptions):
     return pipeline
 
 
-def _step_fn(mesh, options: RunOptions, zero, pipeline):
+def _step_fn(mesh, options: RunOptions, zero, pipeline, moe=False):
     ring = _size(mesh, axes.SEQUENCE)
     batch = tuple(a for a in axes.BATCH_AXES if a in mesh.axis_names) or None
     sequence = axes.SEQUENCE if axes.SEQUENCE in mesh.axis_names else None
@@ -248,18 +256,32 @@ def _step_fn(mesh, options: RunOptions, zero, pipeline):
         else:
 
             def per_shard_loss(model, batch):
-                return token_loss(model(batch["tokens"]), batch["targets"], batch.get("weights"))
+                total, count = token_loss(
+                    model(batch["tokens"]), batch["targets"], batch.get("weights")
+                )
+                if not moe:
+                    return total, count
+                # (sum + count x aux) / count: the mean token loss plus the aux losses
+                aux = moe_aux_loss(model, options.aux_loss_coef, options.z_loss_coef)
+                stats = nnx.to_pure_dict(nnx.state(model, MoEStats))
+                return (total + count * aux, count), stats
 
             batch = {"tokens": tokens, "targets": targets}
             if weights is not None:
                 batch["weights"] = weights
-            loss, grads = accumulate(
+            out = accumulate(
                 per_shard_loss,
                 options.num_microbatches,
                 mesh=mesh,
                 zero=zero,
                 batch_spec=batch_spec,
+                has_aux=moe,
             )(model, batch)
+            loss, grads = out[:2]
+            if moe:  # the step's MoEStats (microbatches: losses averaged, counts summed)
+                stats = nnx.state(model, MoEStats)
+                nnx.replace_by_pure_dict(stats, out[2])
+                nnx.update(model, stats)
         optimizer.update(model, grads)
         return loss
 

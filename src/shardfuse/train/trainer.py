@@ -22,12 +22,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import AxisType
 
 from shardfuse import axes, flops, hardware, planner
 from shardfuse._keywords import moved_keywords
+from shardfuse.layers.moe import moe_stats
 from shardfuse.model_spec import ModelSpec
 from shardfuse.parallel import distributed
 from shardfuse.parallel.checkpoint import Checkpointer
@@ -220,6 +222,33 @@ def _peak_flops(config: TrainConfig) -> float | None:
     return flops.peak_flops_per_s(chip, COMPUTE_DTYPE)
 
 
+def moe_metrics(model) -> dict:
+    """A MoE model's metrics of its last step (`sf.layers.moe_stats`), as plain numbers.
+
+    `aux_loss` (the load-balancing loss summed over the MoE layers), `z_loss`,
+    `dropped_tokens`, `tokens_per_expert` (a list per layer) and `expert_load`: the
+    busiest expert's tokens over the mean, the worst layer's (1.0: balanced).
+    """
+    stats = moe_stats(model)
+    counts = [np.asarray(c) for c in stats["tokens_per_expert"]]
+    load = max((float(c.max() / max(c.mean(), 1e-9)) for c in counts), default=1.0)
+    return dict(
+        aux_loss=float(stats["load_balancing_loss"]),
+        z_loss=float(stats["router_z_loss"]),
+        dropped_tokens=int(stats["dropped_tokens"]),
+        tokens_per_expert=[c.tolist() for c in counts],
+        expert_load=load,
+    )
+
+
+def _moe_line(moe: dict) -> str:
+    line = f"  aux_loss {moe['aux_loss']:.4f}  z_loss {moe['z_loss']:.3f}"
+    line += f"  expert_load {moe['expert_load']:.2f} (max/mean)"
+    if moe["dropped_tokens"]:
+        line += f"  dropped {moe['dropped_tokens']}"
+    return line
+
+
 def _mesh(config: TrainConfig):
     shape = config.mesh_shape(jax.device_count())
     if config.spread_processes:
@@ -376,11 +405,15 @@ class Trainer:
                         peak_flops_per_s=peak,
                     ),
                 )
+                moe = moe_metrics(self.model) if c.model.is_moe else None
+                if moe is not None:
+                    record.update(moe)
                 self.history.append(record)
                 mfu = "n/a" if peak is None else f"{record['mfu']:.2%}"
                 self.log(
                     f"step {self.step}/{c.steps}  loss {loss:.4f}  "
                     f"tokens/s {record['tokens_per_s']:.0f}  step_time {seconds:.3f}s  mfu {mfu}"
+                    + ("" if moe is None else _moe_line(moe))
                 )
                 if self.checkpointer is not None:
                     self.save()

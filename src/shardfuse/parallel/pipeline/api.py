@@ -110,6 +110,12 @@ class Pipeline(nnx.Module):
     ):
         if not isinstance(stack, Stack):
             raise TypeError(f"stack must be a shardfuse.layers.stack.Stack, got {type(stack)}")
+        if stack.has_moe:
+            raise NotImplementedError(
+                "Pipeline of a Stack whose blocks hold a ParallelMoE: the pipeline schedules "
+                "do not carry the experts' aux losses across microbatches yet; run the MoE "
+                "model without the pipeline axis (pipelined=False, no 'pipeline' mesh axis)"
+            )
         if pipeline_axis not in mesh.axis_names:
             raise ValueError(
                 f"pipeline_axis={pipeline_axis!r} is not an axis of the mesh; its axes are "
