@@ -234,8 +234,14 @@ struct Workspace {
 void run_items(std::vector<Item>& items, const std::function<void(const Item&, Workspace&)>& fn) {
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  Scratch scratch(Workspace::kFloats * num_threads(), /*zero=*/false);
-  parallel_for(static_cast<int>(items.size()), [&](int item, int thread) {
+  // One thread per kMinThreadWork multiply-adds: a small call (a few experts' rows on one
+  // of 8 simulated devices) runs on its caller instead of waiting for a thread to start.
+  int64_t work = 0;
+  for (const Item& it : items) work += it.cost;
+  const int threads = static_cast<int>(
+      std::clamp<int64_t>(work / kMinThreadWork, 1, static_cast<int64_t>(num_threads())));
+  Scratch scratch(Workspace::kFloats * threads, /*zero=*/false);
+  parallel_for(static_cast<int>(items.size()), threads, [&](int item, int thread) {
     Workspace w(scratch.data() + Workspace::kFloats * thread);
     fn(items[item], w);
   });

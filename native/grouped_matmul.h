@@ -22,6 +22,10 @@ constexpr int kRowBlock = 192;
 constexpr int kItemRows = 4 * kRowBlock;
 constexpr int kItemCols = 512;
 constexpr int kDepthBlock = 256;
+// Multiply-adds per thread below which a call uses fewer threads (8M: about a millisecond of
+// one core's float32 work; a thread's start and join cost tens of microseconds on an idle
+// machine and up to a scheduler quantum on a busy one).
+constexpr int64_t kMinThreadWork = int64_t{1} << 23;
 
 // The row range [begin, end) of each local group, every size clipped so that the ranges
 // stay inside [0, M) (negative sizes count as 0).

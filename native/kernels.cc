@@ -1,6 +1,7 @@
 // Threads and tile classification shared by the forward and backward kernels.
 #include "kernels.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
@@ -8,17 +9,24 @@
 
 namespace shardfuse {
 
+namespace {
+std::atomic<int> configured_threads{0};
+}  // namespace
+
 int num_threads() {
   static const int threads = [] {
     if (const char* env = std::getenv("SHARDFUSE_NATIVE_THREADS")) {
       int n = std::atoi(env);
       if (n > 0) return n;
     }
+    if (int n = configured_threads.load(); n > 0) return std::clamp(n, 1, 64);
     int n = static_cast<int>(std::thread::hardware_concurrency());
     return std::clamp(n, 1, 64);
   }();
   return threads;
 }
+
+void set_default_threads(int threads) { configured_threads.store(threads); }
 
 void run_threads(int threads, const std::function<void(int)>& fn) {
   if (threads <= 1) {
@@ -57,8 +65,12 @@ void run_threads(int threads, const std::function<void(int)>& fn) {
 }
 
 void parallel_for(int n, const std::function<void(int, int)>& fn) {
+  parallel_for(n, num_threads(), fn);
+}
+
+void parallel_for(int n, int max_threads, const std::function<void(int, int)>& fn) {
   std::atomic<int> next{0};
-  run_threads(std::min(n, num_threads()), [&](int thread) {
+  run_threads(std::clamp(std::min(n, max_threads), 1, num_threads()), [&](int thread) {
     for (int item = next.fetch_add(1); item < n; item = next.fetch_add(1)) fn(item, thread);
   });
 }

@@ -203,9 +203,18 @@ inline void gemm(int M, int N, int Kd, const float* a, long a_row, long a_col, c
 // process, so that the backward's static schedule (and its sums) is the same every run.
 int num_threads();
 
+// The count num_threads() takes when SHARDFUSE_NATIVE_THREADS is unset (<= 0: the hardware's);
+// effective only before the first kernel runs (the extension's loader sets it: the cores over
+// the process's CPU devices, which run their programs at once).
+void set_default_threads(int threads);
+
 // Runs fn(item, thread) for item in [0, n) on up to num_threads() threads, dynamically
 // scheduled (each item must be independent of the others).
 void parallel_for(int n, const std::function<void(int, int)>& fn);
+
+// The same on at most max_threads threads (>= 1): for small work, where a thread costs more
+// to start (and, with every core busy, to be scheduled) than the work it would take.
+void parallel_for(int n, int max_threads, const std::function<void(int, int)>& fn);
 
 // Runs fn(thread) on each of `threads` threads (thread 0 is the caller).
 void run_threads(int threads, const std::function<void(int)>& fn);

@@ -287,7 +287,17 @@ PyObject* build_info(PyObject*, PyObject*) {
                        "block_kv_full", shardfuse::kBlockKVFull);
 }
 
+PyObject* set_default_threads(PyObject*, PyObject* arg) {
+  const long n = PyLong_AsLong(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  shardfuse::set_default_threads(static_cast<int>(n));
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"set_default_threads", set_default_threads, METH_O,
+     "The kernels' thread count where SHARDFUSE_NATIVE_THREADS is unset; before the first "
+     "kernel runs (then fixed for the process)."},
     {"registrations", registrations, METH_NOARGS,
      "{target name: XLA FFI handler capsule} for jax.ffi.register_ffi_target (platform cpu)."},
     {"build_info", build_info, METH_NOARGS,

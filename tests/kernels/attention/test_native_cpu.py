@@ -309,3 +309,30 @@ def test_threads_the_system_refuses_run_on_the_caller():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
         f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
     )
+
+
+_DEFAULT_THREADS = """
+import os, sys
+os.environ.pop("SHARDFUSE_NATIVE_THREADS", None)
+import jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+from shardfuse.kernels.attention import native_cpu
+info, cores = native_cpu.build_info(), len(os.sched_getaffinity(0))
+print(info["threads"], native_cpu.default_threads(), cores)
+"""
+
+
+@needs_native
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_kernels_split_the_cores_between_the_processs_cpu_devices(devices):
+    """Unless SHARDFUSE_NATIVE_THREADS says otherwise, each call runs on the process's cores
+    over its CPU devices (at least one thread): the devices of a simulated mesh run at once,
+    and a second thread per call on 8 devices of 2 cores only waits for a core."""
+    env = {k: v for k, v in os.environ.items() if k != "SHARDFUSE_NATIVE_THREADS"}
+    result = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_THREADS, str(devices)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    threads, default, cores = map(int, result.stdout.split()[-3:])
+    assert threads == default == max(1, cores // devices)

@@ -5,7 +5,8 @@ Two kernels, the forward and the weights' gradient, make the op with
 flipped): blocked GEMMs per group in the GotoBLAS manner, on the attention
 kernels' register-tiled float32 micro-kernels and thread pool. Work items (a
 group's block of up to 192 output rows by 256 columns) are scheduled
-dynamically over every core (`SHARDFUSE_NATIVE_THREADS` to change), largest
+dynamically over the kernels' threads (the attention kernels': `default_threads`; one
+per 8M multiply-adds at most, so a small call runs on its caller), largest
 first; each packs the 256 x 256 weight block it multiplies into its thread's
 buffer (bfloat16 converted there), accumulates in float32 and casts once. Each
 output element is one item's, summed in a fixed order: runs are bitwise equal.
