@@ -77,8 +77,15 @@ from shardfuse.ring_time import ring_bandwidth
 # attention score without flash attention (QK^T out, softmax in/out, dropout mask,
 # dropout out, AV in).
 ELEMENTWISE_H_PASSES = 10
-ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
+
+
+def MOE_PERMUTE_H_PASSES(top_k: int) -> int:  # noqa: N802 (a constant of top_k)
+    """h-sized tensors a mixture-of-experts block reads or writes per token beside its
+    matmuls: the dispatch's permutation (the token's row in, its `top_k` copies sorted by
+    expert out) and the combine's (the `top_k` expert outputs in, their weighted sum out):
+    `2 (top_k + 1)`."""
+    return 2 * (top_k + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +192,11 @@ def elementwise_term(step: Step) -> Term:
     token_split = T if a.sequence_parallel else 1
     mlp_io = (3 if model.activation == "swiglu" else 2) * model.mlp_width() / T
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
+    if model.moe_layers:  # the routed copies' permutation and the weighted combine
+        moe_fraction = len(model.moe_layers) / model.num_layers
+        traffic += (
+            moe_fraction * MOE_PERMUTE_H_PASSES(model.top_k) * model.hidden / token_split * act
+        )
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
     passes = 3 + (1 if step.reruns_forward else 0)
@@ -272,10 +284,20 @@ def expert_parallel(step: Step) -> Term:
 def expert_imbalance(step: Step) -> Term:
     """Over an expert axis the step waits for the most loaded device: `(imbalance - 1) x` the
     routed experts' compute, the imbalance `Assumptions.expert_imbalance` capped by the run's
-    `capacity_factor` (a device computes at most its capacity)."""
+    `capacity_factor` (a device computes at most its capacity). Where the system pads every
+    expert to its capacity (`Assumptions.expert_capacity_padded`) every device computes
+    `capacity_factor x` the balanced routed work, expert axis or not: `(capacity_factor -
+    1) x` the routed experts' compute (none below 1)."""
     imbalance = step.a.expert_imbalance
     capacity = step.parallelism.options.capacity_factor
     why = f"expert_imbalance {imbalance:g}"
+    if capacity is not None and step.a.expert_capacity_padded:
+        return Term(
+            "expert_imbalance",
+            max(0.0, capacity - 1) * step.expert_s,
+            f"(capacity_factor {capacity:g} - 1) x {step.expert_s:.3g} s of routed expert "
+            "compute: every expert padded to its capacity (dense dispatch)",
+        )
     if capacity is not None and capacity < imbalance:
         imbalance, why = max(1.0, capacity), f"capacity_factor {capacity:g} (dropping tokens)"
     return Term(
@@ -404,6 +426,9 @@ def estimate(
         time.append(context_parallel(step))
     if step.E > 1 and model.moe_layers:
         time += [expert_parallel(step), expert_imbalance(step)]
+    elif (model.moe_layers and a.expert_capacity_padded
+          and parallelism.options.capacity_factor is not None):  # fmt: skip
+        time.append(expert_imbalance(step))
     if parallelism.options.remat == "offload":
         time.append(offload(step, per_token, compute.value))
     if step.P > 1:

@@ -232,6 +232,12 @@ class Assumptions:
         group boundaries, smaller matmuls per expert). STATED: 0.85 by default
         (MaxText reports MFU falling with many small experts, maxtext#1256; no
         per-kernel figure is published to fit).
+      expert_capacity_padded: under a `capacity_factor` the routed experts compute
+        capacity-sized buffers (GShard-style dense dispatch and einsums: MaxText with
+        `sparse_matmul=False`): every device's expert matmuls cost `capacity_factor x`
+        the balanced routed FLOPs whatever the routing (no wait for a most loaded
+        device: all are padded alike). False (default, shardfuse's sort-based ragged
+        dispatch): a capacity only drops slots, it pads nothing.
       ep_overlap: the dispatch and combine all-to-alls hide behind the expert
         compute (chunked, as the collective matmuls hide theirs); False
         (default): exposed.
@@ -280,6 +286,7 @@ class Assumptions:
     grouped_matmul_efficiency: float = 0.85
     ep_overlap: bool = False
     ep_node_dedup: bool = False
+    expert_capacity_padded: bool = False
 
     def __post_init__(self):
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
@@ -416,7 +423,8 @@ class Assumptions:
         reduction overlapped with the backward pass (`--overlap-grad-reduce`), DeepEP's
         dispatch (`ep_node_dedup`: a token crosses the network once per remote node), and
         the expert all-to-alls exposed (`ep_overlap=False`; their "1F1B overlap" run,
-        preset "megatron-moe-overlap", sets it).
+        preset "megatron-moe-overlap", sets it). Its "A2A" dispatcher (Megatron's all-to-all,
+        not DeepEP) is `ep_node_dedup=False` on the run.
         """
         return dataclasses.replace(
             cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,

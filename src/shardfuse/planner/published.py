@@ -144,6 +144,13 @@ class ValidationRun:
       model_flops_scale: the model FLOPs of the real model over the planned one's
         (Llama 3's 126 layers planned on 128 slots), applied to the MFU.
       source: where the numbers are published.
+      routing: a mixture of experts' routing as run: "dropless" (every routed token
+        computed, the load as the router leaves it: `Assumptions.expert_imbalance`),
+        "forced balanced" (Megatron's `--moe-router-force-load-balancing`: every expert
+        the same load, planned with `expert_imbalance=1`) or "dropping" (a capacity
+        factor, `options["capacity_factor"]`); "" for a dense model.
+      overrides: `Assumptions` fields the run sets beyond its preset (its dispatcher,
+        its MoE implementation).
     """
 
     name: str
@@ -160,6 +167,18 @@ class ValidationRun:
     metric: str
     source: str
     model_flops_scale: float = 1.0
+    routing: str = ""
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+    def assumptions(self):
+        """The run's `Assumptions`: its preset, its `overrides`, and `expert_imbalance=1`
+        where the routing was forced balanced."""
+        from shardfuse.planner.options import Assumptions
+
+        overrides = dict(self.overrides)
+        if self.routing == "forced balanced":
+            overrides["expert_imbalance"] = 1.0
+        return Assumptions.preset(self.preset, **overrides)
 
 
 _GPT = ModelSpec.gpt
@@ -407,9 +426,15 @@ def parallelism_of(run: ValidationRun):
     mesh = {axis: run.mesh.get(axis, 1) for axis in MESH_AXES}
     options = dict(run.options)
     mb = options.pop("microbatch_size")
+    capacity = options.pop("capacity_factor", None)
     replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    return Parallelism.of(**mesh, **options, microbatch_size=mb,
-                          num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
+    parallelism = Parallelism.of(**mesh, **options, microbatch_size=mb,
+                                 num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
+    if capacity is not None:
+        parallelism = parallelism.replace(
+            options=parallelism.options.replace(capacity_factor=capacity)
+        )
+    return parallelism
 
 
 def predict(run: ValidationRun):
@@ -428,10 +453,9 @@ def predict(run: ValidationRun):
     from shardfuse import hardware
     from shardfuse.planner.constraints import parallelism_constraints
     from shardfuse.planner.cost import estimate
-    from shardfuse.planner.options import Assumptions
 
     cluster = hardware.cluster(run.device, nodes=run.nodes, devices_per_node=run.devices_per_node)
-    a = Assumptions.preset(run.preset)
+    a = run.assumptions()
     parallelism = parallelism_of(run)
     sizes = dict(global_batch=run.global_batch, seq_len=run.seq_len)
     broken = parallelism_constraints(run.model, parallelism, assumptions=a, **sizes)
