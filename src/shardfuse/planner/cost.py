@@ -185,21 +185,26 @@ def compute_term(step: Step) -> Term:
 
 def elementwise_term(step: Step) -> Term:
     """Memory-bound elementwise work (norms, residual adds, activation, and the softmax over
-    materialised scores without flash attention): each op reads and writes its tensors once
-    per pass; backward ~2 passes, a recomputed forward 1 more."""
+    materialised scores without flash attention; in a mixture of experts the permutation of
+    the routed copies and their combine, `MOE_PERMUTE_H_PASSES`): each op reads and writes
+    its tensors once per pass; backward ~2 passes, a recomputed forward 1 more (the MoE
+    blocks' too under `Assumptions.recompute_moe`)."""
     model, a, T = step.model, step.a, step.T
     act = a.activation_bytes
     token_split = T if a.sequence_parallel else 1
     mlp_io = (3 if model.activation == "swiglu" else 2) * model.mlp_width() / T
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
-    if model.moe_layers:  # the routed copies' permutation and the weighted combine
-        moe_fraction = len(model.moe_layers) / model.num_layers
-        traffic += (
-            moe_fraction * MOE_PERMUTE_H_PASSES(model.top_k) * model.hidden / token_split * act
-        )
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
     passes = 3 + (1 if step.reruns_forward else 0)
+    if model.moe_layers:  # the routed copies' permutation and the weighted combine
+        moe_fraction = len(model.moe_layers) / model.num_layers
+        moe_passes = 3 + (1 if step.reruns_moe else 0)
+        traffic += (
+            (moe_fraction * MOE_PERMUTE_H_PASSES(model.top_k) * model.hidden / token_split * act)
+            * moe_passes
+            / passes
+        )
     hbm = step.cluster.device.hbm_gb_per_s * 1e9
     token_layers = step.tokens / (step.D * step.F * step.E * step.C * step.P) * model.num_layers
     return Term(
@@ -275,7 +280,7 @@ def expert_parallel(step: Step) -> Term:
         E=step.E, in_node=axis_in_node(cluster, step.parallelism, "expert"),
         tokens=step.mb_tokens / token_split, model=model, act=a.activation_bytes,
         moe_layer_microbatches=step.m * moe_layers_of_stage(step),
-        reruns_forward=step.reruns_forward, links=links, expert_s=step.expert_s, a=a,
+        reruns_forward=step.reruns_moe, links=links, expert_s=step.expert_s, a=a,
         overlap=step.overlap,
     )  # fmt: skip
     return term

@@ -238,6 +238,11 @@ class Assumptions:
         the balanced routed FLOPs whatever the routing (no wait for a most loaded
         device: all are padded alike). False (default, shardfuse's sort-based ragged
         dispatch): a capacity only drops slots, it pads nothing.
+      recompute_moe: the backward pass reruns each mixture-of-experts block's forward
+        (Megatron's `--recompute-modules moe`): one more pass of the routed experts'
+        grouped matmuls, of the dispatch and combine all-to-alls and of the
+        permutation, beside the run's remat policy (no effect where that reruns the
+        whole forward already: "full", the ZeRO-3 prefetch). False (default).
       ep_overlap: the dispatch and combine all-to-alls hide behind the expert
         compute (chunked, as the collective matmuls hide theirs); False
         (default): exposed.
@@ -287,6 +292,7 @@ class Assumptions:
     ep_overlap: bool = False
     ep_node_dedup: bool = False
     expert_capacity_padded: bool = False
+    recompute_moe: bool = False
 
     def __post_init__(self):
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:

@@ -40,6 +40,9 @@ class Step:
         recomputed forward under remat "full" (or the prefetch's rerun).
       reruns_forward: the backward reruns each layer's whole forward (remat "full",
         or the ZeRO-3 prefetch's recomputation).
+
+    With `Assumptions.recompute_moe` (and no whole-forward rerun) `hardware_flops` and
+    `expert_flops` hold one more forward of the routed experts; `reruns_moe` says so.
     """
 
     model: ModelSpec
@@ -112,11 +115,15 @@ class Step:
             )
         # The routed experts' grouped matmuls: forward, backward (2 x), and the forward once
         # more where the backward reruns it ("full"; the prefetch: every layer but the last).
+        # `Assumptions.recompute_moe` reruns the MoE blocks' forward under any other policy.
         expert_passes = flops.TRAINING_OVER_FORWARD * L
         if options.prefetch:
             expert_passes += L - 1
         elif options.remat == "full":
             expert_passes += L
+        elif a.recompute_moe and model.moe_layers:
+            expert_passes += L
+            hardware_flops += L * tokens * flops.expert_matmul_flops(model)
         expert_flops = expert_passes * tokens * flops.expert_matmul_flops(model)
         return cls(
             model=model,
@@ -148,6 +155,12 @@ class Step:
             reruns_forward=options.remat == "full" or options.prefetch,
             expert_flops=expert_flops,
         )
+
+    @property
+    def reruns_moe(self) -> bool:
+        """The backward reruns the MoE blocks' forward: the whole forward (`reruns_forward`)
+        or the MoE blocks alone (`Assumptions.recompute_moe`)."""
+        return self.reruns_forward or (self.a.recompute_moe and bool(self.model.moe_layers))
 
     @property
     def matmul_s(self) -> float:
