@@ -11,8 +11,9 @@ fraction of peak FLOP/s a matmul reaches (default: per hardware generation,
 and how much of them hides (default: per hardware), and how the pipeline
 executor runs. Presets (`Assumptions.preset(name)`, `PRESETS`): "shardfuse"
 (the default: shardfuse's layers and pipeline executor as they run today),
-"megatron-2021", "megatron-2022", "megascale", "megatron-moe", "llama3", "maxtext", "palm"
-(the systems of the published runs in tests/planner/test_validation.py).
+"megatron-2021", "megatron-2022", "megascale", "megatron-moe", "llama3",
+"automodel", "maxtext", "palm" (the systems of the published runs in
+tests/planner/test_validation.py).
 """
 
 import dataclasses
@@ -438,6 +439,18 @@ class Assumptions:
         )  # fmt: skip
 
     @classmethod
+    def automodel(cls) -> "Assumptions":
+        """NeMo AutoModel on H100s (PyTorch FSDP2, Transformer Engine, DeepEP; its Qwen3-30B
+        run of `published.RUNS`): TE's flash attention (causal blocks skipped), the FSDP2
+        collectives overlapped with compute, DeepEP's dispatch (`ep_node_dedup`), Megatron's
+        count of saved activations (TE layers).
+        """
+        return dataclasses.replace(
+            cls(), name="automodel", ep_node_dedup=True, saved_activations="korthikanti",
+            pipeline_executor="async", pipeline_recompute=False,
+        )  # fmt: skip
+
+    @classmethod
     def maxtext(cls) -> "Assumptions":
         """MaxText on TPU (XLA: async collectives overlapped, flash attention, no pipeline)."""
         return cls(name="maxtext", causal_skip=False, tp_overlap=True, dp_overlap=1.0,
@@ -482,6 +495,7 @@ PRESETS = {
         Assumptions.megatron_moe(), name="megatron-moe-overlap", ep_overlap=True
     ),
     "llama3": Assumptions.llama3,
+    "automodel": Assumptions.automodel,
     "maxtext": Assumptions.maxtext,
     "palm": Assumptions.palm,
     "float32": Assumptions.float32,
