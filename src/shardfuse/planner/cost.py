@@ -172,7 +172,7 @@ def compute_term(step: Step) -> Term:
     if expert_flops:
         attention += (
             f"; the {expert_flops:.3e} of the routed experts' grouped matmuls at "
-            f"{step.a.grouped_matmul_efficiency:g} x the matmul efficiency x roofline "
+            f"{step.grouped_matmul_efficiency:.3g} x the matmul efficiency x roofline "
             f"{step.expert_roofline:.3g}"
         )
     return Term(

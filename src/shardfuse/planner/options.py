@@ -233,6 +233,13 @@ class Assumptions:
         group boundaries, smaller matmuls per expert). STATED: 0.85 by default
         (MaxText reports MFU falling with many small experts, maxtext#1256; no
         per-kernel figure is published to fit).
+      grouped_matmul_row_tile: the grouped matmul's row tile where its kernel visits a tile
+        once for every expert group the tile holds rows of (MaxText's megablox `gmm`, its
+        `tile_batch_seq` 512): a device's `G` local experts of `M` rows each take
+        `G M / tile + G - 1` tile visits for `G M / tile` tiles of work, efficiency `(G M /
+        tile) / (G M / tile + G - 1)`, in place of the stated `grouped_matmul_efficiency`
+        (partial tiles at group boundaries are what that stands for). None (default): the
+        stated figure.
       expert_capacity_padded: under a `capacity_factor` the routed experts compute
         capacity-sized buffers (GShard-style dense dispatch and einsums: MaxText with
         `sparse_matmul=False`): every device's expert matmuls cost `capacity_factor x`
@@ -293,6 +300,7 @@ class Assumptions:
     ep_overlap: bool = False
     ep_node_dedup: bool = False
     expert_capacity_padded: bool = False
+    grouped_matmul_row_tile: int | None = None
     recompute_moe: bool = False
 
     def __post_init__(self):

@@ -197,7 +197,7 @@ class Step:
         model = self.model
         if not model.moe_layers:
             return 1.0
-        M = self.mb_tokens * model.top_k * self.E / model.experts
+        M = self.expert_rows
         K, N = model.hidden, model.expert_ffn_hidden / self.T
         nbytes = self.a.activation_bytes
         intensity = 2 * M * N * K / (nbytes * (M * K + K * N + M * N))
@@ -207,8 +207,43 @@ class Step:
     @property
     def expert_rate(self) -> float:
         """FLOP/s of the routed experts' grouped matmuls: the matmul rate x
-        `Assumptions.grouped_matmul_efficiency` x `expert_roofline`."""
-        return self.rate * self.a.grouped_matmul_efficiency * self.expert_roofline
+        `grouped_matmul_efficiency` x `expert_roofline`."""
+        return self.rate * self.grouped_matmul_efficiency * self.expert_roofline
+
+    @property
+    def expert_rows(self) -> float:
+        """Rows of one routed expert's matmuls on a device per microbatch (balanced routing
+        over the expert group's tokens): `mb_tokens x top_k x E / experts`."""
+        model = self.model
+        return self.mb_tokens * model.top_k * self.E / model.experts
+
+    @property
+    def grouped_matmul_efficiency(self) -> float:
+        """The routed experts' grouped matmuls' fraction of the matmul rate: the stated
+        `Assumptions.grouped_matmul_efficiency`, or, with `Assumptions.grouped_matmul_row_tile`,
+        the tile visits of a kernel that visits a row tile once per group in it: `G` local
+        experts (`experts / E`) of `expert_rows` rows each, `(G M / tile) / (G M / tile + G -
+        1)`.
+
+        Example:
+          >>> from shardfuse import hardware
+          >>> from shardfuse.model_spec import ModelSpec
+          >>> from shardfuse.planner.options import Assumptions, Parallelism
+          >>> from shardfuse.planner.step import Step
+          >>> moe = ModelSpec("moe", 1024, 8, 8, 128, 2048, num_layers=2, vocab_size=1000,
+          ...                 experts=128, top_k=1)
+          >>> step = Step.of(moe, hardware.cluster("v5p", devices_per_node=4),
+          ...                Parallelism.of(fsdp=4, microbatch_size=4), global_batch=16,
+          ...                seq_len=8192, assumptions=Assumptions(grouped_matmul_row_tile=512))
+          >>> step.expert_rows, round(step.grouped_matmul_efficiency, 3)  # 64 tiles, 191 visits
+          (256.0, 0.335)
+        """
+        tile = self.a.grouped_matmul_row_tile
+        if not tile or not self.model.moe_layers:
+            return self.a.grouped_matmul_efficiency
+        groups = self.model.experts / self.E
+        tiles = groups * self.expert_rows / tile
+        return tiles / (tiles + groups - 1)
 
     @property
     def expert_s(self) -> float:
