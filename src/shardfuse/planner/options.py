@@ -233,6 +233,11 @@ class Assumptions:
         group boundaries, smaller matmuls per expert). STATED: 0.85 by default
         (MaxText reports MFU falling with many small experts, maxtext#1256; no
         per-kernel figure is published to fit).
+      attention_efficiency: fraction of the dense peak the fused attention kernels reach,
+        forward and backward; None (default): the device's FlashAttention-2 figure
+        (`efficiency.attention_efficiency`). Systems on Transformer Engine run cuDNN's
+        fused attention on Hopper (`efficiency.CUDNN_ATTENTION`: presets "megatron-moe",
+        "automodel").
       grouped_matmul_row_tile: the grouped matmul's row tile where its kernel visits a tile
         once for every expert group the tile holds rows of (MaxText's megablox `gmm`, its
         `tile_batch_seq` 512): a device's `G` local experts of `M` rows each take
@@ -301,6 +306,7 @@ class Assumptions:
     ep_node_dedup: bool = False
     expert_capacity_padded: bool = False
     grouped_matmul_row_tile: int | None = None
+    attention_efficiency: float | None = None
     recompute_moe: bool = False
 
     def __post_init__(self):
@@ -315,6 +321,10 @@ class Assumptions:
             raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
         if not 0 <= self.reserved_fraction < 1:
             raise ValueError(f"reserved_fraction={self.reserved_fraction!r} must be in [0, 1)")
+        if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
+            raise ValueError(
+                f"attention_efficiency={self.attention_efficiency!r} must be in (0, 1]"
+            )
         if not self.expert_imbalance >= 1:
             raise ValueError(f"expert_imbalance={self.expert_imbalance!r} must be >= 1")
         if not 0 < self.grouped_matmul_efficiency <= 1:
@@ -439,11 +449,16 @@ class Assumptions:
         dispatch (`ep_node_dedup`: a token crosses the network once per remote node), and
         the expert all-to-alls exposed (`ep_overlap=False`; their "1F1B overlap" run,
         preset "megatron-moe-overlap", sets it). Its "A2A" dispatcher (Megatron's all-to-all,
-        not DeepEP) is `ep_node_dedup=False` on the run.
+        not DeepEP) is `ep_node_dedup=False` on the run. Attention: Transformer Engine's
+        cuDNN fused attention (TE prefers it to FlashAttention on Hopper:
+        `get_attention_backend`, "Disabling FlashAttention to give FusedAttention preference
+        on Hopper+ for performance reasons"), at `efficiency.CUDNN_ATTENTION`.
         """
+        from shardfuse.planner.efficiency import CUDNN_ATTENTION
+
         return dataclasses.replace(
             cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,
-            dp_overlap=1.0, ep_node_dedup=True,
+            dp_overlap=1.0, ep_node_dedup=True, attention_efficiency=CUDNN_ATTENTION,
         )  # fmt: skip
 
     @classmethod
@@ -451,11 +466,14 @@ class Assumptions:
         """NeMo AutoModel on H100s (PyTorch FSDP2, Transformer Engine, DeepEP; its Qwen3-30B
         run of `published.RUNS`): TE's flash attention (causal blocks skipped), the FSDP2
         collectives overlapped with compute, DeepEP's dispatch (`ep_node_dedup`), Megatron's
-        count of saved activations (TE layers).
+        count of saved activations (TE layers), TE's cuDNN attention as `megatron_moe`'s.
         """
+        from shardfuse.planner.efficiency import CUDNN_ATTENTION
+
         return dataclasses.replace(
             cls(), name="automodel", ep_node_dedup=True, saved_activations="korthikanti",
             pipeline_executor="async", pipeline_recompute=False,
+            attention_efficiency=CUDNN_ATTENTION,
         )  # fmt: skip
 
     @classmethod

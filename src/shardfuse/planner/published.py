@@ -62,8 +62,11 @@ Sources (the numbers, verified against the text where it is stored):
   Preset "megatron-moe": DeepEP sends a token once per remote node
   (`Assumptions.ep_node_dedup`); modelled after a first prediction that charged every
   routed copy to InfiniBand came out 39% slow (a property of the dispatcher, nothing fitted).
-  Routing: dropless (the table does not say; the ModelZoo's sbatch_benchmarking.sh forces
-  the balance only with the opt-in `--moe-router-force-load-balancing`).
+  Routing: forced balanced. The table does not say; the same directory's run_235b.sh gives
+  this layout as the "H100 baseline config" (TP 2, PP 8, VPP 4, EP 32, 32 nodes, batch
+  2048, `--recompute-modules moe_act layernorm`, A2A_OVERLAP=1) with
+  `--moe-router-force-load-balancing` (sbatch_benchmarking.sh alone is dropless: the flag
+  is opt-in).
 
 Mixture-of-experts runs (issue 45; `MOE_RUNS`, each with its `routing`), from three
 publications of three systems:
@@ -79,7 +82,8 @@ publications of three systems:
   dropless). Those are Megatron's count (`megatron_flops_per_token`), turned into the step
   time they imply (`megatron_step_s`); at 128K (CP 8) the data-parallel size is 1 and
   shardfuse's expert axis, a batch axis, has no room: not planned. Routing: the
-  long-context rows say; the others dropless, as above.
+  long-context rows say; the intra-node rows do not and have no script: planned dropless
+  (sbatch_benchmarking.sh's default).
 - MaxText (github.com/AI-Hypercomputer/maxtext) as published by Google's TPU recipes
   (github.com/AI-Hypercomputer/tpu-recipes), step time from the logged line
   ("completed step: ..., seconds: ..."): Mixtral 8x7B on one v6e-256, training/trillium/
@@ -327,7 +331,7 @@ _QWEN3_235B_RUN = ValidationRun(
     19.7,
     "step_s",
     _MEGATRON_MOE,
-    routing="dropless",
+    routing="forced balanced",
 )
 _MOE_INTERLEAVED = dict(zero=0, microbatch_size=1, schedule="interleaved", virtual_stages=4)
 

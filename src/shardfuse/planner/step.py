@@ -94,7 +94,9 @@ class Step:
         rate = peak_flops * efficiency
         attention_rate = rate
         if a.flash_attention and a.compute_efficiency is None:
-            attention_rate = peak_flops * attention_efficiency(cluster.device)
+            attention_rate = peak_flops * (
+                a.attention_efficiency or attention_efficiency(cluster.device)
+            )
         tokens = B * s
         hardware_flops = flops.hardware_flops(
             model, seq_len=s, batch=B, remat=options.remat, causal_skip=a.causal_skip,
