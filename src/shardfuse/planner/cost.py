@@ -21,6 +21,14 @@ E > 1 every device waits for the most loaded one (`expert_imbalance`:
 factor) and the tokens travel by all-to-all
 (`expert_parallel`, `comm.expert_parallel_term`); the expert weights are
 sharded over E (and T), their optimizer state over F per ZeRO (`memory`).
+Issue 45: the routed copies' permutation and combine are memory traffic
+(`elementwise_term`, `MOE_PERMUTE_H_PASSES`); a system that pads every expert to
+its capacity (`Assumptions.expert_capacity_padded`) computes `capacity_factor x`
+the routed work instead of waiting for the most loaded device; one that
+recomputes the MoE blocks (`Assumptions.recompute_moe`) runs their grouped
+matmuls, all-to-alls and permutation once more; a grouped matmul whose row tiles
+are visited once per group (`Assumptions.grouped_matmul_row_tile`, megablox)
+runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`).
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
