@@ -43,6 +43,10 @@ class Step:
 
     With `Assumptions.recompute_moe` (and no whole-forward rerun) `hardware_flops` and
     `expert_flops` hold one more forward of the routed experts; `reruns_moe` says so.
+    With `Assumptions.expert_capacity_padded` and a capacity factor `c`, `hardware_flops`
+    holds the dense dispatch and combine einsums (`[s, h]` of a sequence into `experts x
+    s k c / experts` one-hot slots and back: `4 s k c h` per token and MoE block and pass),
+    priced as matmuls.
     """
 
     model: ModelSpec
@@ -127,6 +131,15 @@ class Step:
             expert_passes += L
             hardware_flops += L * tokens * flops.expert_matmul_flops(model)
         expert_flops = expert_passes * tokens * flops.expert_matmul_flops(model)
+        capacity = options.capacity_factor
+        if a.expert_capacity_padded and capacity is not None and model.moe_layers:
+            # The dense dispatch and combine: one-hot einsums of each sequence's `s` tokens
+            # into (and out of) `experts x capacity` slots, `capacity = s k c / experts`:
+            # `2 x 2 s k c h` FLOPs per token and MoE block, as matmuls, in every pass
+            # the experts run.
+            moe_blocks = len(model.moe_layers) / L
+            dispatch = 2 * 2 * s * model.top_k * capacity * model.hidden
+            hardware_flops += expert_passes * moe_blocks * tokens * dispatch
         return cls(
             model=model,
             cluster=cluster,
