@@ -90,7 +90,9 @@ publications of three systems:
   Mixtral-8x7B-MaxText/README.md at commit a50d68e (maxtext e7292a3, benchmarks/
   maxtext_trillium_model_configs.py `mixtral_8x7b_dropped`: per-device batch 8, fsdp 256,
   sequence 4096, remat "full", capacity factor 1.25, `megablox=False`: dense dispatch,
-  every expert padded to its capacity: `Assumptions.expert_capacity_padded`), 8.409 s; the
+  every expert padded to its capacity and the one-hot dispatch / combine einsums
+  "BSM,BSEC -> EBCM", "EBCM,BSEC -> BSM" of layers/linears.py `dense_matmul`:
+  `Assumptions.expert_capacity_padded`), 8.409 s; the
   same README at HEAD (7e88b6d; MaxText tag tpu-recipes-v0.1.2, per-device batch 12, the
   "custom" remat offloading the layer input and the q/k/v/out projections to the host,
   recomputing the rest: planned as "full", which also recomputes those projections), 13.484
