@@ -44,10 +44,12 @@ MOE_MISSES = {
     "c h FLOPs a token and block, a sixth of the layer's matmuls), priced at the stated TPU "
     "matmul efficiency 0.70; XLA's large matmuls on TPU run faster (the v5e 32B miss, the "
     "same way; the Mixtral 8x7B dropped runs hold at +13% and +6%)",
-    "MaxText Llama4 Maverick v5p": "-15.5% (step time): 128 experts of 256 rows a device, "
-    "megablox tiles of 512 visited once per group (priced: -27% without); MaxText's float32 "
-    "weights (weight_dtype) gathered over fsdp 32 every step (400B parameters, priced at 2 "
-    "bytes: at 4 the prediction is +31%): the gathers' overlap with the compute decides it",
+    "MaxText Llama4 Maverick v5p": "-33% (step time): 128 experts of top 1 under tensor 4; "
+    "the model gives 15.8 s of compute (megablox's tiles visited once per group: 1024 rows "
+    "an expert, 0.67) and hides 5.8 s of collectives at 0.95 (tensor-parallel all-gathers "
+    "and reduce-scatters 2.9 s, FSDP gathers of 400B parameters 2.9 s); candidates for the "
+    "other 8 s, not modelled: the collectives inside megablox's shard_map, which XLA does "
+    "not overlap, and the gathers of MaxText's float32 weights (weight_dtype)",
     "Megatron Qwen3-235B 32K dropless": "-19% (step time): as the 16K dropless row (335 / 277 "
     "TFLOP/s, forced / dropless: 21%; the forced row holds at -6%)",
 }
