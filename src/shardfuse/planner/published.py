@@ -87,7 +87,7 @@ publications of three systems:
 - MaxText (github.com/AI-Hypercomputer/maxtext) as published by Google's TPU recipes
   (github.com/AI-Hypercomputer/tpu-recipes), step time from the logged line
   ("completed step: ..., seconds: ..."): Mixtral 8x7B on one v6e-256, training/trillium/
-  Mixtral-8x7B-MaxText/README.md at commit a50d68e (maxtext e7292a3, benchmarks/
+  Mixtral-8x7B-MaxText/README.md at commit 372537f (maxtext e7292a3, libtpu 20241028; benchmarks/
   maxtext_trillium_model_configs.py `mixtral_8x7b_dropped`: per-device batch 8, fsdp 256,
   sequence 4096, remat "full", capacity factor 1.25, `megablox=False`: dense dispatch,
   every expert padded to its capacity and the one-hot dispatch / combine einsums
@@ -114,7 +114,8 @@ publications of three systems:
   - 1" tiles when every group starts inside a tile): `Assumptions.grouped_matmul_row_tile`.
   Maverick's 128 experts of 1024 rows each on a device make it 383 tile visits for 256
   tiles of rows.
-  Routing as named: "dropped" (capacity 1.25) or "dropless".
+  Routing as the configs name them: "dropping" (capacity 1.25, the `_dropped` configs) or
+  "dropless".
 - NeMo AutoModel (github.com/NVIDIA-NeMo/Automodel, docs/performance-summary.md at
   8d9bfb9, "System: DGX-H100, Precision: BF16"): Qwen3 MoE 30B on 8 H100s, global batch
   512, local batch 4, 16 accumulation steps, sequence 4096, EP 8, FSDP 8, TE + DeepEP,
@@ -616,7 +617,7 @@ RUNS: tuple[ValidationRun, ...] = (
         "maxtext",
         8.409,
         "step_s",
-        f"{_TPU_RECIPES} training/trillium/Mixtral-8x7B-MaxText/README.md (a50d68e)",
+        f"{_TPU_RECIPES} training/trillium/Mixtral-8x7B-MaxText/README.md (372537f)",
         routing="dropping",
         overrides=dict(expert_capacity_padded=True),
     ),
