@@ -17,8 +17,8 @@ run at `Assumptions.grouped_matmul_efficiency` of the matmul rate, and below it
 where their matmuls are memory-bound (`Step.expert_roofline`: small experts
 split over `model`, few tokens per expert) (in `compute`); over an expert axis
 E > 1 every device waits for the most loaded one (`expert_imbalance`:
-`(imbalance - 1) x` the routed compute, the imbalance capped by a capacity
-factor) and the tokens travel by all-to-all
+`(imbalance - 1) x` the routed compute and the exposed all-to-alls, the
+imbalance capped by a capacity factor) and the tokens travel by all-to-all
 (`expert_parallel`, `comm.expert_parallel_term`); the expert weights are
 sharded over E (and T), their optimizer state over F per ZeRO (`memory`).
 Issue 45: the routed copies' permutation and combine are memory traffic
@@ -294,29 +294,35 @@ def expert_parallel(step: Step) -> Term:
     return term
 
 
-def expert_imbalance(step: Step) -> Term:
+def expert_imbalance(step: Step, all_to_all_s: float = 0.0) -> Term:
     """Over an expert axis the step waits for the most loaded device: `(imbalance - 1) x` the
-    routed experts' compute, the imbalance `Assumptions.expert_imbalance` capped by the run's
-    `capacity_factor` (a device computes at most its capacity). Where the system pads every
-    expert to its capacity (`Assumptions.expert_capacity_padded`) every device computes
-    `capacity_factor x` the balanced routed work, expert axis or not: `(capacity_factor -
-    1) x` the routed experts' compute (none below 1)."""
+    routed experts' compute and the exposed dispatch and combine all-to-alls `all_to_all_s`
+    (the busiest device receives, and sends back, the most rows), the imbalance
+    `Assumptions.expert_imbalance` capped by the run's `capacity_factor` (a device computes
+    at most its capacity). Where the system pads every expert to its capacity
+    (`Assumptions.expert_capacity_padded`) every device computes and exchanges
+    `capacity_factor x` the balanced routed rows, expert axis or not: `(capacity_factor -
+    1) x` the same (none below 1)."""
     imbalance = step.a.expert_imbalance
     capacity = step.parallelism.options.capacity_factor
     why = f"expert_imbalance {imbalance:g}"
+    work = step.expert_s + all_to_all_s
+    what = f"{step.expert_s:.3g} s of routed expert compute"
+    if all_to_all_s:
+        what += f" + {all_to_all_s:.3g} s of exposed all-to-alls"
     if capacity is not None and step.a.expert_capacity_padded:
         return Term(
             "expert_imbalance",
-            max(0.0, capacity - 1) * step.expert_s,
-            f"(capacity_factor {capacity:g} - 1) x {step.expert_s:.3g} s of routed expert "
-            "compute: every expert padded to its capacity (dense dispatch)",
+            max(0.0, capacity - 1) * work,
+            f"(capacity_factor {capacity:g} - 1) x ({what}): every expert padded to its "
+            "capacity (dense dispatch)",
         )
     if capacity is not None and capacity < imbalance:
         imbalance, why = max(1.0, capacity), f"capacity_factor {capacity:g} (dropping tokens)"
     return Term(
         "expert_imbalance",
-        (imbalance - 1) * step.expert_s,
-        f"({why} - 1) x {step.expert_s:.3g} s of routed expert compute over expert={step.E}",
+        (imbalance - 1) * work,
+        f"({why} - 1) x ({what}) over expert={step.E}",
     )
 
 
@@ -438,7 +444,8 @@ def estimate(
     if step.C > 1:
         time.append(context_parallel(step))
     if step.E > 1 and model.moe_layers:
-        time += [expert_parallel(step), expert_imbalance(step)]
+        all_to_all = expert_parallel(step)
+        time += [all_to_all, expert_imbalance(step, all_to_all.value)]
     elif (model.moe_layers and a.expert_capacity_padded
           and parallelism.options.capacity_factor is not None):  # fmt: skip
         time.append(expert_imbalance(step))
