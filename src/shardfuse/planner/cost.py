@@ -17,10 +17,18 @@ run at `Assumptions.grouped_matmul_efficiency` of the matmul rate, and below it
 where their matmuls are memory-bound (`Step.expert_roofline`: small experts
 split over `model`, few tokens per expert) (in `compute`); over an expert axis
 E > 1 every device waits for the most loaded one (`expert_imbalance`:
-`(imbalance - 1) x` the routed compute, the imbalance capped by a capacity
-factor) and the tokens travel by all-to-all
+`(imbalance - 1) x` the routed compute and the exposed all-to-alls, the
+imbalance capped by a capacity factor) and the tokens travel by all-to-all
 (`expert_parallel`, `comm.expert_parallel_term`); the expert weights are
 sharded over E (and T), their optimizer state over F per ZeRO (`memory`).
+Issue 45: the routed copies' permutation and combine are memory traffic
+(`elementwise_term`, `MOE_PERMUTE_H_PASSES`); a system that pads every expert to
+its capacity (`Assumptions.expert_capacity_padded`) computes `capacity_factor x`
+the routed work instead of waiting for the most loaded device; one that
+recomputes the MoE blocks (`Assumptions.recompute_moe`) runs their grouped
+matmuls, all-to-alls and permutation once more; a grouped matmul whose row tiles
+are visited once per group (`Assumptions.grouped_matmul_row_tile`, megablox)
+runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`).
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
@@ -77,8 +85,15 @@ from shardfuse.ring_time import ring_bandwidth
 # attention score without flash attention (QK^T out, softmax in/out, dropout mask,
 # dropout out, AV in).
 ELEMENTWISE_H_PASSES = 10
-ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
+
+
+def MOE_PERMUTE_H_PASSES(top_k: int) -> int:  # noqa: N802 (a constant of top_k)
+    """h-sized tensors a mixture-of-experts block reads or writes per token beside its
+    matmuls: the dispatch's permutation (the token's row in, its `top_k` copies sorted by
+    expert out) and the combine's (the `top_k` expert outputs in, their weighted sum out):
+    `2 (top_k + 1)`."""
+    return 2 * (top_k + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +180,7 @@ def compute_term(step: Step) -> Term:
     if expert_flops:
         attention += (
             f"; the {expert_flops:.3e} of the routed experts' grouped matmuls at "
-            f"{step.a.grouped_matmul_efficiency:g} x the matmul efficiency x roofline "
+            f"{step.grouped_matmul_efficiency:.3g} x the matmul efficiency x roofline "
             f"{step.expert_roofline:.3g}"
         )
     return Term(
@@ -178,8 +193,10 @@ def compute_term(step: Step) -> Term:
 
 def elementwise_term(step: Step) -> Term:
     """Memory-bound elementwise work (norms, residual adds, activation, and the softmax over
-    materialised scores without flash attention): each op reads and writes its tensors once
-    per pass; backward ~2 passes, a recomputed forward 1 more."""
+    materialised scores without flash attention; in a mixture of experts the permutation of
+    the routed copies and their combine, `MOE_PERMUTE_H_PASSES`): each op reads and writes
+    its tensors once per pass; backward ~2 passes, a recomputed forward 1 more (the MoE
+    blocks' too under `Assumptions.recompute_moe`)."""
     model, a, T = step.model, step.a, step.T
     act = a.activation_bytes
     token_split = T if a.sequence_parallel else 1
@@ -188,6 +205,14 @@ def elementwise_term(step: Step) -> Term:
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
     passes = 3 + (1 if step.reruns_forward else 0)
+    if model.moe_layers:  # the routed copies' permutation and the weighted combine
+        moe_fraction = len(model.moe_layers) / model.num_layers
+        moe_passes = 3 + (1 if step.reruns_moe else 0)
+        traffic += (
+            (moe_fraction * MOE_PERMUTE_H_PASSES(model.top_k) * model.hidden / token_split * act)
+            * moe_passes
+            / passes
+        )
     hbm = step.cluster.device.hbm_gb_per_s * 1e9
     token_layers = step.tokens / (step.D * step.F * step.E * step.C * step.P) * model.num_layers
     return Term(
@@ -263,25 +288,41 @@ def expert_parallel(step: Step) -> Term:
         E=step.E, in_node=axis_in_node(cluster, step.parallelism, "expert"),
         tokens=step.mb_tokens / token_split, model=model, act=a.activation_bytes,
         moe_layer_microbatches=step.m * moe_layers_of_stage(step),
-        reruns_forward=step.reruns_forward, links=links, expert_s=step.expert_s, a=a,
+        reruns_forward=step.reruns_moe, links=links, expert_s=step.expert_s, a=a,
         overlap=step.overlap,
     )  # fmt: skip
     return term
 
 
-def expert_imbalance(step: Step) -> Term:
+def expert_imbalance(step: Step, all_to_all_s: float = 0.0) -> Term:
     """Over an expert axis the step waits for the most loaded device: `(imbalance - 1) x` the
-    routed experts' compute, the imbalance `Assumptions.expert_imbalance` capped by the run's
-    `capacity_factor` (a device computes at most its capacity)."""
+    routed experts' compute and the exposed dispatch and combine all-to-alls `all_to_all_s`
+    (the busiest device receives, and sends back, the most rows), the imbalance
+    `Assumptions.expert_imbalance` capped by the run's `capacity_factor` (a device computes
+    at most its capacity). Where the system pads every expert to its capacity
+    (`Assumptions.expert_capacity_padded`) every device computes and exchanges
+    `capacity_factor x` the balanced routed rows, expert axis or not: `(capacity_factor -
+    1) x` the same (none below 1)."""
     imbalance = step.a.expert_imbalance
     capacity = step.parallelism.options.capacity_factor
     why = f"expert_imbalance {imbalance:g}"
+    work = step.expert_s + all_to_all_s
+    what = f"{step.expert_s:.3g} s of routed expert compute"
+    if all_to_all_s:
+        what += f" + {all_to_all_s:.3g} s of exposed all-to-alls"
+    if capacity is not None and step.a.expert_capacity_padded:
+        return Term(
+            "expert_imbalance",
+            max(0.0, capacity - 1) * work,
+            f"(capacity_factor {capacity:g} - 1) x ({what}): every expert padded to its "
+            "capacity (dense dispatch)",
+        )
     if capacity is not None and capacity < imbalance:
         imbalance, why = max(1.0, capacity), f"capacity_factor {capacity:g} (dropping tokens)"
     return Term(
         "expert_imbalance",
-        (imbalance - 1) * step.expert_s,
-        f"({why} - 1) x {step.expert_s:.3g} s of routed expert compute over expert={step.E}",
+        (imbalance - 1) * work,
+        f"({why} - 1) x ({what}) over expert={step.E}",
     )
 
 
@@ -403,7 +444,11 @@ def estimate(
     if step.C > 1:
         time.append(context_parallel(step))
     if step.E > 1 and model.moe_layers:
-        time += [expert_parallel(step), expert_imbalance(step)]
+        all_to_all = expert_parallel(step)
+        time += [all_to_all, expert_imbalance(step, all_to_all.value)]
+    elif (model.moe_layers and a.expert_capacity_padded
+          and parallelism.options.capacity_factor is not None):  # fmt: skip
+        time.append(expert_imbalance(step))
     if parallelism.options.remat == "offload":
         time.append(offload(step, per_token, compute.value))
     if step.P > 1:

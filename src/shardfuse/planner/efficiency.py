@@ -26,6 +26,14 @@ al. 2024 ("FlashAttention-3", abstract): FlashAttention-2 reaches only 35% on
 H100: 0.35 (shardfuse's Triton kernel is FlashAttention-2's algorithm).
 TPUs: the matmul efficiency (no figure found: stated). Without flash
 attention the scores are batched matmuls at the matmul efficiency.
+cuDNN's fused attention on H100 (what Transformer Engine runs on Hopper, the
+`attention_efficiency` of the presets of TE-based systems): Shah et al. 2024
+(FlashAttention-3, arXiv:2407.08608), figures "Attention forward speed, head dim
+128" (causal mask) and "Attention backward speed, head dim 128" (H100 80GB SXM5,
+BF16): cuDNN forward 518 / 539 TFLOP/s and backward 499 / 516 at 4K / 16K tokens
+(FlashAttention-2: 319 / 335 and 310 / 322, the 35% above), i.e. forward 0.52-0.55
+and backward 0.50-0.52 of the 989 TFLOP/s peak; the backward's 2.5x FLOPs weighted:
+0.51-0.53: `CUDNN_ATTENTION` 0.52.
 
 Overlap (the fraction of a collective's time that can hide behind compute
 that runs at the same time, where the schedule lets it): STATED assumptions,
@@ -55,6 +63,7 @@ MAMF = {
 }
 LAYER_SHAPE_FACTOR = 0.815
 FLASH_ATTENTION = {"a100": 0.6, "h100": 0.35, "h200": 0.35, "gh200": 0.35}
+CUDNN_ATTENTION = 0.52  # H100, forward and backward (module docstring)
 OVERLAP = {"tpu": 0.95, "cpu": 0.0}
 GPU_OVERLAP = 0.85
 

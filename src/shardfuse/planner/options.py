@@ -11,8 +11,9 @@ fraction of peak FLOP/s a matmul reaches (default: per hardware generation,
 and how much of them hides (default: per hardware), and how the pipeline
 executor runs. Presets (`Assumptions.preset(name)`, `PRESETS`): "shardfuse"
 (the default: shardfuse's layers and pipeline executor as they run today),
-"megatron-2021", "megatron-2022", "megascale", "megatron-moe", "llama3", "maxtext", "palm"
-(the systems of the published runs in tests/planner/test_validation.py).
+"megatron-2021", "megatron-2022", "megascale", "megatron-moe", "llama3",
+"automodel", "maxtext", "palm" (the systems of the published runs in
+tests/planner/test_validation.py).
 """
 
 import dataclasses
@@ -232,6 +233,29 @@ class Assumptions:
         group boundaries, smaller matmuls per expert). STATED: 0.85 by default
         (MaxText reports MFU falling with many small experts, maxtext#1256; no
         per-kernel figure is published to fit).
+      attention_efficiency: fraction of the dense peak the fused attention kernels reach,
+        forward and backward; None (default): the device's FlashAttention-2 figure
+        (`efficiency.attention_efficiency`). Systems on Transformer Engine run cuDNN's
+        fused attention on Hopper (`efficiency.CUDNN_ATTENTION`: presets "megatron-moe",
+        "automodel").
+      grouped_matmul_row_tile: the grouped matmul's row tile where its kernel visits a tile
+        once for every expert group the tile holds rows of (MaxText's megablox `gmm`, its
+        `tile_batch_seq` 512): a device's `G` local experts of `M` rows each take
+        `G M / tile + G - 1` tile visits for `G M / tile` tiles of work, efficiency `(G M /
+        tile) / (G M / tile + G - 1)`, in place of the stated `grouped_matmul_efficiency`
+        (partial tiles at group boundaries are what that stands for). None (default): the
+        stated figure.
+      expert_capacity_padded: under a `capacity_factor` the routed experts compute
+        capacity-sized buffers (GShard-style dense dispatch and einsums: MaxText with
+        `sparse_matmul=False`): every device's expert matmuls cost `capacity_factor x`
+        the balanced routed FLOPs whatever the routing (no wait for a most loaded
+        device: all are padded alike). False (default, shardfuse's sort-based ragged
+        dispatch): a capacity only drops slots, it pads nothing.
+      recompute_moe: the backward pass reruns each mixture-of-experts block's forward
+        (Megatron's `--recompute-modules moe`): one more pass of the routed experts'
+        grouped matmuls, of the dispatch and combine all-to-alls and of the
+        permutation, beside the run's remat policy (no effect where that reruns the
+        whole forward already: "full", the ZeRO-3 prefetch). False (default).
       ep_overlap: the dispatch and combine all-to-alls hide behind the expert
         compute (chunked, as the collective matmuls hide theirs); False
         (default): exposed.
@@ -280,6 +304,10 @@ class Assumptions:
     grouped_matmul_efficiency: float = 0.85
     ep_overlap: bool = False
     ep_node_dedup: bool = False
+    expert_capacity_padded: bool = False
+    grouped_matmul_row_tile: int | None = None
+    attention_efficiency: float | None = None
+    recompute_moe: bool = False
 
     def __post_init__(self):
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
@@ -293,6 +321,10 @@ class Assumptions:
             raise ValueError(f"dp_overlap={self.dp_overlap!r} must be in [0, 1]")
         if not 0 <= self.reserved_fraction < 1:
             raise ValueError(f"reserved_fraction={self.reserved_fraction!r} must be in [0, 1)")
+        if self.attention_efficiency is not None and not 0 < self.attention_efficiency <= 1:
+            raise ValueError(
+                f"attention_efficiency={self.attention_efficiency!r} must be in (0, 1]"
+            )
         if not self.expert_imbalance >= 1:
             raise ValueError(f"expert_imbalance={self.expert_imbalance!r} must be >= 1")
         if not 0 < self.grouped_matmul_efficiency <= 1:
@@ -416,17 +448,43 @@ class Assumptions:
         reduction overlapped with the backward pass (`--overlap-grad-reduce`), DeepEP's
         dispatch (`ep_node_dedup`: a token crosses the network once per remote node), and
         the expert all-to-alls exposed (`ep_overlap=False`; their "1F1B overlap" run,
-        preset "megatron-moe-overlap", sets it).
+        preset "megatron-moe-overlap", sets it). Its "A2A" dispatcher (Megatron's all-to-all,
+        not DeepEP) is `ep_node_dedup=False` on the run. Attention: Transformer Engine's
+        cuDNN fused attention (TE prefers it to FlashAttention on Hopper:
+        `get_attention_backend`, "Disabling FlashAttention to give FusedAttention preference
+        on Hopper+ for performance reasons"), at `efficiency.CUDNN_ATTENTION`.
         """
+        from shardfuse.planner.efficiency import CUDNN_ATTENTION
+
         return dataclasses.replace(
             cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,
-            dp_overlap=1.0, ep_node_dedup=True,
+            dp_overlap=1.0, ep_node_dedup=True, attention_efficiency=CUDNN_ATTENTION,
+        )  # fmt: skip
+
+    @classmethod
+    def automodel(cls) -> "Assumptions":
+        """NeMo AutoModel on H100s (PyTorch FSDP2, Transformer Engine, DeepEP; its Qwen3-30B
+        run of `published.RUNS`): TE's flash attention (causal blocks skipped), the FSDP2
+        collectives overlapped with compute, DeepEP's dispatch (`ep_node_dedup`), Megatron's
+        count of saved activations (TE layers), TE's cuDNN attention as `megatron_moe`'s.
+        """
+        from shardfuse.planner.efficiency import CUDNN_ATTENTION
+
+        return dataclasses.replace(
+            cls(), name="automodel", ep_node_dedup=True, saved_activations="korthikanti",
+            pipeline_executor="async", pipeline_recompute=False,
+            attention_efficiency=CUDNN_ATTENTION,
         )  # fmt: skip
 
     @classmethod
     def maxtext(cls) -> "Assumptions":
-        """MaxText on TPU (XLA: async collectives overlapped, flash attention, no pipeline)."""
-        return cls(name="maxtext", causal_skip=False, tp_overlap=True, dp_overlap=1.0,
+        """MaxText on TPU (XLA: async collectives overlapped, flash attention, no pipeline).
+
+        Its TPU flash attention is splash attention, whose causal mask skips the fully
+        masked blocks (`causal_skip`; issue 45: False before, which charged the masked half
+        of every causal attention).
+        """
+        return cls(name="maxtext", causal_skip=True, tp_overlap=True, dp_overlap=1.0,
                    pipeline_executor="async", pipeline_recompute=False)  # fmt: skip
 
     @classmethod
@@ -439,7 +497,7 @@ class Assumptions:
         """
         return dataclasses.replace(
             cls.maxtext(), name="palm", sequence_parallel=False, residual_sharded=True,
-            flash_attention=False,
+            flash_attention=False, causal_skip=False,
         )  # fmt: skip
 
     @classmethod
@@ -468,6 +526,7 @@ PRESETS = {
         Assumptions.megatron_moe(), name="megatron-moe-overlap", ep_overlap=True
     ),
     "llama3": Assumptions.llama3,
+    "automodel": Assumptions.automodel,
     "maxtext": Assumptions.maxtext,
     "palm": Assumptions.palm,
     "float32": Assumptions.float32,

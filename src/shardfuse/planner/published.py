@@ -62,6 +62,74 @@ Sources (the numbers, verified against the text where it is stored):
   Preset "megatron-moe": DeepEP sends a token once per remote node
   (`Assumptions.ep_node_dedup`); modelled after a first prediction that charged every
   routed copy to InfiniBand came out 39% slow (a property of the dispatcher, nothing fitted).
+  Routing: forced balanced. The table does not say; the same directory's run_235b.sh gives
+  this layout as the "H100 baseline config" (TP 2, PP 8, VPP 4, EP 32, 32 nodes, batch
+  2048, `--recompute-modules moe_act layernorm`, A2A_OVERLAP=1) with
+  `--moe-router-force-load-balancing` (sbatch_benchmarking.sh alone is dropless: the flag
+  is opt-in).
+
+Mixture-of-experts runs (issue 45; `MOE_RUNS`, each with its `routing`), from three
+publications of three systems:
+
+- Megatron-Core (the Megatron-MoE-ModelZoo readme above, commit e865051), Qwen3-235B-A22B
+  on 256 H100s, BF16, besides the two cross-node rows: the "Intra-node EP strategy" rows
+  (main(1e057005)): the "A2A" dispatcher with TP 2, EP 8, PP 32, VPP 3, DP 4 (EDP 1),
+  micro batch 1, global batch 2048, recompute of norms and activations, 24.2 s (200 TFLOP/s);
+  DeepEP with TP 4, EP 8, PP 8, VPP 4, DP 8 (EDP 4), no recompute, 29.0 s (167 TFLOP/s);
+  and the "Long Context" table (DeepEP, 32 nodes, TP 4, CP 1/2/4/8, EP 8, PP 8, VPP 4,
+  global batch 256, `--recompute-modules layernorm moe`: `Assumptions.recompute_moe`), TFLOP/s
+  per GPU at 16K, 32K, 64K tokens: 295 / 237, 335 / 277, 368 / 320 (forced balance /
+  dropless). Those are Megatron's count (`megatron_flops_per_token`), turned into the step
+  time they imply (`megatron_step_s`); at 128K (CP 8) the data-parallel size is 1 and
+  shardfuse's expert axis, a batch axis, has no room: not planned. Routing: the
+  long-context rows say; the intra-node rows do not and have no script: planned dropless
+  (sbatch_benchmarking.sh's default).
+- MaxText (github.com/AI-Hypercomputer/maxtext) as published by Google's TPU recipes
+  (github.com/AI-Hypercomputer/tpu-recipes), step time from the logged line
+  ("completed step: ..., seconds: ..."): Mixtral 8x7B on one v6e-256, training/trillium/
+  Mixtral-8x7B-MaxText/README.md at commit 372537f (maxtext e7292a3, libtpu 20241028; benchmarks/
+  maxtext_trillium_model_configs.py `mixtral_8x7b_dropped`: per-device batch 8, fsdp 256,
+  sequence 4096, remat "full", capacity factor 1.25, `megablox=False`: dense dispatch,
+  every expert padded to its capacity and the one-hot dispatch / combine einsums
+  "BSM,BSEC -> EBCM", "EBCM,BSEC -> BSM" of layers/linears.py `dense_matmul`:
+  `Assumptions.expert_capacity_padded`), 8.409 s; the
+  same README at HEAD (7e88b6d; MaxText tag tpu-recipes-v0.1.2, per-device batch 12, the
+  "custom" remat offloading the layer input and the q/k/v/out projections to the host,
+  recomputing the rest: planned as "full", which also recomputes those projections), 13.484
+  s; Mixtral 8x22B, training/trillium/Mixtral-8x22B-MaxText/README.md (c78c38e; its config
+  `mixtral_8x22b_dropped`, maxtext 449b4fe, the same day: per-device batch 8, fsdp 64 x
+  expert 4, the same offloading remat, capacity 1.25, `megablox=False`, weights bfloat16),
+  24.706 s; Llama 4 Scout 17B-16E on v5p (training/v5p/Llama4-Scout-17B-16E-Maxtext/
+  README.md, maxtext 3eb77db `llama4_scout_dropless_v5p_256`: per-device batch 8, sequence
+  8192, fsdp over every chip, megablox dropless, remat offloading the layer input only:
+  "full"), 31.652 s; the logged total_weights 33,554,432 = 512 chips x 8 x 8192: a
+  v5p-1024; Llama 4 Maverick 17B-128E on v5p-256 (training/v5p/Llama4-Maverick-17B-128E-
+  Maxtext/README.md, maxtext 9ca35d7 `llama4_maverick_dropless_v5p_256`: per-device batch
+  4, sequence 8192, fsdp 32 x tensor 4, megablox dropless, the offloading remat as
+  Mixtral's), 24.792 s: 512 sequences, 16 a fsdp replica (its 4 tensor-parallel chips
+  share them), no accumulation. Model shapes: MaxText's configs/models/*.yml of those commits.
+  The dropless runs' grouped matmuls are megablox's `gmm` with row tiles of
+  `tile_batch_seq` 512 (base.yml of both commits), which visits a tile once for each group
+  it holds rows of (kernels/megablox/gmm.py, `make_group_metadata`: "m // tm + num_groups
+  - 1" tiles when every group starts inside a tile): `Assumptions.grouped_matmul_row_tile`.
+  Maverick's 128 experts of 1024 rows each on a device make it 383 tile visits for 256
+  tiles of rows.
+  Routing as the configs name them: "dropping" (capacity 1.25, the `_dropped` configs) or
+  "dropless".
+- NeMo AutoModel (github.com/NVIDIA-NeMo/Automodel, docs/performance-summary.md at
+  8d9bfb9, "System: DGX-H100, Precision: BF16"): Qwen3 MoE 30B on 8 H100s, global batch
+  512, local batch 4, 16 accumulation steps, sequence 4096, EP 8, FSDP 8, TE + DeepEP,
+  21.773 s a step (12,040 tokens/s per GPU); its config examples/benchmark/configs/
+  qwen3_moe_30b_te_deepep.yaml: `fake_balanced_gate: true` (forced balanced),
+  `activation_checkpointing: true` (remat "full"). Planned as expert = 8 (the dense
+  weights replicated instead of FSDP-sharded: the same compute, gathers and reductions
+  on one node's NVLink).
+
+Not planned (no honest `ModelSpec` or hardware entry): DeepSeek-V3 (multi-head latent
+attention; its report's H800 run is FP8), GPT-OSS (alternating 128-token sliding windows
+and attention sinks), the GB200/B200 rows of the ModelZoo and Megatron-Bridge, and
+MaxText's Mixtral 8x7B 54.89% MFU on v5p-128 (tests/end_to_end/tpu/mixtral/Run_Mixtral.md:
+no layout published beside it).
 """
 
 import dataclasses
@@ -144,6 +212,13 @@ class ValidationRun:
       model_flops_scale: the model FLOPs of the real model over the planned one's
         (Llama 3's 126 layers planned on 128 slots), applied to the MFU.
       source: where the numbers are published.
+      routing: a mixture of experts' routing as run: "dropless" (every routed token
+        computed, the load as the router leaves it: `Assumptions.expert_imbalance`),
+        "forced balanced" (Megatron's `--moe-router-force-load-balancing`: every expert
+        the same load, planned with `expert_imbalance=1`) or "dropping" (a capacity
+        factor, `options["capacity_factor"]`); "" for a dense model.
+      overrides: `Assumptions` fields the run sets beyond its preset (its dispatcher,
+        its MoE implementation).
     """
 
     name: str
@@ -160,6 +235,18 @@ class ValidationRun:
     metric: str
     source: str
     model_flops_scale: float = 1.0
+    routing: str = ""
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+    def assumptions(self):
+        """The run's `Assumptions`: its preset, its `overrides`, and `expert_imbalance=1`
+        where the routing was forced balanced."""
+        from shardfuse.planner.options import Assumptions
+
+        overrides = dict(self.overrides)
+        if self.routing == "forced balanced":
+            overrides["expert_imbalance"] = 1.0
+        return Assumptions.preset(self.preset, **overrides)
 
 
 _GPT = ModelSpec.gpt
@@ -173,8 +260,61 @@ LLAMA3_405B_SLOTS = dataclasses.replace(
     get_model("llama3-405b"), name="llama3-405b", num_layers=128
 )
 QWEN3_235B_SLOTS = dataclasses.replace(get_model("qwen3-235b-a22b"), num_layers=96)
+# MaxText configs/models/mixtral-8x22b.yml (maxtext 449b4fe): emb 6144, 48 heads, 8 kv heads
+# of 128, MLP 16384 (SwiGLU), 56 layers, vocabulary 32768, 8 experts, top 2.
+MIXTRAL_8X22B = ModelSpec("mixtral-8x22b", 6144, 48, 8, 128, 16384, num_layers=56,
+                          vocab_size=32768, experts=8, top_k=2)  # fmt: skip
+# MaxText configs/models/llama4-17b-16e.yml and llama4-17b-128e.yml (maxtext 3eb77db): emb
+# 5120, 40 heads, 8 kv heads of 128, vocabulary 202048, 48 layers, one shared expert and
+# top 1 of the routed; Scout 16 experts of 8192, every layer MoE; Maverick 128 experts of
+# 8192, every 2nd layer MoE (`interleave_moe_layer_step: 2`), dense MLP 16384. Their chunked
+# attention (chunks of 8192) is causal attention at the runs' 8192 tokens.
+LLAMA4_SCOUT = ModelSpec("llama4-scout-17b-16e", 5120, 40, 8, 128, 8192, num_layers=48,
+                         vocab_size=202048, experts=16, top_k=1, shared_experts=1)  # fmt: skip
+LLAMA4_MAVERICK = ModelSpec("llama4-maverick-17b-128e", 5120, 40, 8, 128, 16384,
+                            num_layers=48, vocab_size=202048, experts=128, top_k=1,
+                            expert_hidden=8192, shared_experts=1, moe_every=2)  # fmt: skip
+
+
+def megatron_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Megatron-LM's FLOPs per token of a training step (its `num_floating_point_operations`,
+    megatron/training/training.py, the GQA branch, causal `average_ratio` 0.5): `12 L h (a d)
+    (1 + k / a)` for the attention projections, `6 L s a d` for the causal attention cores,
+    `18 L h f_e top_k` for the routed SwiGLU experts (every block MoE), `6 h V` for the
+    logits; no recomputation.
+
+    Example:
+      >>> from shardfuse import models
+      >>> from shardfuse.planner.published import megatron_flops_per_token
+      >>> round(megatron_flops_per_token(models.get("qwen3-235b-a22b"), 4096) / 1e9, 1)
+      148.0
+    """
+    h, a, k, d, L = model.hidden, model.heads, model.kv_heads, model.head_dim, model.num_layers
+    attention = 12 * L * h * a * d * (1 + k / a) + 6 * L * seq_len * a * d
+    experts = 18 * L * h * model.expert_ffn_hidden * model.top_k
+    return attention + experts + 6 * h * model.vocab_size
+
+
+def megatron_step_s(model, seq_len, global_batch, devices, tflops_per_device) -> float:
+    """The step time a Megatron-reported TFLOP/s per device implies: `megatron_flops_per_token
+    x B s / (TFLOP/s x devices)`. Check: the 245 TFLOP/s of the Qwen3-235B row above give
+    19.8 s; its table says 19.7 s.
+
+    Example:
+      >>> from shardfuse import models
+      >>> from shardfuse.planner.published import megatron_step_s
+      >>> round(megatron_step_s(models.get("qwen3-235b-a22b"), 4096, 2048, 256, 245.0), 1)
+      19.8
+    """
+    tokens = global_batch * seq_len
+    return megatron_flops_per_token(model, seq_len) * tokens / (tflops_per_device * 1e12 * devices)
+
 
 _MEGATRON_MOE = "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100, cross-node EP)"
+_MEGATRON_MOE_INTRA = "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100, intra-node EP)"
+_MEGATRON_MOE_LONG = "Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (H100, Long Context)"
+_TPU_RECIPES = "MaxText, tpu-recipes"
+_AUTOMODEL = "NeMo AutoModel docs/performance-summary.md (DGX-H100, BF16)"
 
 _KORTHIKANTI = "Korthikanti et al. 2022 (arXiv:2205.05198) Table 3; MFU: Megatron-LM README"
 _MEGATRON = dict(zero=0, remat="selective", microbatch_size=1, schedule="1f1b")
@@ -194,7 +334,33 @@ _QWEN3_235B_RUN = ValidationRun(
     19.7,
     "step_s",
     _MEGATRON_MOE,
+    routing="forced balanced",
 )
+_MOE_INTERLEAVED = dict(zero=0, microbatch_size=1, schedule="interleaved", virtual_stages=4)
+
+
+def _long_context(seq_len, cp, routing, tflops):
+    """A Long Context row: 256 H100s, TP 4, CP `cp`, EP 8 (expert 2 x model 4), PP 8, VPP 4,
+    DP 8 / cp, batch 256, the MoE blocks recomputed."""
+    kind = "forced" if routing == "forced balanced" else "dropless"
+    return ValidationRun(
+        f"Megatron Qwen3-235B {seq_len // 1024}K {kind}",
+        QWEN3_235B_SLOTS,
+        "h100",
+        32,
+        None,
+        dict(pipeline=8, data=8 // cp // 2, expert=2, sequence=cp, model=4),
+        256,
+        seq_len,
+        dict(_MOE_INTERLEAVED, remat="none"),
+        "megatron-moe",
+        megatron_step_s(get_model("qwen3-235b-a22b"), seq_len, 256, 256, tflops),
+        "step_s",
+        f"{_MEGATRON_MOE_LONG}: {tflops:g} TFLOP/s per GPU",
+        routing=routing,
+        overrides=dict(recompute_moe=True),
+    )
+
 
 RUNS: tuple[ValidationRun, ...] = (
     ValidationRun(
@@ -396,7 +562,152 @@ RUNS: tuple[ValidationRun, ...] = (
         published=17.6,
         source=_MEGATRON_MOE + ", +1f1b overlap",
     ),
+    ValidationRun(
+        "Megatron Qwen3-235B A2A EP8 PP32",
+        QWEN3_235B_SLOTS,
+        "h100",
+        32,
+        None,
+        dict(pipeline=32, expert=4, model=2),
+        2048,
+        4096,
+        dict(_MOE_INTERLEAVED, remat="none", virtual_stages=3),
+        "megatron-moe",
+        24.2,
+        "step_s",
+        _MEGATRON_MOE_INTRA + ", A2A dispatcher",
+        routing="dropless",
+        overrides=dict(ep_node_dedup=False),
+    ),
+    ValidationRun(
+        "Megatron Qwen3-235B DeepEP EP8 TP4",
+        QWEN3_235B_SLOTS,
+        "h100",
+        32,
+        None,
+        dict(pipeline=8, data=4, expert=2, model=4),
+        2048,
+        4096,
+        dict(_MOE_INTERLEAVED, remat="none"),
+        "megatron-moe",
+        29.0,
+        "step_s",
+        _MEGATRON_MOE_INTRA + ", DeepEP",
+        routing="dropless",
+    ),
+    *(
+        _long_context(seq_len, cp, routing, tflops)
+        for seq_len, cp, forced, dropless in (
+            (16384, 1, 295.0, 237.0),
+            (32768, 2, 335.0, 277.0),
+            (65536, 4, 368.0, 320.0),
+        )
+        for routing, tflops in (("forced balanced", forced), ("dropless", dropless))
+    ),
+    ValidationRun(
+        "MaxText Mixtral 8x7B v6e dropped",
+        get_model("mixtral-8x7b"),
+        "tpu-v6e",
+        1,
+        256,
+        dict(fsdp=256),
+        2048,
+        4096,
+        dict(zero=3, remat="full", microbatch_size=8, capacity_factor=1.25),
+        "maxtext",
+        8.409,
+        "step_s",
+        f"{_TPU_RECIPES} training/trillium/Mixtral-8x7B-MaxText/README.md (372537f)",
+        routing="dropping",
+        overrides=dict(expert_capacity_padded=True),
+    ),
+    ValidationRun(
+        "MaxText Mixtral 8x7B v6e dropped offload",
+        get_model("mixtral-8x7b"),
+        "tpu-v6e",
+        1,
+        256,
+        dict(fsdp=256),
+        3072,
+        4096,
+        dict(zero=3, remat="full", microbatch_size=12, capacity_factor=1.25),
+        "maxtext",
+        13.484,
+        "step_s",
+        f"{_TPU_RECIPES} training/trillium/Mixtral-8x7B-MaxText/README.md (7e88b6d)",
+        routing="dropping",
+        overrides=dict(expert_capacity_padded=True),
+    ),
+    ValidationRun(
+        "MaxText Mixtral 8x22B v6e dropped",
+        MIXTRAL_8X22B,
+        "tpu-v6e",
+        1,
+        256,
+        dict(fsdp=64, expert=4),
+        2048,
+        4096,
+        dict(zero=3, remat="full", microbatch_size=8, capacity_factor=1.25),
+        "maxtext",
+        24.706,
+        "step_s",
+        f"{_TPU_RECIPES} training/trillium/Mixtral-8x22B-MaxText/README.md (c78c38e)",
+        routing="dropping",
+        overrides=dict(expert_capacity_padded=True),
+    ),
+    ValidationRun(
+        "MaxText Llama4 Scout v5p",
+        LLAMA4_SCOUT,
+        "tpu-v5p",
+        1,
+        512,
+        dict(fsdp=512),
+        4096,
+        8192,
+        dict(zero=3, remat="full", microbatch_size=8),
+        "maxtext",
+        31.652,
+        "step_s",
+        f"{_TPU_RECIPES} training/v5p/Llama4-Scout-17B-16E-Maxtext/README.md",
+        routing="dropless",
+        overrides=dict(grouped_matmul_row_tile=512),
+    ),
+    ValidationRun(
+        "MaxText Llama4 Maverick v5p",
+        LLAMA4_MAVERICK,
+        "tpu-v5p",
+        1,
+        128,
+        dict(fsdp=32, model=4),
+        512,
+        8192,
+        dict(zero=3, remat="full", microbatch_size=16),
+        "maxtext",
+        24.792,
+        "step_s",
+        f"{_TPU_RECIPES} training/v5p/Llama4-Maverick-17B-128E-Maxtext/README.md",
+        routing="dropless",
+        overrides=dict(grouped_matmul_row_tile=512),
+    ),
+    ValidationRun(
+        "AutoModel Qwen3-30B EP8",
+        get_model("qwen3-30b-a3b"),
+        "h100",
+        1,
+        None,
+        dict(expert=8),
+        512,
+        4096,
+        dict(zero=0, remat="full", microbatch_size=4),
+        "automodel",
+        21.773,
+        "step_s",
+        _AUTOMODEL + ", Qwen3 MoE 30B",
+        routing="forced balanced",
+    ),
 )
+# The mixture-of-experts runs (issue 45): every run with a routing.
+MOE_RUNS: tuple[ValidationRun, ...] = tuple(run for run in RUNS if run.routing)
 
 
 def parallelism_of(run: ValidationRun):
@@ -407,9 +718,15 @@ def parallelism_of(run: ValidationRun):
     mesh = {axis: run.mesh.get(axis, 1) for axis in MESH_AXES}
     options = dict(run.options)
     mb = options.pop("microbatch_size")
+    capacity = options.pop("capacity_factor", None)
     replicas = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    return Parallelism.of(**mesh, **options, microbatch_size=mb,
-                          num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
+    parallelism = Parallelism.of(**mesh, **options, microbatch_size=mb,
+                                 num_microbatches=run.global_batch // (replicas * mb))  # fmt: skip
+    if capacity is not None:
+        parallelism = parallelism.replace(
+            options=parallelism.options.replace(capacity_factor=capacity)
+        )
+    return parallelism
 
 
 def predict(run: ValidationRun):
@@ -428,10 +745,9 @@ def predict(run: ValidationRun):
     from shardfuse import hardware
     from shardfuse.planner.constraints import parallelism_constraints
     from shardfuse.planner.cost import estimate
-    from shardfuse.planner.options import Assumptions
 
     cluster = hardware.cluster(run.device, nodes=run.nodes, devices_per_node=run.devices_per_node)
-    a = Assumptions.preset(run.preset)
+    a = run.assumptions()
     parallelism = parallelism_of(run)
     sizes = dict(global_batch=run.global_batch, seq_len=run.seq_len)
     broken = parallelism_constraints(run.model, parallelism, assumptions=a, **sizes)

@@ -40,6 +40,13 @@ class Step:
         recomputed forward under remat "full" (or the prefetch's rerun).
       reruns_forward: the backward reruns each layer's whole forward (remat "full",
         or the ZeRO-3 prefetch's recomputation).
+
+    With `Assumptions.recompute_moe` (and no whole-forward rerun) `hardware_flops` and
+    `expert_flops` hold one more forward of the routed experts; `reruns_moe` says so.
+    With `Assumptions.expert_capacity_padded` and a capacity factor `c`, `hardware_flops`
+    holds the dense dispatch and combine einsums (`[s, h]` of a sequence into `experts x
+    s k c / experts` one-hot slots and back: `4 s k c h` per token and MoE block and pass),
+    priced as matmuls.
     """
 
     model: ModelSpec
@@ -91,7 +98,9 @@ class Step:
         rate = peak_flops * efficiency
         attention_rate = rate
         if a.flash_attention and a.compute_efficiency is None:
-            attention_rate = peak_flops * attention_efficiency(cluster.device)
+            attention_rate = peak_flops * (
+                a.attention_efficiency or attention_efficiency(cluster.device)
+            )
         tokens = B * s
         hardware_flops = flops.hardware_flops(
             model, seq_len=s, batch=B, remat=options.remat, causal_skip=a.causal_skip,
@@ -112,12 +121,25 @@ class Step:
             )
         # The routed experts' grouped matmuls: forward, backward (2 x), and the forward once
         # more where the backward reruns it ("full"; the prefetch: every layer but the last).
+        # `Assumptions.recompute_moe` reruns the MoE blocks' forward under any other policy.
         expert_passes = flops.TRAINING_OVER_FORWARD * L
         if options.prefetch:
             expert_passes += L - 1
         elif options.remat == "full":
             expert_passes += L
+        elif a.recompute_moe and model.moe_layers:
+            expert_passes += L
+            hardware_flops += L * tokens * flops.expert_matmul_flops(model)
         expert_flops = expert_passes * tokens * flops.expert_matmul_flops(model)
+        capacity = options.capacity_factor
+        if a.expert_capacity_padded and capacity is not None and model.moe_layers:
+            # The dense dispatch and combine: one-hot einsums of each sequence's `s` tokens
+            # into (and out of) `experts x capacity` slots, `capacity = s k c / experts`:
+            # `2 x 2 s k c h` FLOPs per token and MoE block, as matmuls, in every pass
+            # the experts run.
+            moe_blocks = len(model.moe_layers) / L
+            dispatch = 2 * 2 * s * model.top_k * capacity * model.hidden
+            hardware_flops += expert_passes * moe_blocks * tokens * dispatch
         return cls(
             model=model,
             cluster=cluster,
@@ -148,6 +170,12 @@ class Step:
             reruns_forward=options.remat == "full" or options.prefetch,
             expert_flops=expert_flops,
         )
+
+    @property
+    def reruns_moe(self) -> bool:
+        """The backward reruns the MoE blocks' forward: the whole forward (`reruns_forward`)
+        or the MoE blocks alone (`Assumptions.recompute_moe`)."""
+        return self.reruns_forward or (self.a.recompute_moe and bool(self.model.moe_layers))
 
     @property
     def matmul_s(self) -> float:
@@ -184,7 +212,7 @@ class Step:
         model = self.model
         if not model.moe_layers:
             return 1.0
-        M = self.mb_tokens * model.top_k * self.E / model.experts
+        M = self.expert_rows
         K, N = model.hidden, model.expert_ffn_hidden / self.T
         nbytes = self.a.activation_bytes
         intensity = 2 * M * N * K / (nbytes * (M * K + K * N + M * N))
@@ -194,8 +222,43 @@ class Step:
     @property
     def expert_rate(self) -> float:
         """FLOP/s of the routed experts' grouped matmuls: the matmul rate x
-        `Assumptions.grouped_matmul_efficiency` x `expert_roofline`."""
-        return self.rate * self.a.grouped_matmul_efficiency * self.expert_roofline
+        `grouped_matmul_efficiency` x `expert_roofline`."""
+        return self.rate * self.grouped_matmul_efficiency * self.expert_roofline
+
+    @property
+    def expert_rows(self) -> float:
+        """Rows of one routed expert's matmuls on a device per microbatch (balanced routing
+        over the expert group's tokens): `mb_tokens x top_k x E / experts`."""
+        model = self.model
+        return self.mb_tokens * model.top_k * self.E / model.experts
+
+    @property
+    def grouped_matmul_efficiency(self) -> float:
+        """The routed experts' grouped matmuls' fraction of the matmul rate: the stated
+        `Assumptions.grouped_matmul_efficiency`, or, with `Assumptions.grouped_matmul_row_tile`,
+        the tile visits of a kernel that visits a row tile once per group in it: `G` local
+        experts (`experts / E`) of `expert_rows` rows each, `(G M / tile) / (G M / tile + G -
+        1)`.
+
+        Example:
+          >>> from shardfuse import hardware
+          >>> from shardfuse.model_spec import ModelSpec
+          >>> from shardfuse.planner.options import Assumptions, Parallelism
+          >>> from shardfuse.planner.step import Step
+          >>> moe = ModelSpec("moe", 1024, 8, 8, 128, 2048, num_layers=2, vocab_size=1000,
+          ...                 experts=128, top_k=1)
+          >>> step = Step.of(moe, hardware.cluster("v5p", devices_per_node=4),
+          ...                Parallelism.of(fsdp=4, microbatch_size=4), global_batch=16,
+          ...                seq_len=8192, assumptions=Assumptions(grouped_matmul_row_tile=512))
+          >>> step.expert_rows, round(step.grouped_matmul_efficiency, 3)  # 64 tiles, 191 visits
+          (256.0, 0.335)
+        """
+        tile = self.a.grouped_matmul_row_tile
+        if not tile or not self.model.moe_layers:
+            return self.a.grouped_matmul_efficiency
+        groups = self.model.experts / self.E
+        tiles = groups * self.expert_rows / tile
+        return tiles / (tiles + groups - 1)
 
     @property
     def expert_s(self) -> float:
