@@ -123,6 +123,21 @@ def moe_aux_loss(module, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
     return aux_loss_coef * stats["load_balancing_loss"] + z_loss_coef * stats["router_z_loss"]
 
 
+def stats_aux_loss(stats, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+    """`moe_aux_loss` of a pure tree of `MoEStats` values (e.g. the rows a `Stack`'s
+    `apply_layers_with_stats` returns): every `load_balancing_loss` and `router_z_loss`
+    leaf summed, weighted by the coefficients; a float32 scalar (0.0 for None)."""
+    coefs = {"load_balancing_loss": aux_loss_coef, "router_z_loss": z_loss_coef}
+    total = jnp.zeros((), jnp.float32)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        # the statistic's name: the last dictionary key (a Variable adds `.value` after it)
+        names = [k.key for k in path if isinstance(getattr(k, "key", None), str)]
+        name = names[-1] if names else None
+        if coefs.get(name):
+            total = total + coefs[name] * jnp.sum(leaf.astype(jnp.float32))
+    return total
+
+
 class ParallelMoE(nnx.Module):
     """Mixture of SwiGLU experts, expert-parallel over `expert_axis`, tensor-parallel inside.
 
@@ -501,4 +516,12 @@ class ParallelMoE(nnx.Module):
         return y
 
 
-__all__ = ["STATS", "MoEStats", "ParallelMoE", "expert_kernel_init", "moe_aux_loss", "moe_stats"]
+__all__ = [
+    "STATS",
+    "MoEStats",
+    "ParallelMoE",
+    "expert_kernel_init",
+    "moe_aux_loss",
+    "moe_stats",
+    "stats_aux_loss",
+]

@@ -40,6 +40,13 @@ from shardfuse.layers.moe import MoEStats, ParallelMoE
 STACKED = "stacked_layers"
 
 
+def _typed_zeros(struct):
+    """Zeros of `struct`'s shape and dtype, varying over the manual axes it varies over."""
+    manual = getattr(struct, "manual_axis_type", None)
+    vma = getattr(struct, "vma", None) or getattr(manual, "varying", None)
+    return to_varying(jnp.zeros(struct.shape, struct.dtype), frozenset(vma or ()))
+
+
 def check_stage_layers(stage_layers, num_layers: int, num_stages: int | None = None) -> tuple:
     """`stage_layers` as a tuple of ints >= 1 summing to `num_layers` (over `num_stages`).
 
@@ -500,8 +507,13 @@ class Stack(nnx.Module):
         (`branches_may_hold_collectives`: XLA:CPU with other mesh axes), the
         padding rows are computed and discarded instead. Without, `apply_layers`.
         """
+        return self.apply_stage_layers_with_stats(state, x, **kwargs)[0]
+
+    def apply_stage_layers_with_stats(self, state, x, **kwargs):
+        """`(y, stats)`: `apply_stage_layers` and its layers' `MoEStats` rows (as
+        `apply_layers_with_stats`; a skipped padding row's are zero), None without MoE."""
         if self.stage_layers is None:
-            return self.apply_layers(state, x, **kwargs)
+            return self.apply_layers_with_stats(state, x, **kwargs)
         x = self._as_carry(state, x, kwargs)
         graphdef = nnx.graphdef(self.blocks)
         counts = jnp.asarray(self.stage_layers, jnp.int32)
@@ -513,12 +525,20 @@ class Stack(nnx.Module):
             index, layer_state = layer
 
             def run(x):
-                y = nnx.merge(graphdef, layer_state)(x, **kwargs)
-                return to_varying(y, varying_axes(x))
+                y, stats = self._layer(graphdef, layer_state, x, kwargs)
+                return to_varying(y, varying_axes(x)), stats
+
+            def skip(x):  # a padding row: the input, and zero statistics
+                stats = jax.eval_shape(run, x)[1]
+                return x, jax.tree.map(_typed_zeros, stats)
 
             if branch:
-                return jax.lax.cond(index < count, run, lambda x: x, x), None
-            return jnp.where(index < count, run(x), x), None
+                return jax.lax.cond(index < count, run, skip, x)
+            y, stats = run(x)
+            keep = index < count
+            return jnp.where(keep, y, x), jax.tree.map(
+                lambda s: jnp.where(keep, s, jnp.zeros_like(s)), stats
+            )
 
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
-        return jax.lax.scan(body, x, (jnp.arange(rows), state))[0]
+        return jax.lax.scan(body, x, (jnp.arange(rows), state))

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import run_on_mesh, spec_axes
 from shardfuse.kernels.vma import varying_axes
+from shardfuse.layers.moe import MoEStats, stats_aux_loss
 from shardfuse.parallel.pipeline import executor
 from shardfuse.parallel.pipeline.lockstep import lockstep_table
 
@@ -34,6 +35,37 @@ def pure(module):
     return graphdef, jax.tree.map(
         lambda v: v[...], state, is_leaf=lambda v: isinstance(v, nnx.Variable)
     )
+
+
+def pure_without_stats(blocks):
+    """`(graphdef, values, specs, stats_template)` of a stack's blocks, `MoEStats` apart.
+
+    The pipeline carries `values` (pure) and `specs` (PartitionSpecs), the blocks'
+    state without their `MoEStats` (outputs of a call, not inputs: nothing to
+    differentiate, integer counts among them). `stats_template` is hashable: one
+    `(path, per-layer shape, dtype)` per `MoEStats` leaf, from which a stage rebuilds
+    zero statistics for `nnx.merge` (`with_stats`); empty without a `ParallelMoE`.
+    """
+    graphdef = nnx.graphdef(blocks)
+    rest = nnx.state(blocks, nnx.Not(MoEStats))
+    values = jax.tree.map(lambda v: v[...], rest, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    specs = spec_tree(nnx.get_partition_spec(rest))
+    template = tuple(
+        (tuple(path), tuple(v[...].shape[1:]), jnp.dtype(v[...].dtype))
+        for path, v in nnx.to_flat_state(nnx.state(blocks, MoEStats))
+    )
+    return graphdef, values, specs, template
+
+
+def with_stats(values, template):
+    """`values` (layer rows `[n, ...]`) and zero `MoEStats` rows of `template`: the full state."""
+    if not template:
+        return values
+    rows = jax.tree.leaves(values)[0].shape[0]
+    stats = nnx.from_flat_state(
+        [(path, jnp.zeros((rows, *shape), dtype)) for path, shape, dtype in template]
+    )
+    return nnx.merge_state(values, stats)
 
 
 def spec_tree(specs):
@@ -60,6 +92,8 @@ class Config:
         fields.setdefault("targets_spec", None)
         fields.setdefault("residuals", "recompute")
         fields.setdefault("input_gradient", True)
+        fields.setdefault("stats_template", ())
+        fields.setdefault("aux_coefs", None)
         self.__dict__.update(fields)
         self._fields = fields
         self._key = tuple((k, _frozen(v)) for k, v in sorted(fields.items()))
@@ -140,10 +174,25 @@ def _constrain(tree, mesh, specs):
 
 
 def _stage_fn(config):
-    def stage(chunk_state, x):
-        return config.apply_layers(chunk_state, x)
+    """`stage(chunk_values, x)`: `y`, or `(y, aux)` with `config.aux_coefs` (the chunk's
+    MoE aux losses on this microbatch, `stats_aux_loss` of its layers' statistics)."""
+
+    def stage(chunk_values, x):
+        y, stats = config.apply_layers(with_stats(chunk_values, config.stats_template), x)
+        if config.aux_coefs is None:
+            return y
+        return y, stats_aux_loss(stats, *config.aux_coefs)
 
     return stage
+
+
+def _microbatch_counts(weights):
+    """float32 `[m]`: each microbatch's token weight over the whole batch (per shard:
+    `weights` `[b, m, ...]`, summed over the axes the shards split it over)."""
+    w = weights.astype(jnp.float32)
+    counts = jnp.sum(w, axis=tuple(d for d in range(w.ndim) if d != 1))
+    split = tuple(sorted(varying_axes(counts)))
+    return lax.psum(counts, split) if split else counts
 
 
 def _run(config, forward_only, stack_values, head_values, x, targets, weights):
@@ -168,9 +217,15 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
         def body(stages, x, head_values=None, targets=None, weights=None):
             stages = jax.tree.map(lambda a: a[0], stages)
             head_fn = None if forward_only else _head_fn(config)
+            with_aux = config.aux_coefs is not None
+            aux_counts = _microbatch_counts(weights) if with_aux and not forward_only else None
+            if with_aux and forward_only:  # the forward: the outputs alone
+                config_y = config.replace(aux_coefs=None)
+            else:
+                config_y = config
             result = executor.run_schedule(
                 table,
-                stage_fn=_stage_fn(config),
+                stage_fn=_stage_fn(config_y),
                 head_fn=head_fn,
                 pipeline_axis=config.pipeline_axis,
                 stage_params=stages,
@@ -181,6 +236,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
                 poison=config.poison,
                 residuals=config.residuals,
                 input_gradient=config.input_gradient,
+                aux_counts=aux_counts,
             )
             if forward_only:
                 return lax.psum(result, config.pipeline_axis)
