@@ -454,9 +454,11 @@ def run_schedule(
     dx = carry["dx"] if input_gradient else None
     loss = carry["loss"]
     if with_aux:  # the aux terms, counted once per replica of the stage
-        aux = first_replica(carry["aux"], varying_axes(carry["aux"]))
-        both = varying_axes(loss) | varying_axes(aux)
-        loss = to_varying(loss, both) + to_varying(aux, both)
+        # (the caller sums the loss over every axis it varies over: the aux terms, the
+        # same on every device of a stage, count on one)
+        both = varying_axes(loss) | varying_axes(carry["aux"])
+        aux = first_replica(to_varying(carry["aux"], both), both)
+        loss = to_varying(loss, both) + aux
     return loss, carry["weight"], carry["stage_grads"], carry["head_grads"], dx
 
 
