@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from shardfuse.layers import token_loss
-from shardfuse.layers.moe import moe_aux_loss
+from shardfuse.layers.moe import MoEStats, moe_aux_loss
 from shardfuse.parallel.pipeline import program
 from shardfuse.parallel.pipeline.api import Pipeline
 from tests.parallel.pipeline_models import ATOL, RTOL, assert_trees_close
@@ -56,7 +56,8 @@ def batch(size, m):
     return tokens, targets, weights
 
 
-def pipelined_loss(model, tokens, targets, weights, *, schedule, m, v, residuals, coefs):
+def pipelined_loss(model, tokens, targets, weights, *, schedule, m, v, residuals, coefs,
+                   return_stats=False):  # fmt: skip
     mesh = model.mesh
     names = mesh.axis_names
     pipe = Pipeline(model.blocks, mesh=mesh, schedule=schedule, num_microbatches=m,
@@ -64,7 +65,7 @@ def pipelined_loss(model, tokens, targets, weights, *, schedule, m, v, residuals
     batch_axes = tuple(a for a in ("data", "expert") if a in names) or None
     return pipe.loss(model.embed_tokens(tokens), targets, head=model.head, weights=weights,
                      targets_spec=P(batch_axes), aux_loss_coef=coefs[0],
-                     z_loss_coef=coefs[1])  # fmt: skip
+                     z_loss_coef=coefs[1], return_stats=return_stats)  # fmt: skip
 
 
 def reference_loss(model, tokens, targets, weights, *, m, coefs, aux_only=False):
@@ -137,6 +138,37 @@ def test_expert_data_pipeline_1f1b_matches_one_device_loss_aux_and_every_gradien
     )
     assert float(want_aux) > 10 * ATOL
     np.testing.assert_allclose(loss - task, want_aux, rtol=1e-4, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_pipeline_returns_the_layers_stats_averaged_over_microbatches():
+    """`return_stats`: each layer's statistics, floats averaged over the microbatches and
+    counts summed (as `accumulate` reports them), equal to the one-device model's."""
+    mesh = jax.make_mesh(*EXPERT_MESH)
+    model = make_model(mesh, 2)
+    reference = one_device_copy(model, EXPERT_MESH[1])
+    m = 2
+    tokens, targets, weights = batch(4 * m, m)
+    settings = dict(schedule="gpipe", m=m, v=1, residuals="recompute", coefs=(AUX, Z))
+    _, stats = nnx.jit(lambda mo, *b: pipelined_loss(mo, *b, **settings, return_stats=True))(
+        model, tokens, targets, weights
+    )
+    per_microbatch = []
+    for i in range(m):
+        reference(tokens[i::m])
+        per_microbatch.append(nnx.to_pure_dict(nnx.state(reference.blocks, MoEStats)))
+    want = jax.tree.map(
+        lambda *a: sum(a) if jnp.issubdtype(a[0].dtype, jnp.integer) else sum(a) / m,
+        *per_microbatch,
+    )
+    model.blocks.write_stats(stats)
+    got = nnx.to_pure_dict(nnx.state(model.blocks, MoEStats))
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0],
+        jax.tree_util.tree_flatten_with_path(want)[0],
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
 
 
 def test_aux_not_weighted_by_tokens_is_caught(monkeypatch):

@@ -461,7 +461,14 @@ class Stack(nnx.Module):
         """Writes the layers' `MoEStats` rows (`stats`, `[layers, ...]`) to the stacked
         variables (`real` not None: the L real layers' rows of uneven stages, each row
         gathered from its layer's, padding rows zero, on the stored sharding)."""
-        values = nnx.to_pure_dict(stats)
+        self.write_stats(nnx.to_pure_dict(stats), real)
+
+    def write_stats(self, values, real=None):
+        """Writes `MoEStats` values (a pure dict or `nnx.State` of the blocks' statistics,
+        rows as the stacked variables', e.g. `Pipeline.loss(return_stats=True)`'s); with
+        `real`, `_write_stats`' rows of the real layers."""
+        if isinstance(values, nnx.State):
+            values = nnx.to_pure_dict(values)
         if real is not None:
             rows = np.asarray(self.layer_rows())
             stored = nnx.to_pure_dict(nnx.state(self.blocks, MoEStats))

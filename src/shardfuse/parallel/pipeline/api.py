@@ -211,6 +211,7 @@ class Pipeline(nnx.Module):
         targets_spec=None,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        return_stats: bool = False,
     ):
         """Token-weighted loss of `loss_fn(head(stack(x)), targets, weights)`, pipelined.
 
@@ -226,7 +227,8 @@ class Pipeline(nnx.Module):
         gradients are those of this loss. Microbatch `i` is rows `i, i + m, ...` of
         the batch (see the module docstring; `accumulate` splits each shard's rows
         into contiguous blocks instead: the same definition, other microbatches).
-        The layers' `MoEStats` variables are not written.
+        The layers' `MoEStats` variables are not written here: `return_stats` gives
+        the step's (write them with `stack.write_stats`).
 
         Args:
           x: `[B, T, F]` embedded input (floating point), laid out as `io_spec`.
@@ -244,10 +246,14 @@ class Pipeline(nnx.Module):
 
           aux_loss_coef, z_loss_coef: the MoE aux losses' coefficients (above;
             `RunOptions`'); ignored without a `ParallelMoE` in the blocks.
+          return_stats: also return the blocks' `MoEStats` of this call.
 
         Returns:
           The scalar float32 loss; differentiable with respect to the stack,
-          the head and `x`.
+          the head and `x`. With `return_stats`, `(loss, stats)`: `stats` the pure
+          `nnx.State` of the blocks' `MoEStats`, stacked rows as the variables
+          (`[L]`, `[L, E]`), each the mean over the microbatches (counts: the sum),
+          as `accumulate`'s step reports them; an empty state without MoE blocks.
 
         Raises:
           ValueError: `x` or the head (its `in_features` or `features`) not of the
@@ -278,7 +284,13 @@ class Pipeline(nnx.Module):
         # On the activation layout first: the reshard's transpose brings x's gradient back
         # to x's own sharding (e.g. that of an embedding lookup).
         x = place(x, self.mesh, P(*self.io_spec))
-        return pipelined_loss(config, stack_values, head_values, x, targets, weights)
+        loss, rows = pipelined_loss(config, stack_values, head_values, x, targets, weights)
+        if not return_stats:
+            return loss
+        stats = nnx.from_flat_state(
+            [(path, row) for (path, _, _), row in zip(template, rows, strict=True)]
+        )
+        return loss, stats
 
     def _config(self, graphdef, layer_specs, stats_template, **head):
         return Config(

@@ -216,6 +216,7 @@ def run_schedule(
     residuals="recompute",
     input_gradient=True,
     aux_counts=None,
+    stats=False,
 ):
     """The per-shard program (call it inside a full-manual `jax.shard_map`).
 
@@ -246,12 +247,16 @@ def run_schedule(
         aux`): added to `loss_sum` (once, on the first device along every axis
         but the pipeline's), and their gradients flow from the cotangent
         `aux_counts[i]` in the stage's B, next to the output gradient.
+      stats: `stage_fn(chunk_params, x) -> (out, stats)` (`out` as above), `stats`
+        a pytree of arrays `[L/(p v), ...]` not differentiated (a MoE chunk's
+        layers' `MoEStats`): summed over each chunk's microbatches (F slots).
 
     Returns:
       forward-only: `y` `[b, m, ...]` (the last stage's outputs; zeros elsewhere).
-      training: `(loss_sum, weight_sum, stage_grads, head_grads, dx)`, unreduced
-      over the pipeline axis except the stage gradients (`dx` None without
-      `input_gradient`; `loss_sum` holds the stages' aux terms with `aux_counts`).
+      training: `(loss_sum, weight_sum, stage_grads, head_grads, dx, stats_sums)`,
+      unreduced over the pipeline axis except the stage gradients (`dx` None without
+      `input_gradient`; `loss_sum` holds the stages' aux terms with `aux_counts`;
+      `stats_sums` None without `stats`, else this device's chunks' `[v, ...]`).
     """
     p, v = table.num_stages, table.virtual_stages
     slots = table.buffer_slots
@@ -266,6 +271,10 @@ def run_schedule(
 
     def split(out):  # a stage's output: (y, aux or None)
         return out if aux_counts is not None else (out, None)
+
+    def call_stage(params, x_in):  # (y, aux or None, stats or None)
+        out, chunk_stats = stage_fn(params, x_in) if stats else (stage_fn(params, x_in), None)
+        return (*split(out), chunk_stats)
 
     def first_replica(value, vma):
         """`value` on the first device of every axis but the pipeline's in `vma`, else 0."""
@@ -293,17 +302,24 @@ def run_schedule(
         params = _take(stage_params, c)
         last = has_f & (c == v - 1) & (stage == p - 1)
         if forward_only:
-            y, _ = split(stage_fn(params, x_in))
+            y, _, _ = call_stage(params, x_in)
             carry["out"] = _put(carry["out"], i, y, last, axis=1)
         elif stored_mode:
-            out, new_stored = StageVJP(stage_fn, params, x_in).forward(params, x_in)
+            plan = StageVJP(stage_fn, params, x_in, has_aux=stats)
+            out, new_stored, *chunk_stats = plan.forward(params, x_in)
             y, aux = split(out)
             carry["stored"] = [
                 _put_at(buf, c, i % slots, new, has_f)
                 for buf, new in zip(carry["stored"], new_stored, strict=True)
             ]
         else:
-            y, aux = split(stage_fn(params, x_in))
+            y, aux, *chunk_stats = call_stage(params, x_in)
+        if stats and not forward_only:  # the chunk's statistics, summed over microbatches
+            carry["stats"] = jax.tree.map(
+                lambda acc, new: _put(acc, c, _take(acc, c) + new, has_f),
+                carry["stats"],
+                chunk_stats[0],
+            )
         if with_aux:  # microbatch i's aux terms, weighted by its tokens
             term = aux_counts[i] * aux.astype(jnp.float32)
             carry["aux"] = jnp.where(has_f, carry["aux"] + term, carry["aux"])
@@ -349,11 +365,11 @@ def run_schedule(
             return (d_y, aux_cotangent(aux_type, i)) if aux_counts is not None else d_y
 
         if stored_mode:
-            plan = StageVJP(stage_fn, params, x_in)
+            plan = StageVJP(stage_fn, params, x_in, has_aux=stats)
             leaves = [buffer[c, slot] for buffer in carry["stored"]]
             d_params, d_x = plan.backward(params, x_in, leaves, stage_cotangent(plan.output))
         else:
-            out, vjp_fn = jax.vjp(stage_fn, params, x_in)
+            out, vjp_fn, *_ = jax.vjp(stage_fn, params, x_in, has_aux=stats)
             d_params, d_x = vjp_fn(stage_cotangent(out))
         carry["stage_grads"] = jax.tree.map(
             lambda acc, g: _put(acc, c, _take(acc, c) + g, has_b), carry["stage_grads"], d_params
@@ -414,7 +430,7 @@ def run_schedule(
             carry["dx"] = jnp.zeros(x.shape, x.dtype)
         if stored_mode:
             # Residuals vary over the pipeline too (each stage keeps its own microbatches').
-            plan = StageVJP(stage_fn, _take(stage_params, 0), incoming)
+            plan = StageVJP(stage_fn, _take(stage_params, 0), incoming, has_aux=stats)
             carry["stored"] = [
                 to_varying(
                     jnp.full((v, slots, *r.shape), fill if _inexact(r) else 0, r.dtype),
@@ -429,6 +445,9 @@ def run_schedule(
             lambda a: to_varying(a, frozenset((pipeline_axis,))), head_params
         )
         carry["head_grads"] = jax.tree.map(jnp.zeros_like, head_params)
+        if stats:  # per chunk: [v, L/(p v), ...], typed by the scan bodies
+            chunk = jax.eval_shape(stage_fn, _take(stage_params, 0), incoming)[1]
+            carry["stats"] = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), chunk)
     rows = jnp.asarray(arrival_tables(table))
     plan = segments(table.active())
     masks = {mask for item in plan for mask in _masks(item)}
@@ -459,7 +478,8 @@ def run_schedule(
         both = varying_axes(loss) | varying_axes(carry["aux"])
         aux = first_replica(to_varying(carry["aux"], both), both)
         loss = to_varying(loss, both) + aux
-    return loss, carry["weight"], carry["stage_grads"], carry["head_grads"], dx
+    stats_sums = carry["stats"] if stats else None
+    return loss, carry["weight"], carry["stage_grads"], carry["head_grads"], dx, stats_sums
 
 
 def _masks(item):

@@ -173,17 +173,44 @@ def _constrain(tree, mesh, specs):
     )
 
 
-def _stage_fn(config):
+def _stage_fn(config, collect_stats=False):
     """`stage(chunk_values, x)`: `y`, or `(y, aux)` with `config.aux_coefs` (the chunk's
-    MoE aux losses on this microbatch, `stats_aux_loss` of its layers' statistics)."""
+    MoE aux losses on this microbatch, `stats_aux_loss` of its layers' statistics);
+    with `collect_stats`, `(that, stats)`: the layers' `MoEStats` rows, a tuple in
+    `config.stats_template`'s order (`executor.run_schedule(stats=True)`)."""
 
     def stage(chunk_values, x):
         y, stats = config.apply_layers(with_stats(chunk_values, config.stats_template), x)
-        if config.aux_coefs is None:
-            return y
-        return y, stats_aux_loss(stats, *config.aux_coefs)
+        out = y if config.aux_coefs is None else (y, stats_aux_loss(stats, *config.aux_coefs))
+        if not collect_stats:
+            return out
+        flat = dict(nnx.to_flat_state(stats))
+        rows = tuple(
+            jnp.asarray(flat[path][...] if isinstance(flat[path], nnx.Variable) else flat[path])
+            for path, _, _ in config.stats_template
+        )
+        return out, rows
 
     return stage
+
+
+def _stats_of_microbatches(sums, m, pipeline_axis):
+    """Per shard: the chunks' `MoEStats` sums over the m microbatches -> floats averaged,
+    counts summed (as `accumulate`'s aux), the same on every device of a stage."""
+
+    def combine(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            a = a / m
+        others = tuple(sorted(varying_axes(a) - {pipeline_axis}))
+        if others:  # (the same value on every device of the stage)
+            a = (
+                lax.pmean(a, others)
+                if jnp.issubdtype(a.dtype, jnp.floating)
+                else lax.pmax(a, others)
+            )
+        return a[None]
+
+    return tuple(combine(a) for a in sums)
 
 
 def _microbatch_counts(weights):
@@ -200,6 +227,9 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
     table = lockstep_table(config.schedule, config.p, config.m, config.v, forward_only=forward_only)
     x_spec = _microbatch_spec(config.io_spec)
     dx_spec = x_spec if config.input_gradient else None
+    # training: the layers' MoEStats come out too (`[L, ...]` rows, averaged over microbatches)
+    collect_stats = bool(config.stats_template) and not forward_only
+    stats_specs = tuple(P(config.pipeline_axis) for _ in config.stats_template if collect_stats)
 
     def program(mesh, stack_values, head_values, x, targets, weights):
         stages, stage_specs = _to_stages(config, stack_values, config.layer_specs)
@@ -225,7 +255,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
                 config_y = config
             result = executor.run_schedule(
                 table,
-                stage_fn=_stage_fn(config_y),
+                stage_fn=_stage_fn(config_y, collect_stats),
                 head_fn=head_fn,
                 pipeline_axis=config.pipeline_axis,
                 stage_params=stages,
@@ -237,25 +267,33 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
                 residuals=config.residuals,
                 input_gradient=config.input_gradient,
                 aux_counts=aux_counts,
+                stats=collect_stats,
             )
             if forward_only:
                 return lax.psum(result, config.pipeline_axis)
-            loss_sum, weight_sum, stage_grads, head_grads, dx = result
+            loss_sum, weight_sum, stage_grads, head_grads, dx, stats_sums = result
             loss_sum = lax.psum(loss_sum, tuple(sorted(varying_axes(loss_sum))))
             weight_sum = lax.psum(weight_sum, tuple(sorted(varying_axes(weight_sum))))
             head_grads = jax.tree.map(lambda g: lax.psum(g, config.pipeline_axis), head_grads)
             if dx is not None:
                 dx = lax.psum(dx, config.pipeline_axis)
             stage_grads = jax.tree.map(lambda g: g[None], stage_grads)
-            return loss_sum, weight_sum, stage_grads, head_grads, dx
+            stats = ()
+            if collect_stats:
+                stats = _stats_of_microbatches(stats_sums, config.m, config.pipeline_axis)
+            return loss_sum, weight_sum, stage_grads, head_grads, dx, stats
 
-        body_specs = x_spec if forward_only else (P(), P(), stage_specs, config.head_specs, dx_spec)
+        body_specs = (
+            x_spec
+            if forward_only
+            else (P(), P(), stage_specs, config.head_specs, dx_spec, stats_specs)
+        )
         outputs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=body_specs)(
             *args
         )
         if forward_only:
             return _unmicrobatch(outputs)
-        loss_sum, weight_sum, stage_grads, head_grads, dx = outputs
+        loss_sum, weight_sum, stage_grads, head_grads, dx, stats = outputs
         scale = 1.0 / weight_sum
         stage_grads = jax.tree.map(
             lambda g: (g * scale).astype(g.dtype), _from_stages(config, stage_grads)
@@ -263,7 +301,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
         head_grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), head_grads)
         if dx is not None:
             dx = (_unmicrobatch(dx) * scale).astype(dx.dtype)
-        return loss_sum * scale, stage_grads, head_grads, dx
+        return loss_sum * scale, stage_grads, head_grads, dx, _from_stages(config, stats)
 
     final_specs = (
         P(*config.io_spec)
@@ -273,6 +311,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
             config.layer_specs,
             config.head_specs,
             P(*config.io_spec) if config.input_gradient else None,
+            tuple(P(config.pipeline_axis) for _ in stats_specs),
         )
     )
     return run_on_mesh(program, config.mesh, final_specs)(
@@ -318,9 +357,12 @@ def _train_program(config, stack_values, head_values, x, targets, weights):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pipelined_loss(config, stack_values, head_values, x, targets, weights):
+    """`(loss, stats)`: `stats` the layers' `MoEStats` rows (a tuple in
+    `config.stats_template`'s order, empty without MoE blocks), not differentiated."""
     # Undifferentiated: nothing asks for the input gradient.
     config = config.replace(input_gradient=False)
-    return _train_program(config, stack_values, head_values, x, targets, weights)[0]
+    out = _train_program(config, stack_values, head_values, x, targets, weights)
+    return out[0], out[4]
 
 
 def _fwd(config, stack_values, head_values, x, targets, weights):
@@ -331,14 +373,15 @@ def _fwd(config, stack_values, head_values, x, targets, weights):
     stack_values, head_values, x, targets, weights = custom_vjp_primal_tree_values(
         (stack_values, head_values, x, targets, weights)
     )
-    loss, stage_grads, head_grads, dx = _train_program(
+    loss, stage_grads, head_grads, dx, stats = _train_program(
         config, stack_values, head_values, x, targets, weights
     )
-    return loss, (stage_grads, head_grads, dx)
+    return (loss, stats), (stage_grads, head_grads, dx)
 
 
-def _bwd(config, residuals, cotangent):
+def _bwd(config, residuals, cotangents):
     stage_grads, head_grads, dx = residuals
+    cotangent = cotangents[0]  # (the statistics' are not used: not differentiable)
     if isinstance(cotangent, SymbolicZero):
         return None, None, None, None, None
     scale = lambda g: (g * cotangent).astype(g.dtype)  # noqa: E731
