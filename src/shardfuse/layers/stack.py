@@ -143,7 +143,9 @@ class Stack(nnx.Module):
     `ParallelMoE` (`ParallelTransformerBlock(moe=...)`): the scan returns each layer's
     `MoEStats`, written to the stacked variables (`[L]`, `[L, E]`), so that
     `sf.layers.moe_stats(stack)` sums the aux losses over the L layers, as over the
-    looped blocks (and differentiably, under every remat policy).
+    looped blocks (and differentiably, under every remat policy). In a
+    `sf.parallel.Pipeline` each stage returns them per microbatch
+    (`apply_stage_layers_with_stats`) and the pipelined loss adds the aux losses.
 
     Args:
       make_block: `make_block(rngs) -> nnx.Module`, a block whose call maps
@@ -168,7 +170,8 @@ class Stack(nnx.Module):
         weights and each layer's input for the backward
         (`shardfuse.layers.prefetch`). Needs blocks built with `zero=3` over
         an fsdp axis of size > 1, `layer_axis=None` and a block with
-        `io_spec()`. Same values and gradients as False.
+        `io_spec()`, and no `ParallelMoE` in the blocks (its aux-loss statistics
+        cannot leave that custom_vjp: ValueError). Same values and gradients as False.
       stage_layers: uneven pipeline stages: the layers of each `layer_axis`
         rank, in order (e.g. `(3, 3, 2, 2)`: 10 layers over 4 stages; from
         `sf.parallel.balance_stages`). The stacked parameters then hold
@@ -182,7 +185,7 @@ class Stack(nnx.Module):
         that is not a mesh axis, or L not divisible by its size (without
         stage_layers); stage_layers without layer_axis, of another length
         than its size or not summing to L; prefetch=True where it does not
-        apply (see `prefetch`).
+        apply (see `prefetch`; blocks holding a `ParallelMoE` among them).
 
     Example usage::
 
@@ -278,9 +281,14 @@ class Stack(nnx.Module):
         # scan returns each layer's as a scan output, written to the stacked variables.
         self.has_moe = any(isinstance(node, ParallelMoE) for _, node in nnx.iter_graph(abstract))
         if self.has_moe and prefetch:
-            raise NotImplementedError(
-                "prefetch=True with blocks holding a ParallelMoE: the prefetching scan does "
-                "not carry the experts' statistics out; use prefetch=False"
+            # The prefetching scan is one custom_vjp over the L layers whose only output is
+            # the activations: the experts' statistics (the aux losses, differentiated)
+            # cannot leave it. The MoE layer gathers its own ZeRO-3 weights per layer.
+            raise ValueError(
+                "prefetch=True with blocks holding a ParallelMoE: the prefetching layer scan "
+                "(shardfuse.layers.prefetch) carries only the activations, not the experts' "
+                "aux-loss statistics; use prefetch=False (ZeRO-3 still gathers each layer's "
+                "weights, without the overlap)"
             )
         graphdef, abstract_state = nnx.split(abstract)
         specs = jax.tree.map(
