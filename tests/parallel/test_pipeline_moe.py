@@ -18,6 +18,7 @@ expert axis or not, Explicit or Auto, stored residuals).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -237,3 +238,89 @@ def test_mixed_dense_and_moe_blocks_pipelined_raise_value_error():
     spec = sf.models.ModelSpec.tiny(num_layers=4, experts=4, top_k=2, moe_first_dense=2)
     with pytest.raises(ValueError, match="mixed kinds"):
         sf.models.Transformer(spec, mesh=mesh, pipelined=True, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_parallelize_pipelined_moe_step_equals_one_device(schedule):
+    """`parallelize` on pipeline 2 x expert 2 x data 2: the step's loss (aux losses
+    included), the MoEStats it writes and every parameter after one SGD step equal the
+    one-device oracle's over the same microbatches (one row per shard and microbatch:
+    rows i, i + m, ..., the unpipelined step's split too)."""
+    m, lr = 2, 0.5
+    v = 2 if schedule == "interleaved" else 1
+    options = sf.parallel.RunOptions(aux_loss_coef=AUX, z_loss_coef=Z, schedule=schedule,
+                                     num_microbatches=m, virtual_stages=v)  # fmt: skip
+    mesh = jax.make_mesh(*EXPERT_MESH)
+    run = sf.parallel.parallelize(moe_spec(2 * v), options, mesh, optimizer=optax.sgd(lr))
+    reference = one_device_copy(run.model, EXPERT_MESH[1])
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(run.model, nnx.Param)))
+    rows = np.asarray(jax.random.randint(jax.random.key(4), (4 * m, SEQ + 1), 0, VOCAB))
+    tokens, targets = rows[:, :-1], rows[:, 1:]
+    ones = jnp.ones(targets.shape, jnp.float32)
+
+    def oracle(model):
+        lbs = []
+        total, count = 0.0, 0.0
+        for i in range(m):
+            s, c = token_loss(model(tokens[i::m]), targets[i::m], ones[i::m])
+            total, count = total + s + c * moe_aux_loss(model, AUX, Z), count + c
+            lbs.append(sf.layers.moe_stats(model)["load_balancing_loss"])
+        return total / count, sum(lbs) / m
+
+    (want, want_lb), grads = nnx.jit(nnx.value_and_grad(oracle, has_aux=True))(reference)
+    with jax.set_mesh(mesh):
+        got = run.step(run.model, run.optimizer, jax.device_put(rows, run.batch_sharding))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    stats = sf.layers.moe_stats(run.model)
+    np.testing.assert_allclose(stats["load_balancing_loss"], want_lb, rtol=RTOL, atol=ATOL)
+    assert int(np.sum(stats["tokens_per_expert"])) == 2 * v * rows.shape[0] * SEQ * 2  # k = 2
+    after = jax.tree.map(lambda p, g: p - lr * g, params, nnx.to_pure_dict(grads))
+    new = nnx.to_pure_dict(nnx.state(run.model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(after), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+class UnevenMoE(nnx.Module):
+    """A Stack of 3 MoE blocks over 2 uneven stages (2, 1) and a linear head."""
+
+    def __init__(self, mesh, remat):
+        block = lambda rngs: sf.layers.ParallelTransformerBlock(  # noqa: E731
+            16, 2, 8, moe=dict(num_experts=4, top_k=2), mesh=mesh, rngs=rngs
+        )
+        self.stack = sf.layers.Stack(block, 3, mesh=mesh, layer_axis="pipeline",
+                                     stage_layers=(2, 1), remat=remat,
+                                     rngs=nnx.Rngs(0))  # fmt: skip
+        self.head = sf.layers.ColumnParallelLinear(16, VOCAB, mesh=mesh, gather_output=True,
+                                                   rngs=nnx.Rngs(1))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_uneven_stages_skip_the_padding_rows_stats(remat):
+    """stage_layers=(2, 1): the padding row's aux losses count nothing; loss and every
+    gradient equal the plain stack's over the same microbatches (remat too)."""
+    mesh = jax.make_mesh((2, 2), ("pipeline", "expert"), devices=jax.devices()[:4])
+    model = UnevenMoE(mesh, remat)
+    m = 2
+    x = jax.random.normal(jax.random.key(1), (4, SEQ, 16))
+    targets = jax.random.randint(jax.random.key(2), (4, SEQ), 0, VOCAB)
+    weights = batch(4, m)[2]
+
+    def piped(model):
+        pipe = Pipeline(model.stack, mesh=mesh, schedule="1f1b", num_microbatches=m)
+        return pipe.loss(x, targets, head=model.head, weights=weights, aux_loss_coef=AUX,
+                         z_loss_coef=Z)  # fmt: skip
+
+    def plain(model):
+        total, count = 0.0, 0.0
+        for i in range(m):
+            s, c = token_loss(model.head(model.stack(x[i::m])), targets[i::m], weights[i::m])
+            total = total + s + c * moe_aux_loss(model.stack, AUX, Z)
+            count = count + c
+        return total / count
+
+    loss, grads = nnx.jit(nnx.value_and_grad(piped))(model)
+    want, want_grads = nnx.jit(nnx.value_and_grad(plain))(model)
+    np.testing.assert_allclose(loss, want, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, want_grads)

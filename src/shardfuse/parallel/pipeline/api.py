@@ -12,6 +12,10 @@ program and returns the loss; `Pipeline.forward` is the evaluation path
 gradient through the input's cotangent; a head that shares the embedding's
 `nnx.Param` (tied embeddings) gets the sum of both ends from autodiff.
 
+Blocks holding a `ParallelMoE`: each stage returns its layers' aux-loss term per
+microbatch next to its output and the loss adds it weighted by the microbatch's tokens,
+as the unpipelined step (`Pipeline.loss`'s `aux_loss_coef`, `z_loss_coef`).
+
 Microbatch `i` is rows `i, i + m, i + 2m, ...` of the batch (a strided split:
 a batch sharded over the data axes stays where it is, and `[B, ...]` ->
 `[B/m, m, ...]` is a reshape, no copy), so the loss, a sum over tokens

@@ -7,6 +7,10 @@ splits the batch into microbatches (microbatch i = rows i, i + m, ...), runs
 (with every axis Auto: `run_on_mesh`), reduces what the stages hold
 (loss and token count over every axis they vary over, head and input
 gradients over the pipeline axis) and divides by the token count.
+A MoE stack's `MoEStats` stay out of the carried state (`pure_without_stats`:
+outputs, not inputs); each stage returns its layers' aux term per microbatch
+(weighted by the microbatch's token count, `_microbatch_counts`) and, training, their
+statistics, averaged over the microbatches.
 `pipelined_loss` is the `jax.custom_vjp` of `Pipeline.loss`; its forward
 rule sees which arguments are differentiated (`symbolic_zeros`) and asks the
 executor for the input gradient, a buffer of the batch's size, only when the
