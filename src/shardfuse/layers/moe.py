@@ -89,10 +89,19 @@ def moe_stats(module) -> dict:
                 # (a stacked layer, `sf.layers.Stack`, holds one value per layer: summed)
                 out[name] = out[name] + jnp.sum(getattr(layer, name)[...])
             counts = layer.tokens_per_expert[...]
-            # a stacked layer's `[L, E]`: one row per layer
+            # a stacked layer's `[L, E]`: one row per layer (rows split over Explicit
+            # pipeline stages gathered first: a row is not a slice of one stage's shard)
+            if counts.ndim == 2 and any(_sharding.canonical_spec(_explicit_spec(counts))):
+                counts = jax.sharding.reshard(counts, NamedSharding(layer.mesh, P()))
             per_layer.extend(list(counts) if counts.ndim == 2 else [counts])
     out["tokens_per_expert"] = per_layer
     return out
+
+
+def _explicit_spec(x) -> P:
+    """The PartitionSpec in `x`'s type (its Explicit axes; P() for none)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if isinstance(spec, P) else P()
 
 
 def moe_aux_loss(module, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):

@@ -422,12 +422,13 @@ def run_schedule(
             from_next=incoming,
             loss=jnp.zeros((), jnp.float32),
             weight=jnp.zeros((), jnp.float32),
-            aux=jnp.zeros((), jnp.float32),
             stage_grads=jax.tree.map(jnp.zeros_like, stage_params),
             stored=[],
         )
         if input_gradient:
             carry["dx"] = jnp.zeros(x.shape, x.dtype)
+        if with_aux:  # the stage's aux terms, sum over microbatches of count x aux
+            carry["aux"] = jnp.zeros((), jnp.float32)
         if stored_mode:
             # Residuals vary over the pipeline too (each stage keeps its own microbatches').
             plan = StageVJP(stage_fn, _take(stage_params, 0), incoming, has_aux=stats)
