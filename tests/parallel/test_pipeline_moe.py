@@ -172,18 +172,31 @@ def test_pipeline_returns_the_layers_stats_averaged_over_microbatches():
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
 
 
-def test_aux_not_weighted_by_tokens_is_caught(monkeypatch):
+def _mean_counts(weights):  # aux_i weighted alike: the loss gets mean_i aux_i
+    counts = jnp.sum(weights.astype(jnp.float32), axis=(0, 2))
+    return jnp.full_like(counts, jnp.mean(counts))
+
+
+def _total_counts(weights):  # each aux_i weighted by all tokens: the loss gets sum_i aux_i
+    counts = jnp.sum(weights.astype(jnp.float32), axis=(0, 2))
+    return jnp.full_like(counts, jnp.sum(counts))
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        pytest.param(_mean_counts, id="averaged"),
+        pytest.param(_total_counts, id="summed", marks=pytest.mark.slow),
+    ],
+)
+def test_aux_not_weighted_by_tokens_is_caught(monkeypatch, mutation):
     """The planted mutation: each microbatch's aux loss counted with the mean token count
-    (an unweighted average over microbatches) instead of its own. With uneven counts the
-    loss and the router's gradient move by more than the tolerance: the comparison of
-    the cases above fails on it."""
+    (an unweighted average over microbatches) or the batch's (the aux losses summed per
+    microbatch) instead of its own. With uneven counts the loss and the router's
+    gradient move by more than the tolerance: the comparison of the cases above fails
+    on it."""
     shape, names = (2,), ("pipeline",)
-
-    def mean_counts(weights):
-        counts = jnp.sum(weights.astype(jnp.float32), axis=(0, 2))
-        return jnp.full_like(counts, jnp.mean(counts))
-
-    monkeypatch.setattr(program, "_microbatch_counts", mean_counts)
+    monkeypatch.setattr(program, "_microbatch_counts", mutation)
     (loss, grads), (want_loss, want_grads), *_ = run_case(shape, names, m=2)
     router = np.asarray(grads["blocks"]["blocks"]["mlp"]["router"][...])
     want_router = np.asarray(want_grads["blocks"]["blocks"]["mlp"]["router"][...])
