@@ -62,7 +62,7 @@ def test_moe_block_equals_the_reference_block(sequence_parallel):
 
 def test_a_stack_of_moe_blocks_refuses_prefetch_not_silent():
     mesh = jax.make_mesh((2, 2), ("expert", "fsdp"))
-    with pytest.raises(NotImplementedError, match="prefetch=True"):
+    with pytest.raises(ValueError, match="prefetch=True .* use prefetch=False"):
         sf.layers.Stack(
             lambda rngs: sf.layers.ParallelTransformerBlock(
                 16, 2, 8, moe=MOE, mesh=mesh, zero=3, rngs=rngs

@@ -108,7 +108,8 @@ def test_moe_stack_eager_call_writes_each_layers_stats():
     assert float(stats["load_balancing_loss"]) >= L * 0.99  # >= 1 a layer (1: balanced)
 
 
-def test_a_pipeline_of_moe_blocks_is_refused_naming_the_option():
+def test_a_pipeline_of_moe_blocks_is_accepted():
+    """(Issue 44: the schedules carry the aux losses; tests/parallel/test_pipeline_moe.py.)"""
     mesh = jax.make_mesh((2, 2), ("pipeline", "expert"))
     stack = sf.layers.Stack(
         lambda rngs: sf.layers.ParallelTransformerBlock(16, 2, 8, moe=MOE, mesh=mesh, rngs=rngs),
@@ -117,8 +118,8 @@ def test_a_pipeline_of_moe_blocks_is_refused_naming_the_option():
         layer_axis="pipeline",
         rngs=nnx.Rngs(0),
     )
-    with pytest.raises(NotImplementedError, match="pipelined=False"):
-        sf.parallel.Pipeline(stack, mesh=mesh, num_microbatches=2)
+    pipe = sf.parallel.Pipeline(stack, mesh=mesh, num_microbatches=2)
+    assert pipe.stack.has_moe
 
 
 def test_uneven_stages_plain_call_writes_the_real_layers_stats():

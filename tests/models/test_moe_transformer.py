@@ -135,5 +135,5 @@ def test_bad_expert_meshes_are_named():
     with pytest.raises(ValueError, match="spec.experts=6 must be divisible by the size 4"):
         Transformer(SPEC.replace(experts=6), mesh=mesh, rngs=nnx.Rngs(0))
     pipe = _mesh((2, 2), ("pipeline", "expert"))
-    with pytest.raises(NotImplementedError, match="pipelined=False"):
+    with pytest.raises(ValueError, match="mixed kinds"):  # one Stack per Pipeline
         Transformer(SPEC, mesh=pipe, pipelined=True, rngs=nnx.Rngs(0))

@@ -89,10 +89,19 @@ def moe_stats(module) -> dict:
                 # (a stacked layer, `sf.layers.Stack`, holds one value per layer: summed)
                 out[name] = out[name] + jnp.sum(getattr(layer, name)[...])
             counts = layer.tokens_per_expert[...]
-            # a stacked layer's `[L, E]`: one row per layer
+            # a stacked layer's `[L, E]`: one row per layer (rows split over Explicit
+            # pipeline stages gathered first: a row is not a slice of one stage's shard)
+            if counts.ndim == 2 and any(_sharding.canonical_spec(_explicit_spec(counts))):
+                counts = jax.sharding.reshard(counts, NamedSharding(layer.mesh, P()))
             per_layer.extend(list(counts) if counts.ndim == 2 else [counts])
     out["tokens_per_expert"] = per_layer
     return out
+
+
+def _explicit_spec(x) -> P:
+    """The PartitionSpec in `x`'s type (its Explicit axes; P() for none)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec if isinstance(spec, P) else P()
 
 
 def moe_aux_loss(module, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
@@ -121,6 +130,21 @@ def moe_aux_loss(module, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
         return jnp.float32(0.0)
     stats = moe_stats(module)
     return aux_loss_coef * stats["load_balancing_loss"] + z_loss_coef * stats["router_z_loss"]
+
+
+def stats_aux_loss(stats, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
+    """`moe_aux_loss` of a pure tree of `MoEStats` values (e.g. the rows a `Stack`'s
+    `apply_layers_with_stats` returns): every `load_balancing_loss` and `router_z_loss`
+    leaf summed, weighted by the coefficients; a float32 scalar (0.0 for None)."""
+    coefs = {"load_balancing_loss": aux_loss_coef, "router_z_loss": z_loss_coef}
+    total = jnp.zeros((), jnp.float32)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        # the statistic's name: the last dictionary key (a Variable adds `.value` after it)
+        names = [k.key for k in path if isinstance(getattr(k, "key", None), str)]
+        name = names[-1] if names else None
+        if coefs.get(name):
+            total = total + coefs[name] * jnp.sum(leaf.astype(jnp.float32))
+    return total
 
 
 class ParallelMoE(nnx.Module):
@@ -501,4 +525,12 @@ class ParallelMoE(nnx.Module):
         return y
 
 
-__all__ = ["STATS", "MoEStats", "ParallelMoE", "expert_kernel_init", "moe_aux_loss", "moe_stats"]
+__all__ = [
+    "STATS",
+    "MoEStats",
+    "ParallelMoE",
+    "expert_kernel_init",
+    "moe_aux_loss",
+    "moe_stats",
+    "stats_aux_loss",
+]

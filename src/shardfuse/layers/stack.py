@@ -40,6 +40,13 @@ from shardfuse.layers.moe import MoEStats, ParallelMoE
 STACKED = "stacked_layers"
 
 
+def _typed_zeros(struct):
+    """Zeros of `struct`'s shape and dtype, varying over the manual axes it varies over."""
+    manual = getattr(struct, "manual_axis_type", None)
+    vma = getattr(struct, "vma", None) or getattr(manual, "varying", None)
+    return to_varying(jnp.zeros(struct.shape, struct.dtype), frozenset(vma or ()))
+
+
 def check_stage_layers(stage_layers, num_layers: int, num_stages: int | None = None) -> tuple:
     """`stage_layers` as a tuple of ints >= 1 summing to `num_layers` (over `num_stages`).
 
@@ -136,7 +143,9 @@ class Stack(nnx.Module):
     `ParallelMoE` (`ParallelTransformerBlock(moe=...)`): the scan returns each layer's
     `MoEStats`, written to the stacked variables (`[L]`, `[L, E]`), so that
     `sf.layers.moe_stats(stack)` sums the aux losses over the L layers, as over the
-    looped blocks (and differentiably, under every remat policy).
+    looped blocks (and differentiably, under every remat policy). In a
+    `sf.parallel.Pipeline` each stage returns them per microbatch
+    (`apply_stage_layers_with_stats`) and the pipelined loss adds the aux losses.
 
     Args:
       make_block: `make_block(rngs) -> nnx.Module`, a block whose call maps
@@ -161,7 +170,8 @@ class Stack(nnx.Module):
         weights and each layer's input for the backward
         (`shardfuse.layers.prefetch`). Needs blocks built with `zero=3` over
         an fsdp axis of size > 1, `layer_axis=None` and a block with
-        `io_spec()`. Same values and gradients as False.
+        `io_spec()`, and no `ParallelMoE` in the blocks (its aux-loss statistics
+        cannot leave that custom_vjp: ValueError). Same values and gradients as False.
       stage_layers: uneven pipeline stages: the layers of each `layer_axis`
         rank, in order (e.g. `(3, 3, 2, 2)`: 10 layers over 4 stages; from
         `sf.parallel.balance_stages`). The stacked parameters then hold
@@ -175,7 +185,7 @@ class Stack(nnx.Module):
         that is not a mesh axis, or L not divisible by its size (without
         stage_layers); stage_layers without layer_axis, of another length
         than its size or not summing to L; prefetch=True where it does not
-        apply (see `prefetch`).
+        apply (see `prefetch`; blocks holding a `ParallelMoE` among them).
 
     Example usage::
 
@@ -271,9 +281,14 @@ class Stack(nnx.Module):
         # scan returns each layer's as a scan output, written to the stacked variables.
         self.has_moe = any(isinstance(node, ParallelMoE) for _, node in nnx.iter_graph(abstract))
         if self.has_moe and prefetch:
-            raise NotImplementedError(
-                "prefetch=True with blocks holding a ParallelMoE: the prefetching scan does "
-                "not carry the experts' statistics out; use prefetch=False"
+            # The prefetching scan is one custom_vjp over the L layers whose only output is
+            # the activations: the experts' statistics (the aux losses, differentiated)
+            # cannot leave it. The MoE layer gathers its own ZeRO-3 weights per layer.
+            raise ValueError(
+                "prefetch=True with blocks holding a ParallelMoE: the prefetching layer scan "
+                "(shardfuse.layers.prefetch) carries only the activations, not the experts' "
+                "aux-loss statistics; use prefetch=False (ZeRO-3 still gathers each layer's "
+                "weights, without the overlap)"
             )
         graphdef, abstract_state = nnx.split(abstract)
         specs = jax.tree.map(
@@ -454,7 +469,14 @@ class Stack(nnx.Module):
         """Writes the layers' `MoEStats` rows (`stats`, `[layers, ...]`) to the stacked
         variables (`real` not None: the L real layers' rows of uneven stages, each row
         gathered from its layer's, padding rows zero, on the stored sharding)."""
-        values = nnx.to_pure_dict(stats)
+        self.write_stats(nnx.to_pure_dict(stats), real)
+
+    def write_stats(self, values, real=None):
+        """Writes `MoEStats` values (a pure dict or `nnx.State` of the blocks' statistics,
+        rows as the stacked variables', e.g. `Pipeline.loss(return_stats=True)`'s); with
+        `real`, `_write_stats`' rows of the real layers."""
+        if isinstance(values, nnx.State):
+            values = nnx.to_pure_dict(values)
         if real is not None:
             rows = np.asarray(self.layer_rows())
             stored = nnx.to_pure_dict(nnx.state(self.blocks, MoEStats))
@@ -500,8 +522,13 @@ class Stack(nnx.Module):
         (`branches_may_hold_collectives`: XLA:CPU with other mesh axes), the
         padding rows are computed and discarded instead. Without, `apply_layers`.
         """
+        return self.apply_stage_layers_with_stats(state, x, **kwargs)[0]
+
+    def apply_stage_layers_with_stats(self, state, x, **kwargs):
+        """`(y, stats)`: `apply_stage_layers` and its layers' `MoEStats` rows (as
+        `apply_layers_with_stats`; a skipped padding row's are zero), None without MoE."""
         if self.stage_layers is None:
-            return self.apply_layers(state, x, **kwargs)
+            return self.apply_layers_with_stats(state, x, **kwargs)
         x = self._as_carry(state, x, kwargs)
         graphdef = nnx.graphdef(self.blocks)
         counts = jnp.asarray(self.stage_layers, jnp.int32)
@@ -513,12 +540,20 @@ class Stack(nnx.Module):
             index, layer_state = layer
 
             def run(x):
-                y = nnx.merge(graphdef, layer_state)(x, **kwargs)
-                return to_varying(y, varying_axes(x))
+                y, stats = self._layer(graphdef, layer_state, x, kwargs)
+                return to_varying(y, varying_axes(x)), stats
+
+            def skip(x):  # a padding row: the input, and zero statistics
+                stats = jax.eval_shape(run, x)[1]
+                return x, jax.tree.map(_typed_zeros, stats)
 
             if branch:
-                return jax.lax.cond(index < count, run, lambda x: x, x), None
-            return jnp.where(index < count, run(x), x), None
+                return jax.lax.cond(index < count, run, skip, x)
+            y, stats = run(x)
+            keep = index < count
+            return jnp.where(keep, y, x), jax.tree.map(
+                lambda s: jnp.where(keep, s, jnp.zeros_like(s)), stats
+            )
 
         body = remat_lib.checkpoint(body, self.remat, prevent_cse=False)
-        return jax.lax.scan(body, x, (jnp.arange(rows), state))[0]
+        return jax.lax.scan(body, x, (jnp.arange(rows), state))

@@ -182,7 +182,8 @@ class Transformer(nnx.Module):
         stage, remat policy of each layer, dtypes, precision, implementations;
         `sequence_parallel` None: True). Each field is also a keyword
         (`mesh=`, `zero=`, `remat=`, `dtype=`, ...) overriding it.
-      pipelined: stack the layers over the `pipeline` axis.
+      pipelined: stack the layers over the `pipeline` axis (MoE blocks too, when every
+        block is one: `sf.parallel.Pipeline.loss` adds their aux losses per microbatch).
       stage_layers: layers per pipeline stage when uneven (`sf.parallel.balance_stages`),
         else None (`Stack`'s `stage_layers`).
       layout: ring layout of the sequence over the `sequence` axis
@@ -202,8 +203,9 @@ class Transformer(nnx.Module):
     Raises:
       TypeError: `spec` is not a `ModelSpec`.
       ValueError: sizes the mesh does not divide (from the layers); an expert axis of
-        size > 1 with no MoE block in the spec; `spec.experts` not divisible by it.
-      NotImplementedError: MoE blocks with `pipelined=True`.
+        size > 1 with no MoE block in the spec; `spec.experts` not divisible by it;
+        `pipelined=True` with blocks of mixed kinds (dense and MoE: a `Pipeline`
+        runs one `Stack`).
 
     Example usage::
 
@@ -452,7 +454,7 @@ class Transformer(nnx.Module):
 
 
 def _check_experts(spec, mesh, expert_axis, pipelined):
-    """ValueError for an expert axis the spec cannot use; NotImplementedError pipelined."""
+    """ValueError for an expert axis the spec cannot use, or blocks of mixed kinds pipelined."""
     ep = mesh.shape[expert_axis] if expert_axis in mesh.axis_names else 1
     if ep > 1 and not spec.is_moe:
         raise ValueError(
@@ -465,10 +467,13 @@ def _check_experts(spec, mesh, expert_axis, pipelined):
             f"spec.experts={spec.experts} must be divisible by the size {ep} of the expert "
             f"axis {expert_axis!r}"
         )
-    if spec.is_moe and pipelined:
-        raise NotImplementedError(
-            "pipelined=True with mixture-of-experts blocks: the pipeline schedules do not "
-            "carry the experts' aux losses yet; use pipelined=False (no pipeline axis)"
+    runs = block_runs(spec)
+    if pipelined and len(runs) > 1:
+        raise ValueError(
+            f"pipelined=True with blocks of mixed kinds (runs of (is_moe, count): {runs}, "
+            f"from moe_first_dense={spec.moe_first_dense}, moe_every={spec.moe_every}): a "
+            "Pipeline runs one Stack of one kind of block; pipeline a spec whose every "
+            "block is a mixture of experts (moe_first_dense=0, moe_every=1), or none"
         )
 
 

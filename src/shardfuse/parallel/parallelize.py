@@ -60,10 +60,11 @@ class Run:
         `Pipeline.loss` take them; it updates the model and optimizer in place
         and returns the token-weighted mean loss before the update. A mixture of
         experts: the loss trained and returned is that mean plus `aux_loss_coef x
-        load_balancing_loss + z_loss_coef x router_z_loss` (`RunOptions`), and the
+        load_balancing_loss + z_loss_coef x router_z_loss` (`RunOptions`; each
+        microbatch's aux losses weighted by its tokens, pipelined or not), and the
         step writes the model's `MoEStats` (`sf.layers.moe_stats(run.model)`: the aux
-        losses averaged over the microbatches, tokens per expert summed), the
-        step's metrics.
+        losses averaged over the microbatches, tokens per expert summed), the step's
+        metrics.
       mesh: the mesh.
       options: the `RunOptions` applied.
       stage_layers: the layers per pipeline stage when uneven, else None.
@@ -250,9 +251,15 @@ def _step_fn(mesh, options: RunOptions, zero, pipeline, moe=False):
                     head=model.head,
                     weights=weights,
                     targets_spec=batch_spec,
+                    # MoE blocks: each microbatch's aux losses weighted by its tokens
+                    aux_loss_coef=options.aux_loss_coef if moe else 0.0,
+                    z_loss_coef=options.z_loss_coef if moe else 0.0,
+                    return_stats=True,
                 )
 
-            loss, grads = nnx.value_and_grad(pipelined_loss)(model)
+            (loss, stats), grads = nnx.value_and_grad(pipelined_loss, has_aux=True)(model)
+            if moe:  # the step's MoEStats (microbatches: losses averaged, counts summed)
+                model.blocks.write_stats(stats)
         else:
 
             def per_shard_loss(model, batch):

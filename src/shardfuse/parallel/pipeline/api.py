@@ -12,6 +12,10 @@ program and returns the loss; `Pipeline.forward` is the evaluation path
 gradient through the input's cotangent; a head that shares the embedding's
 `nnx.Param` (tied embeddings) gets the sum of both ends from autodiff.
 
+Blocks holding a `ParallelMoE`: each stage returns its layers' aux-loss term per
+microbatch next to its output and the loss adds it weighted by the microbatch's tokens,
+as the unpipelined step (`Pipeline.loss`'s `aux_loss_coef`, `z_loss_coef`).
+
 Microbatch `i` is rows `i, i + m, i + 2m, ...` of the batch (a strided split:
 a batch sharded over the data axes stays where it is, and `[B, ...]` ->
 `[B/m, m, ...]` is a reshape, no copy), so the loss, a sum over tokens
@@ -32,6 +36,7 @@ from shardfuse.parallel.pipeline.program import (
     forward_program,
     pipelined_loss,
     pure,
+    pure_without_stats,
     spec_axes,
     spec_tree,
 )
@@ -110,12 +115,6 @@ class Pipeline(nnx.Module):
     ):
         if not isinstance(stack, Stack):
             raise TypeError(f"stack must be a shardfuse.layers.stack.Stack, got {type(stack)}")
-        if stack.has_moe:
-            raise NotImplementedError(
-                "Pipeline of a Stack whose blocks hold a ParallelMoE: the pipeline schedules "
-                "do not carry the experts' aux losses across microbatches yet; run the MoE "
-                "model without the pipeline axis (pipelined=False, no 'pipeline' mesh axis)"
-            )
         if pipeline_axis not in mesh.axis_names:
             raise ValueError(
                 f"pipeline_axis={pipeline_axis!r} is not an axis of the mesh; its axes are "
@@ -201,12 +200,39 @@ class Pipeline(nnx.Module):
     def forward(self, x):
         """The stack's output `[B, T, F]` for input `x`, by the schedule's forward ticks."""
         self._check_batch(x)
-        graphdef, values = pure(self.stack.blocks)
+        graphdef, values, specs, template = pure_without_stats(self.stack.blocks)
         x = place(x, self.mesh, P(*self.io_spec))
-        return forward_program(self._config(graphdef), values, x)
+        return forward_program(self._config(graphdef, specs, template), values, x)
 
-    def loss(self, x, targets, *, head, weights=None, loss_fn=token_loss, targets_spec=None):
+    def loss(
+        self,
+        x,
+        targets,
+        *,
+        head,
+        weights=None,
+        loss_fn=token_loss,
+        targets_spec=None,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        return_stats: bool = False,
+    ):
         """Token-weighted loss of `loss_fn(head(stack(x)), targets, weights)`, pipelined.
+
+        Blocks holding a `ParallelMoE`: with `aux_loss_coef` / `z_loss_coef`, each
+        microbatch's aux losses join the loss as in `sf.parallel.accumulate`'s
+        (`parallelize`'s) step: `(sum_i loss_sum_i + count_i x aux_i) / sum_i count_i`,
+        `aux_i = aux_loss_coef x load_balancing_loss + z_loss_coef x router_z_loss`
+        of microbatch `i`'s tokens summed over the layers (`sf.layers.moe_aux_loss`)
+        and `count_i` its token weight `sum(weights[i])` (the count `token_loss`
+        returns). Each stage returns its layers' aux term per microbatch next to its
+        output (no side effect: the schedule's scans and remat keep it), and its
+        backward takes `count_i` as that output's cotangent, so the router's
+        gradients are those of this loss. Microbatch `i` is rows `i, i + m, ...` of
+        the batch (see the module docstring; `accumulate` splits each shard's rows
+        into contiguous blocks instead: the same definition, other microbatches).
+        The layers' `MoEStats` variables are not written here: `return_stats` gives
+        the step's (write them with `stack.write_stats`).
 
         Args:
           x: `[B, T, F]` embedded input (floating point), laid out as `io_spec`.
@@ -222,9 +248,16 @@ class Pipeline(nnx.Module):
             Mesh axes absent from it replicate the loss: only their first
             device's loss counts.
 
+          aux_loss_coef, z_loss_coef: the MoE aux losses' coefficients (above;
+            `RunOptions`'); ignored without a `ParallelMoE` in the blocks.
+          return_stats: also return the blocks' `MoEStats` of this call.
+
         Returns:
           The scalar float32 loss; differentiable with respect to the stack,
-          the head and `x`.
+          the head and `x`. With `return_stats`, `(loss, stats)`: `stats` the pure
+          `nnx.State` of the blocks' `MoEStats`, stacked rows as the variables
+          (`[L]`, `[L, E]`), each the mean over the microbatches (counts: the sum),
+          as `accumulate`'s step reports them; an empty state without MoE blocks.
 
         Raises:
           ValueError: `x` or the head (its `in_features` or `features`) not of the
@@ -236,11 +269,17 @@ class Pipeline(nnx.Module):
             weights = jnp.ones(targets.shape, jnp.float32)
         if targets_spec is None:
             targets_spec = P(*tuple(self.io_spec)[:2])
-        stack_graphdef, stack_values = pure(self.stack.blocks)
+        stack_graphdef, stack_values, specs, template = pure_without_stats(self.stack.blocks)
         head_graphdef, head_values = pure(head)
         head_specs = spec_tree(nnx.get_partition_spec(nnx.state(head)))
+        aux_coefs = None
+        if self.stack.has_moe and (aux_loss_coef or z_loss_coef):
+            aux_coefs = (float(aux_loss_coef), float(z_loss_coef))
         config = self._config(
             stack_graphdef,
+            specs,
+            template,
+            aux_coefs=aux_coefs,
             head_graphdef=head_graphdef,
             head_specs=head_specs,
             loss_fn=loss_fn,
@@ -249,9 +288,15 @@ class Pipeline(nnx.Module):
         # On the activation layout first: the reshard's transpose brings x's gradient back
         # to x's own sharding (e.g. that of an embedding lookup).
         x = place(x, self.mesh, P(*self.io_spec))
-        return pipelined_loss(config, stack_values, head_values, x, targets, weights)
+        loss, rows = pipelined_loss(config, stack_values, head_values, x, targets, weights)
+        if not return_stats:
+            return loss
+        stats = nnx.from_flat_state(
+            [(path, row) for (path, _, _), row in zip(template, rows, strict=True)]
+        )
+        return loss, stats
 
-    def _config(self, graphdef, **head):
+    def _config(self, graphdef, layer_specs, stats_template, **head):
         return Config(
             schedule=self.schedule,
             p=self.num_stages,
@@ -261,8 +306,9 @@ class Pipeline(nnx.Module):
             pipeline_axis=self.pipeline_axis,
             io_spec=self.io_spec,
             stack_graphdef=graphdef,
-            layer_specs=spec_tree(self.stack.layer_specs()),
-            apply_layers=self.stack.apply_stage_layers,
+            layer_specs=layer_specs,
+            stats_template=stats_template,
+            apply_layers=self.stack.apply_stage_layers_with_stats,
             poison=self.poison_buffers,
             residuals=self.residuals,
             **head,

@@ -139,6 +139,8 @@ def segments(active):
 
 
 def _varying_of(struct) -> frozenset:
+    if not isinstance(struct, jax.ShapeDtypeStruct):  # an array or a tracer
+        return varying_axes(struct)
     manual = getattr(struct, "manual_axis_type", None)
     vma = getattr(struct, "vma", None) or getattr(manual, "varying", None)
     return frozenset(vma or ())
@@ -213,6 +215,8 @@ def run_schedule(
     poison=False,
     residuals="recompute",
     input_gradient=True,
+    aux_counts=None,
+    stats=False,
 ):
     """The per-shard program (call it inside a full-manual `jax.shard_map`).
 
@@ -235,12 +239,24 @@ def run_schedule(
       input_gradient: keep the gradient of `x` (a `[b, m, ...]` buffer, the
         size of the input); False when the input is not differentiated: `dx`
         is then None and no buffer of the batch's size is allocated.
+      aux_counts: None, or float32 `[m]` (the same on every device): then
+        `stage_fn(chunk_params, x) -> (y, aux)`, `aux` a scalar term of the
+        loss per microbatch (a MoE chunk's weighted aux losses, the same on
+        every device of the stage), and microbatch `i`'s terms count
+        `aux_counts[i] * aux` (its tokens' weight: `accumulate`'s `sum + count x
+        aux`): added to `loss_sum` (once, on the first device along every axis
+        but the pipeline's), and their gradients flow from the cotangent
+        `aux_counts[i]` in the stage's B, next to the output gradient.
+      stats: `stage_fn(chunk_params, x) -> (out, stats)` (`out` as above), `stats`
+        a pytree of arrays `[L/(p v), ...]` not differentiated (a MoE chunk's
+        layers' `MoEStats`): summed over each chunk's microbatches (F slots).
 
     Returns:
       forward-only: `y` `[b, m, ...]` (the last stage's outputs; zeros elsewhere).
-      training: `(loss_sum, weight_sum, stage_grads, head_grads, dx)`, unreduced
-      over the pipeline axis except the stage gradients (`dx` None without
-      `input_gradient`).
+      training: `(loss_sum, weight_sum, stage_grads, head_grads, dx, stats_sums)`,
+      unreduced over the pipeline axis except the stage gradients (`dx` None without
+      `input_gradient`; `loss_sum` holds the stages' aux terms with `aux_counts`;
+      `stats_sums` None without `stats`, else this device's chunks' `[v, ...]`).
     """
     p, v = table.num_stages, table.virtual_stages
     slots = table.buffer_slots
@@ -251,6 +267,26 @@ def run_schedule(
     act = x[:, 0]
     perm_forward = [(s, (s + 1) % p) for s in range(p)]
     perm_backward = [(s, (s - 1) % p) for s in range(p)]
+    with_aux = aux_counts is not None and not forward_only
+
+    def split(out):  # a stage's output: (y, aux or None)
+        return out if aux_counts is not None else (out, None)
+
+    def call_stage(params, x_in):  # (y, aux or None, stats or None)
+        out, chunk_stats = stage_fn(params, x_in) if stats else (stage_fn(params, x_in), None)
+        return (*split(out), chunk_stats)
+
+    def first_replica(value, vma):
+        """`value` on the first device of every axis but the pipeline's in `vma`, else 0."""
+        for axis in sorted(vma - {pipeline_axis}):
+            value = jnp.where(lax.axis_index(axis) == 0, value, jnp.zeros_like(value))
+        return value
+
+    def aux_cotangent(aux_type, i):
+        """The cotangent of microbatch `i`'s aux output: its count, once per replica."""
+        vma = _varying_of(aux_type)
+        count = first_replica(aux_counts[i].astype(aux_type.dtype), vma)
+        return to_varying(count, vma)
 
     def pick(row):
         return lax.dynamic_index_in_dim(row, stage, 0, keepdims=False)
@@ -266,16 +302,27 @@ def run_schedule(
         params = _take(stage_params, c)
         last = has_f & (c == v - 1) & (stage == p - 1)
         if forward_only:
-            y = stage_fn(params, x_in)
+            y, _, _ = call_stage(params, x_in)
             carry["out"] = _put(carry["out"], i, y, last, axis=1)
         elif stored_mode:
-            y, new_stored = StageVJP(stage_fn, params, x_in).forward(params, x_in)
+            plan = StageVJP(stage_fn, params, x_in, has_aux=stats)
+            out, new_stored, *chunk_stats = plan.forward(params, x_in)
+            y, aux = split(out)
             carry["stored"] = [
                 _put_at(buf, c, i % slots, new, has_f)
                 for buf, new in zip(carry["stored"], new_stored, strict=True)
             ]
         else:
-            y = stage_fn(params, x_in)
+            y, aux, *chunk_stats = call_stage(params, x_in)
+        if stats and not forward_only:  # the chunk's statistics, summed over microbatches
+            carry["stats"] = jax.tree.map(
+                lambda acc, new: _put(acc, c, _take(acc, c) + new, has_f),
+                carry["stats"],
+                chunk_stats[0],
+            )
+        if with_aux:  # microbatch i's aux terms, weighted by its tokens
+            term = aux_counts[i] * aux.astype(jnp.float32)
+            carry["aux"] = jnp.where(has_f, carry["aux"] + term, carry["aux"])
         if with_head:
             tokens, token_weights = _microbatch(targets, i), _microbatch(weights, i)
 
@@ -311,14 +358,19 @@ def run_schedule(
         x_in, first = chunk_input(carry, i, c)
         params = _take(stage_params, c)
         cotangent = carry["grads_in"][c, slot]
+
+        def stage_cotangent(out_type):
+            y_type, aux_type = split(out_type)
+            d_y = to_varying(cotangent, _varying_of(y_type))
+            return (d_y, aux_cotangent(aux_type, i)) if aux_counts is not None else d_y
+
         if stored_mode:
-            plan = StageVJP(stage_fn, params, x_in)
+            plan = StageVJP(stage_fn, params, x_in, has_aux=stats)
             leaves = [buffer[c, slot] for buffer in carry["stored"]]
-            cotangent = to_varying(cotangent, _varying_of(plan.output))
-            d_params, d_x = plan.backward(params, x_in, leaves, cotangent)
+            d_params, d_x = plan.backward(params, x_in, leaves, stage_cotangent(plan.output))
         else:
-            y, vjp_fn = jax.vjp(stage_fn, params, x_in)
-            d_params, d_x = vjp_fn(to_varying(cotangent, varying_axes(y)))
+            out, vjp_fn, *_ = jax.vjp(stage_fn, params, x_in, has_aux=stats)
+            d_params, d_x = vjp_fn(stage_cotangent(out))
         carry["stage_grads"] = jax.tree.map(
             lambda acc, g: _put(acc, c, _take(acc, c) + g, has_b), carry["stage_grads"], d_params
         )
@@ -375,9 +427,11 @@ def run_schedule(
         )
         if input_gradient:
             carry["dx"] = jnp.zeros(x.shape, x.dtype)
+        if with_aux:  # the stage's aux terms, sum over microbatches of count x aux
+            carry["aux"] = jnp.zeros((), jnp.float32)
         if stored_mode:
             # Residuals vary over the pipeline too (each stage keeps its own microbatches').
-            plan = StageVJP(stage_fn, _take(stage_params, 0), incoming)
+            plan = StageVJP(stage_fn, _take(stage_params, 0), incoming, has_aux=stats)
             carry["stored"] = [
                 to_varying(
                     jnp.full((v, slots, *r.shape), fill if _inexact(r) else 0, r.dtype),
@@ -392,6 +446,9 @@ def run_schedule(
             lambda a: to_varying(a, frozenset((pipeline_axis,))), head_params
         )
         carry["head_grads"] = jax.tree.map(jnp.zeros_like, head_params)
+        if stats:  # per chunk: [v, L/(p v), ...], typed by the scan bodies
+            chunk = jax.eval_shape(stage_fn, _take(stage_params, 0), incoming)[1]
+            carry["stats"] = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), chunk)
     rows = jnp.asarray(arrival_tables(table))
     plan = segments(table.active())
     masks = {mask for item in plan for mask in _masks(item)}
@@ -415,7 +472,15 @@ def run_schedule(
     if forward_only:
         return carry["out"]
     dx = carry["dx"] if input_gradient else None
-    return carry["loss"], carry["weight"], carry["stage_grads"], carry["head_grads"], dx
+    loss = carry["loss"]
+    if with_aux:  # the aux terms, counted once per replica of the stage
+        # (the caller sums the loss over every axis it varies over: the aux terms, the
+        # same on every device of a stage, count on one)
+        both = varying_axes(loss) | varying_axes(carry["aux"])
+        aux = first_replica(to_varying(carry["aux"], both), both)
+        loss = to_varying(loss, both) + aux
+    stats_sums = carry["stats"] if stats else None
+    return loss, carry["weight"], carry["stage_grads"], carry["head_grads"], dx, stats_sums
 
 
 def _masks(item):

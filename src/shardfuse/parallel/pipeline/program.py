@@ -7,6 +7,10 @@ splits the batch into microbatches (microbatch i = rows i, i + m, ...), runs
 (with every axis Auto: `run_on_mesh`), reduces what the stages hold
 (loss and token count over every axis they vary over, head and input
 gradients over the pipeline axis) and divides by the token count.
+A MoE stack's `MoEStats` stay out of the carried state (`pure_without_stats`:
+outputs, not inputs); each stage returns its layers' aux term per microbatch
+(weighted by the microbatch's token count, `_microbatch_counts`) and, training, their
+statistics, averaged over the microbatches.
 `pipelined_loss` is the `jax.custom_vjp` of `Pipeline.loss`; its forward
 rule sees which arguments are differentiated (`symbolic_zeros`) and asks the
 executor for the input gradient, a buffer of the batch's size, only when the
@@ -25,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives.sharding import run_on_mesh, spec_axes
 from shardfuse.kernels.vma import varying_axes
+from shardfuse.layers.moe import MoEStats, stats_aux_loss
 from shardfuse.parallel.pipeline import executor
 from shardfuse.parallel.pipeline.lockstep import lockstep_table
 
@@ -34,6 +39,37 @@ def pure(module):
     return graphdef, jax.tree.map(
         lambda v: v[...], state, is_leaf=lambda v: isinstance(v, nnx.Variable)
     )
+
+
+def pure_without_stats(blocks):
+    """`(graphdef, values, specs, stats_template)` of a stack's blocks, `MoEStats` apart.
+
+    The pipeline carries `values` (pure) and `specs` (PartitionSpecs), the blocks'
+    state without their `MoEStats` (outputs of a call, not inputs: nothing to
+    differentiate, integer counts among them). `stats_template` is hashable: one
+    `(path, per-layer shape, dtype)` per `MoEStats` leaf, from which a stage rebuilds
+    zero statistics for `nnx.merge` (`with_stats`); empty without a `ParallelMoE`.
+    """
+    graphdef = nnx.graphdef(blocks)
+    rest = nnx.state(blocks, nnx.Not(MoEStats))
+    values = jax.tree.map(lambda v: v[...], rest, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    specs = spec_tree(nnx.get_partition_spec(rest))
+    template = tuple(
+        (tuple(path), tuple(v[...].shape[1:]), jnp.dtype(v[...].dtype))
+        for path, v in nnx.to_flat_state(nnx.state(blocks, MoEStats))
+    )
+    return graphdef, values, specs, template
+
+
+def with_stats(values, template):
+    """`values` (layer rows `[n, ...]`) and zero `MoEStats` rows of `template`: the full state."""
+    if not template:
+        return values
+    rows = jax.tree.leaves(values)[0].shape[0]
+    stats = nnx.from_flat_state(
+        [(path, jnp.zeros((rows, *shape), dtype)) for path, shape, dtype in template]
+    )
+    return nnx.merge_state(values, stats)
 
 
 def spec_tree(specs):
@@ -60,6 +96,8 @@ class Config:
         fields.setdefault("targets_spec", None)
         fields.setdefault("residuals", "recompute")
         fields.setdefault("input_gradient", True)
+        fields.setdefault("stats_template", ())
+        fields.setdefault("aux_coefs", None)
         self.__dict__.update(fields)
         self._fields = fields
         self._key = tuple((k, _frozen(v)) for k, v in sorted(fields.items()))
@@ -139,11 +177,53 @@ def _constrain(tree, mesh, specs):
     )
 
 
-def _stage_fn(config):
-    def stage(chunk_state, x):
-        return config.apply_layers(chunk_state, x)
+def _stage_fn(config, collect_stats=False):
+    """`stage(chunk_values, x)`: `y`, or `(y, aux)` with `config.aux_coefs` (the chunk's
+    MoE aux losses on this microbatch, `stats_aux_loss` of its layers' statistics);
+    with `collect_stats`, `(that, stats)`: the layers' `MoEStats` rows, a tuple in
+    `config.stats_template`'s order (`executor.run_schedule(stats=True)`)."""
+
+    def stage(chunk_values, x):
+        y, stats = config.apply_layers(with_stats(chunk_values, config.stats_template), x)
+        out = y if config.aux_coefs is None else (y, stats_aux_loss(stats, *config.aux_coefs))
+        if not collect_stats:
+            return out
+        flat = dict(nnx.to_flat_state(stats))
+        rows = tuple(
+            jnp.asarray(flat[path][...] if isinstance(flat[path], nnx.Variable) else flat[path])
+            for path, _, _ in config.stats_template
+        )
+        return out, rows
 
     return stage
+
+
+def _stats_of_microbatches(sums, m, pipeline_axis):
+    """Per shard: the chunks' `MoEStats` sums over the m microbatches -> floats averaged,
+    counts summed (as `accumulate`'s aux), the same on every device of a stage."""
+
+    def combine(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            a = a / m
+        others = tuple(sorted(varying_axes(a) - {pipeline_axis}))
+        if others:  # (the same value on every device of the stage)
+            a = (
+                lax.pmean(a, others)
+                if jnp.issubdtype(a.dtype, jnp.floating)
+                else lax.pmax(a, others)
+            )
+        return a[None]
+
+    return tuple(combine(a) for a in sums)
+
+
+def _microbatch_counts(weights):
+    """float32 `[m]`: each microbatch's token weight over the whole batch (per shard:
+    `weights` `[b, m, ...]`, summed over the axes the shards split it over)."""
+    w = weights.astype(jnp.float32)
+    counts = jnp.sum(w, axis=tuple(d for d in range(w.ndim) if d != 1))
+    split = tuple(sorted(varying_axes(counts)))
+    return lax.psum(counts, split) if split else counts
 
 
 def _run(config, forward_only, stack_values, head_values, x, targets, weights):
@@ -151,6 +231,9 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
     table = lockstep_table(config.schedule, config.p, config.m, config.v, forward_only=forward_only)
     x_spec = _microbatch_spec(config.io_spec)
     dx_spec = x_spec if config.input_gradient else None
+    # training: the layers' MoEStats come out too (`[L, ...]` rows, averaged over microbatches)
+    collect_stats = bool(config.stats_template) and not forward_only
+    stats_specs = tuple(P(config.pipeline_axis) for _ in config.stats_template if collect_stats)
 
     def program(mesh, stack_values, head_values, x, targets, weights):
         stages, stage_specs = _to_stages(config, stack_values, config.layer_specs)
@@ -168,9 +251,15 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
         def body(stages, x, head_values=None, targets=None, weights=None):
             stages = jax.tree.map(lambda a: a[0], stages)
             head_fn = None if forward_only else _head_fn(config)
+            with_aux = config.aux_coefs is not None
+            aux_counts = _microbatch_counts(weights) if with_aux and not forward_only else None
+            if with_aux and forward_only:  # the forward: the outputs alone
+                config_y = config.replace(aux_coefs=None)
+            else:
+                config_y = config
             result = executor.run_schedule(
                 table,
-                stage_fn=_stage_fn(config),
+                stage_fn=_stage_fn(config_y, collect_stats),
                 head_fn=head_fn,
                 pipeline_axis=config.pipeline_axis,
                 stage_params=stages,
@@ -181,25 +270,34 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
                 poison=config.poison,
                 residuals=config.residuals,
                 input_gradient=config.input_gradient,
+                aux_counts=aux_counts,
+                stats=collect_stats,
             )
             if forward_only:
                 return lax.psum(result, config.pipeline_axis)
-            loss_sum, weight_sum, stage_grads, head_grads, dx = result
+            loss_sum, weight_sum, stage_grads, head_grads, dx, stats_sums = result
             loss_sum = lax.psum(loss_sum, tuple(sorted(varying_axes(loss_sum))))
             weight_sum = lax.psum(weight_sum, tuple(sorted(varying_axes(weight_sum))))
             head_grads = jax.tree.map(lambda g: lax.psum(g, config.pipeline_axis), head_grads)
             if dx is not None:
                 dx = lax.psum(dx, config.pipeline_axis)
             stage_grads = jax.tree.map(lambda g: g[None], stage_grads)
-            return loss_sum, weight_sum, stage_grads, head_grads, dx
+            stats = ()
+            if collect_stats:
+                stats = _stats_of_microbatches(stats_sums, config.m, config.pipeline_axis)
+            return loss_sum, weight_sum, stage_grads, head_grads, dx, stats
 
-        body_specs = x_spec if forward_only else (P(), P(), stage_specs, config.head_specs, dx_spec)
+        body_specs = (
+            x_spec
+            if forward_only
+            else (P(), P(), stage_specs, config.head_specs, dx_spec, stats_specs)
+        )
         outputs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=body_specs)(
             *args
         )
         if forward_only:
             return _unmicrobatch(outputs)
-        loss_sum, weight_sum, stage_grads, head_grads, dx = outputs
+        loss_sum, weight_sum, stage_grads, head_grads, dx, stats = outputs
         scale = 1.0 / weight_sum
         stage_grads = jax.tree.map(
             lambda g: (g * scale).astype(g.dtype), _from_stages(config, stage_grads)
@@ -207,7 +305,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
         head_grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), head_grads)
         if dx is not None:
             dx = (_unmicrobatch(dx) * scale).astype(dx.dtype)
-        return loss_sum * scale, stage_grads, head_grads, dx
+        return loss_sum * scale, stage_grads, head_grads, dx, _from_stages(config, stats)
 
     final_specs = (
         P(*config.io_spec)
@@ -217,6 +315,7 @@ def _run(config, forward_only, stack_values, head_values, x, targets, weights):
             config.layer_specs,
             config.head_specs,
             P(*config.io_spec) if config.input_gradient else None,
+            tuple(P(config.pipeline_axis) for _ in stats_specs),
         )
     )
     return run_on_mesh(program, config.mesh, final_specs)(
@@ -262,9 +361,12 @@ def _train_program(config, stack_values, head_values, x, targets, weights):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pipelined_loss(config, stack_values, head_values, x, targets, weights):
+    """`(loss, stats)`: `stats` the layers' `MoEStats` rows (a tuple in
+    `config.stats_template`'s order, empty without MoE blocks), not differentiated."""
     # Undifferentiated: nothing asks for the input gradient.
     config = config.replace(input_gradient=False)
-    return _train_program(config, stack_values, head_values, x, targets, weights)[0]
+    out = _train_program(config, stack_values, head_values, x, targets, weights)
+    return out[0], out[4]
 
 
 def _fwd(config, stack_values, head_values, x, targets, weights):
@@ -275,14 +377,15 @@ def _fwd(config, stack_values, head_values, x, targets, weights):
     stack_values, head_values, x, targets, weights = custom_vjp_primal_tree_values(
         (stack_values, head_values, x, targets, weights)
     )
-    loss, stage_grads, head_grads, dx = _train_program(
+    loss, stage_grads, head_grads, dx, stats = _train_program(
         config, stack_values, head_values, x, targets, weights
     )
-    return loss, (stage_grads, head_grads, dx)
+    return (loss, stats), (stage_grads, head_grads, dx)
 
 
-def _bwd(config, residuals, cotangent):
+def _bwd(config, residuals, cotangents):
     stage_grads, head_grads, dx = residuals
+    cotangent = cotangents[0]  # (the statistics' are not used: not differentiable)
     if isinstance(cotangent, SymbolicZero):
         return None, None, None, None, None
     scale = lambda g: (g * cotangent).astype(g.dtype)  # noqa: E731

@@ -41,6 +41,8 @@ class StageVJP:
       stage_fn: `stage_fn(params, x) -> y`.
       params, x: arrays or `jax.ShapeDtypeStruct`s (or tracers) of the
         operands; only their types are used (an abstract trace).
+      has_aux: `stage_fn` returns `(y, aux)`, `aux` not differentiated (as
+        `jax.vjp(has_aux=True)`): `forward` returns it third.
 
     Attributes:
       stored: `jax.ShapeDtypeStruct`s of the residual leaves to store per
@@ -62,12 +64,12 @@ class StageVJP:
       True
     """
 
-    def __init__(self, stage_fn, params, x):
-        self.stage_fn = stage_fn
+    def __init__(self, stage_fn, params, x, *, has_aux=False):
+        self.stage_fn, self.has_aux = stage_fn, has_aux
         found = {}
 
         def trace(params, x):
-            y, vjp_fn = jax.vjp(stage_fn, params, x)
+            y, vjp_fn, *_ = jax.vjp(stage_fn, params, x, has_aux=has_aux)
             leaves, found["treedef"] = jax.tree.flatten(vjp_fn)
             found["sources"] = _sources(leaves, (params, x))
             stored = [leaf for leaf, k in zip(leaves, found["sources"], strict=True) if k is None]
@@ -77,12 +79,14 @@ class StageVJP:
         self.treedef, self.sources = found["treedef"], found["sources"]
 
     def forward(self, params, x):
-        """`(y, stored)`: the stage output and its residual leaves to keep."""
-        y, vjp_fn = jax.vjp(self.stage_fn, params, x)
+        """`(y, stored)`: the stage output and its residual leaves to keep (`(y, stored,
+        aux)` with `has_aux`)."""
+        y, vjp_fn, *aux = jax.vjp(self.stage_fn, params, x, has_aux=self.has_aux)
         leaves = jax.tree.leaves(vjp_fn)
         if len(leaves) != len(self.sources):
             raise RuntimeError("the stage's VJP changed structure between two traces")
-        return y, [leaf for leaf, k in zip(leaves, self.sources, strict=True) if k is None]
+        stored = [leaf for leaf, k in zip(leaves, self.sources, strict=True) if k is None]
+        return (y, stored, *aux)
 
     def backward(self, params, x, stored, cotangent):
         """`(d_params, d_x)` from the stored leaves, without running the stage forward."""
