@@ -22,7 +22,7 @@ imbalance capped by a capacity factor) and the tokens travel by all-to-all
 (`expert_parallel`, `comm.expert_parallel_term`); the expert weights are
 sharded over E (and T), their optimizer state over F per ZeRO (`memory`).
 Issue 45: the routed copies' permutation and combine are memory traffic
-(`elementwise_term`, `MOE_PERMUTE_H_PASSES`); a system that pads every expert to
+(`elementwise_term`, `moe_permute_h_passes`); a system that pads every expert to
 its capacity (`Assumptions.expert_capacity_padded`) computes `capacity_factor x`
 the routed work instead of waiting for the most loaded device; one that
 recomputes the MoE blocks (`Assumptions.recompute_moe`) runs their grouped
@@ -88,7 +88,7 @@ ELEMENTWISE_H_PASSES = 10
 SOFTMAX_PASSES = 6
 
 
-def MOE_PERMUTE_H_PASSES(top_k: int) -> int:  # noqa: N802 (a constant of top_k)
+def moe_permute_h_passes(top_k: int) -> int:
     """h-sized tensors a mixture-of-experts block reads or writes per token beside its
     matmuls: the dispatch's permutation (the token's row in, its `top_k` copies sorted by
     expert out) and the combine's (the `top_k` expert outputs in, their weighted sum out):
@@ -194,7 +194,7 @@ def compute_term(step: Step) -> Term:
 def elementwise_term(step: Step) -> Term:
     """Memory-bound elementwise work (norms, residual adds, activation, and the softmax over
     materialised scores without flash attention; in a mixture of experts the permutation of
-    the routed copies and their combine, `MOE_PERMUTE_H_PASSES`): each op reads and writes
+    the routed copies and their combine, `moe_permute_h_passes`): each op reads and writes
     its tensors once per pass; backward ~2 passes, a recomputed forward 1 more (the MoE
     blocks' too under `Assumptions.recompute_moe`)."""
     model, a, T = step.model, step.a, step.T
@@ -209,7 +209,7 @@ def elementwise_term(step: Step) -> Term:
         moe_fraction = len(model.moe_layers) / model.num_layers
         moe_passes = 3 + (1 if step.reruns_moe else 0)
         traffic += (
-            (moe_fraction * MOE_PERMUTE_H_PASSES(model.top_k) * model.hidden / token_split * act)
+            (moe_fraction * moe_permute_h_passes(model.top_k) * model.hidden / token_split * act)
             * moe_passes
             / passes
         )
