@@ -87,6 +87,37 @@ def test_profile_shard_map_step_names_its_collectives():
     assert os.path.isfile(p.trace_file) and p.trace_file.startswith(p.trace_dir)
 
 
+def test_profile_of_an_expert_parallel_moe_names_the_all_to_all():
+    """The MoE layer on expert=4 x data=2: its dispatch and combine are named all-to-all,
+    its grouped matmuls (a custom call on the CPU) count as matmul."""
+    from flax import nnx
+
+    mesh = jax.make_mesh((4, 2), ("expert", "data"))
+    moe = sf.layers.ParallelMoE(16, 32, num_experts=8, top_k=2, mesh=mesh, rngs=nnx.Rngs(0))
+    graph, state, rest = nnx.split(moe, nnx.Param, ...)
+
+    @jax.jit
+    def step(state, x):
+        def loss(state):
+            return jnp.sum(nnx.merge(graph, state, rest).forward_with_stats(x)[0] ** 2)
+
+        return jax.grad(loss)(state)
+
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(0), (8, 16, 16)),
+        jax.NamedSharding(mesh, P(("data", "expert"))),
+    )
+    with jax.set_mesh(mesh):
+        p = sf.profile(step, state, x, steps=2, warmup=1)
+    _assert_sums_to_step(p)
+    assert "all-to-all" in p.collectives and p.categories["all-to-all"] >= 0
+    assert "all-to-all" in p.table()
+    scopes = {op["scope"] for op in p.top_ops if op["category"] == "all-to-all"}
+    assert any("expert_dispatch" in s for s in scopes), scopes  # the op and where it is from
+    assert any("expert_combine" in s for s in scopes), scopes
+    assert p.categories["matmul"] > 0
+
+
 def test_advice_rules_fire():
     step = 1.0
     fields = dict(
