@@ -250,8 +250,7 @@ def test_each_device_reads_its_shard_of_each_expert_parameter(checkpoints, mesh_
     assert hf_reads.shard_bytes(value) < value.nbytes  # sharded: each device reads a part
 
 
-@pytest.mark.parametrize("family, mesh_name", cases([("qwen3_moe", "expert2_model4"),
-                                                     ("mixtral", "data2_model4")]))  # fmt: skip
+@pytest.mark.parametrize("family, mesh_name", cases([("qwen2_moe", "expert2_model4")]))
 def test_greedy_generation_matches_transformers(checkpoints, family, mesh_name):
     path, reference = checkpoints[family]
     model, _ = load(path, mesh_name, AxisType.Auto)
