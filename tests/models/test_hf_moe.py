@@ -301,3 +301,18 @@ def test_mixed_spec_round_trips_through_the_config():
     assert spec.moe_layers == (3, 5) and spec.dense_layers == (1,)
     config = hf.hf_config(spec, model_type="qwen2_moe")
     assert hf.spec_from_hf_config(config) == spec.replace(name="hf")
+
+
+@pytest.mark.slow
+def test_generate_command_line_runs_a_mixture_of_experts(checkpoints, capsys):
+    from shardfuse.__main__ import main
+
+    path, reference = checkpoints["olmoe"]
+    assert main(["generate", "--model", str(path), "--tokens", "3,1,4,1,5",
+                 "--max-new-tokens", "8", "--mesh", "expert=2,model=2"]) == 0  # fmt: skip
+    got = [int(t) for t in capsys.readouterr().out.strip().split(",")]
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=8,
+                                  do_sample=False, min_new_tokens=8, eos_token_id=None,
+                                  pad_token_id=0)[0, 5:].tolist()  # fmt: skip
+    assert got == want
