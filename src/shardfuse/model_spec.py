@@ -51,16 +51,16 @@ the counts `num_params()` / `active_params()` give are the published totals):
 
 The `ffn_hidden` of a model whose every block is a mixture of experts is its
 `intermediate_size`, which no block reads. Qwen3's per-head q/k RMSNorms (2 x 128
-weights a block) are not a `ModelSpec` field: its counts are short by 12288 (30B)
-and 24064 (235B) weights. Transformers' `MixtralConfig`, `Qwen2MoeConfig` and
-`Qwen3MoeConfig` defaults are the Mixtral, Qwen1.5-MoE and Qwen3-30B figures (the
-last with 24 layers). DeepSeek-V3 is not in the table: its multi-head latent
-attention (low-rank q and kv projections, `kv_lora_rank` 512, a decoupled RoPE key
-of 64 dims) has no honest `ModelSpec` form (heads x head_dim would miscount its
-attention weights and FLOPs); its MoE part alone (256 routed experts of 2048, one
-shared, top 8 of 8 groups limited to 4, sigmoid routing, routed scaling 2.5, the
-first 3 blocks dense) is what the fields `expert_groups`, `topk_groups`,
-`routing="sigmoid"`, `routed_scaling` and `moe_first_dense` express.
+weights a block) are `qk_norm="head"` (counted in `num_params`). Transformers'
+`MixtralConfig`, `Qwen2MoeConfig` and `Qwen3MoeConfig` defaults are the Mixtral,
+Qwen1.5-MoE and Qwen3-30B figures (the last with 24 layers). DeepSeek-V3 is not in
+the table: its multi-head latent attention (low-rank q and kv projections,
+`kv_lora_rank` 512, a decoupled RoPE key of 64 dims) has no honest `ModelSpec` form
+(heads x head_dim would miscount its attention weights and FLOPs); its MoE part
+alone (256 routed experts of 2048, one shared, top 8 of 8 groups limited to 4,
+sigmoid routing, routed scaling 2.5, the first 3 blocks dense) is what the fields
+`expert_groups`, `topk_groups`, `routing="sigmoid"`, `routed_scaling` and
+`moe_first_dense` express.
 
 The GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473),
@@ -851,6 +851,7 @@ MODELS: dict[str, ModelSpec] = {
             experts=128,
             top_k=8,
             expert_hidden=768,
+            qk_norm="head",
         ),  # fmt: skip
         ModelSpec(
             "qwen3-235b-a22b",
@@ -865,6 +866,7 @@ MODELS: dict[str, ModelSpec] = {
             experts=128,
             top_k=8,
             expert_hidden=1536,
+            qk_norm="head",
         ),  # fmt: skip
     )
 }

@@ -24,6 +24,12 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# Families known and refused, with what shardfuse does not compute (named in the ValueError).
+NOT_SUPPORTED = {
+    "gpt_oss": "attention sinks (a learned per-head logit in every softmax), sliding "
+    "windows on alternate layers, the router's bias with softmax over the top-k logits, "
+    "expert biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit), o_proj biases",
+}
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 
 
@@ -124,6 +130,11 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
       (2, 16)
     """
     kind = config.get("model_type")
+    if kind in NOT_SUPPORTED:
+        raise ValueError(
+            f"config.json: model_type={kind!r} is not supported: shardfuse does not compute "
+            f"its {NOT_SUPPORTED[kind]}"
+        )
     if kind not in ARCHITECTURES:
         raise ValueError(
             f"config.json: model_type={kind!r} is not supported; supported: {sorted(ARCHITECTURES)}"
