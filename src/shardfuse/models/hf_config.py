@@ -245,9 +245,16 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
 def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float32") -> dict:
     """The `config.json` (a dict) under which `transformers` builds `spec`'s model.
 
+    Mixtures of experts: `mixtral` (every block routed, renormalised top-k, no shared
+    expert), `qwen2_moe` (one sigmoid-gated shared expert; sparse blocks written as
+    `decoder_sparse_step` and `mlp_only_layers`), `qwen3_moe` (per-head q/k norms),
+    `olmoe` (flat q/k norms, `clip_qkv`; every block routed).
+
     Raises:
       ValueError: `model_type` unknown, or `spec` uses an option the family lacks
-        (GELU, LayerNorm, learned positions, biases outside q/k/v, softcap).
+        (GELU, LayerNorm, learned positions, biases outside q/k/v, softcap, a window
+        outside mistral/mixtral/qwen3_moe, experts in a dense family or none in a MoE
+        one, the family's MoE rules: the field is named).
 
     Example:
       >>> from shardfuse.models import hf
