@@ -169,6 +169,7 @@ def test_logits_match_transformers(checkpoints, family, mesh_name):
     np.testing.assert_allclose(ours, hf_logits(reference, toks), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_olmoe_clip_qkv_clamps(checkpoints, tmp_path):
     """A clip that matters: without it the logits differ (so the clamp is computed)."""
     path, reference = checkpoints["olmoe"]
@@ -210,7 +211,7 @@ def _copy(path, directory, tensors=None, **changes):
     return directory
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_the_fused_expert_layout_loads(checkpoints, tmp_path, family):
     """transformers 5's in-memory names (`mlp.experts.gate_up_proj [E, 2I, F]`, Mixtral's
     router as `mlp.gate`), read each device's slice only."""
