@@ -305,6 +305,9 @@ def test_mixed_spec_round_trips_through_the_config():
     assert spec.moe_layers == (3, 5) and spec.dense_layers == (1,)
     config = hf.hf_config(spec, model_type="qwen2_moe")
     assert hf.spec_from_hf_config(config) == spec.replace(name="hf")
+    # every block in mlp_only_layers: transformers builds a dense model, and so do we
+    dense = hf.spec_from_hf_config(_config("qwen2_moe", mlp_only_layers=[0, 1, 2]))
+    assert not dense.is_moe and dense.ffn_hidden == SIZES["intermediate_size"]
 
 
 @pytest.mark.slow

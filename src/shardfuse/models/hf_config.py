@@ -92,6 +92,8 @@ def _moe_fields(config: dict, kind: str) -> dict:
                 f"config.json: mlp_only_layers={config.get('mlp_only_layers')} must hold "
                 f"block indices in [0, {layers})"
             )
+        if all((i + 1) % step or i in dense for i in range(layers)):
+            return {}  # no sparse block: transformers builds a dense model
         # indices that step already makes dense say nothing more
         fields.update(moe_every=int(step), dense_layers=tuple(i for i in dense
                                                               if (i + 1) % step == 0))  # fmt: skip
