@@ -20,6 +20,7 @@ from jax.sharding import AxisType
 
 from shardfuse.models import generation, hf, hf_reads
 from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
+from tests.models.test_hf import hf_logits, tokens  # the dense families' helpers (vocab 128)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -107,15 +108,6 @@ def checkpoints(tmp_path_factory):
         model.save_pretrained(path)
         out[family] = (path, model)
     return out
-
-
-def tokens(batch=8, length=12, seed=0):
-    return np.random.default_rng(seed).integers(0, SIZES["vocab_size"], (batch, length))
-
-
-def hf_logits(model, toks):
-    with torch.no_grad():
-        return model(torch.tensor(toks)).logits.float().numpy()
 
 
 def make_mesh(mesh_name, axis_type=AxisType.Explicit):
