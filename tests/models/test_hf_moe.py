@@ -283,11 +283,25 @@ def test_unsupported_fields_are_refused_by_name():
         hf.hf_config(spec.replace(qkv_bias=False), model_type="llama")
 
 
-def test_flat_qk_norm_needs_the_kv_heads_split(checkpoints):
-    """OLMoE's norm over all kv heads with a kv kernel replicated over model: refused."""
-    mesh = jax.make_mesh((8,), ("model",))
-    with pytest.raises(ValueError, match="qk_norm='flat' needs the kv heads split"):
-        hf.load_hf(checkpoints["olmoe"][0], mesh=mesh)
+@pytest.mark.parametrize("what", ["logits", pytest.param("generation", marks=pytest.mark.slow)])
+def test_flat_qk_norm_with_the_kv_kernel_replicated(checkpoints, what):
+    """OLMoE's k norm over all 4 kv heads on a model axis of 8 (each shard projects them
+    all for the norm, then keeps the head its query heads read)."""
+    path, reference = checkpoints["olmoe"]
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
+    model = hf.load_hf(path, mesh=mesh)
+    assert not model.blocks.blocks.attention.kv_sharded
+    if what == "logits":
+        toks = tokens(batch=2, length=16)
+        ours = np.asarray(model(jnp.asarray(toks, jnp.int32)))
+        np.testing.assert_allclose(ours, hf_logits(reference, toks), atol=1e-4, rtol=0)
+        return
+    prompt = tokens(batch=2, length=5, seed=2)
+    with torch.no_grad():
+        want = reference.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False,
+                                  min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    got = generation.generate(model, prompt, 32)
+    np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
 
 
 def test_mixed_spec_round_trips_through_the_config():

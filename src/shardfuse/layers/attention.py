@@ -89,20 +89,23 @@ def _rms(x, scale, eps, axis_name=None, width=None):
     return (x32 * lax.rsqrt(mean + eps) * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def qk_transform(q, k, v, q_norm, k_norm, *, kind, eps, clip, axis_name=None, widths=None):
+def qk_transform(q, k, v, q_norm, k_norm, *, kind, eps, clip, axis_name=None, widths=None,
+                 k_whole=False):  # fmt: skip
     """q `[b, t, h, D]`, k and v `[b, t, k, D]` after their optional norms and clamp.
 
     `kind` None: no norm; "head": RMSNorm over D with `q_norm`, `k_norm` `[D]` (Qwen3);
     "flat": over all heads (`[h * D]` weights of this shard's heads; `axis_name` the mesh
-    axis the heads are split over, `widths` the full `(H * D, K * D)`: OLMoE). Then
-    `clip`: q, k and v clamped to `[-clip, clip]` (OLMoE's `clip_qkv`). Before RoPE.
+    axis the heads are split over, `widths` the full `(H * D, K * D)`: OLMoE; `k_whole`:
+    k holds every kv head, its norm needs no reduction). Then `clip`: q, k and v clamped
+    to `[-clip, clip]` (OLMoE's `clip_qkv`). Before RoPE.
     """
     if kind == "head":
         q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
     elif kind == "flat":
         (b, t, h, D), kh = q.shape, k.shape[2]
         q = _rms(q.reshape(b, t, h * D), q_norm, eps, axis_name, widths[0]).reshape(q.shape)
-        k = _rms(k.reshape(b, t, kh * D), k_norm, eps, axis_name, widths[1]).reshape(k.shape)
+        k_axis = None if k_whole else axis_name
+        k = _rms(k.reshape(b, t, kh * D), k_norm, eps, k_axis, widths[1]).reshape(k.shape)
     if clip is not None:
         q, k, v = (jnp.clip(a, -clip, clip) for a in (q, k, v))
     return q, k, v
@@ -118,7 +121,7 @@ class ParallelSelfAttention(nnx.Module):
     `P(tp, None)`; with `use_bias`, `q_bias` `[H * D]` `P(tp)`, `kv_bias`
     `[K * 2 * D]` (like `kv_kernel`) and `o_bias` `[F]` `P()`; with `qk_norm="head"`
     `q_norm`, `k_norm` `[D]` `P()`, with "flat" `q_norm` `[H * D]` `P(tp)` and `k_norm`
-    `[K * D]` `P(tp)` (its heads split like the kv kernel's).
+    `[K * D]` like the kv kernel (`P(tp)`, or `P()` where it is replicated).
 
     Masks (causal, window) apply to token positions in natural order (the
     ring layout's positions when `sequence_axis` is set); `positions` given to
@@ -164,8 +167,8 @@ class ParallelSelfAttention(nnx.Module):
         output projection; implied by `use_bias`. Default False.
       qk_norm: None; "head": RMSNorms (weights `[D]`) over each query and key head
         before RoPE (Qwen3); "flat": over the whole q projection `[H * D]` and the whole k
-        projection `[K * D]` (OLMoE; sums of squares reduced over the model axis; the kv
-        heads must be split over it, `K % tp == 0`).
+        projection `[K * D]` (OLMoE; sums of squares reduced over the model axis; where the
+        kv heads are not split over it, each shard projects all of them for the norm).
       qk_norm_eps: the q/k norms' epsilon.
       clip_qkv: None, or clamp q, k and v to `[-clip_qkv, clip_qkv]` after the norms,
         before RoPE (OLMoE).
@@ -258,11 +261,6 @@ class ParallelSelfAttention(nnx.Module):
         self.logit_softcap = logit_softcap
         self.attention_implementation = options.attention_kernel_implementation()
         self.kv_sharded = num_kv_heads % tp == 0
-        if qk_norm == "flat" and not self.kv_sharded:
-            raise ValueError(
-                f"qk_norm='flat' needs the kv heads split over the model axis: num_kv_heads="
-                f"{num_kv_heads} is not divisible by its size {tp}"
-            )
         self.qk_norm, self.qk_norm_eps = qk_norm, float(qk_norm_eps)
         self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
@@ -293,7 +291,7 @@ class ParallelSelfAttention(nnx.Module):
             kv_bias=P(*kv[1:]),
             o_bias=P(),
             q_norm=P(self.model_axis) if self.qk_norm == "flat" else P(),
-            k_norm=P(self.model_axis) if self.qk_norm == "flat" else P(),
+            k_norm=P(self.model_axis) if self.qk_norm == "flat" and self.kv_sharded else P(),
         )
 
     def local_params(self, dtype):
@@ -325,8 +323,10 @@ class ParallelSelfAttention(nnx.Module):
         """
         heads = self.num_heads // _sharding.axis_size(self.mesh, self.model_axis)  # local heads
         D = self.head_dim
-        if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
-            group = self.num_heads // self.num_kv_heads
+        group = self.num_heads // self.num_kv_heads
+        # a flat k norm over a replicated kv kernel: every kv head projected (for the norm)
+        k_whole = self.qk_norm == "flat" and not self.kv_sharded
+        if not self.kv_sharded and not k_whole:  # replicated: keep the one head this shard reads
             head = lax.axis_index(self.model_axis) * heads // group
             kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
@@ -342,8 +342,11 @@ class ParallelSelfAttention(nnx.Module):
         q, k, v = qk_transform(
             q, kv[..., 0, :], kv[..., 1, :], q_n, k_n, kind=self.qk_norm, eps=self.qk_norm_eps,
             clip=self.clip_qkv, axis_name=self.model_axis,
-            widths=(self.num_heads * D, self.num_kv_heads * D),
+            widths=(self.num_heads * D, self.num_kv_heads * D), k_whole=k_whole,
         )  # fmt: skip
+        if k_whole:  # then the one kv head this shard's query heads read
+            head = lax.axis_index(self.model_axis) * heads // group
+            k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
         q = rope(q, positions, self.rope_theta, self.rope_scaling)
         k = rope(k, positions, self.rope_theta, self.rope_scaling)
         masks = dict(

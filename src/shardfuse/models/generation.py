@@ -199,14 +199,16 @@ def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, to
         x = x + jnp.take(params["pos"], positions, axis=0)
     model_index = lax.axis_index(MODEL) if tp > 1 else 0
     window = None if spec.window is None else (spec.window - 1, 0)
+    # a flat k norm over a replicated kv kernel: every kv head projected (for the norm)
+    k_whole = spec.qk_norm == "flat" and not kv_sharded and tp > 1
+    head = model_index * heads // (H // K)  # the kv head of a shard without its own
 
     def layer(x, xs):
         p, ck, cv = xs
         h = normalize(spec.norm, x, p["n1"], p.get("n1_b"), spec.norm_eps)
         q = h @ p["q"]
         kv_w, kv_b = p["kv"], p.get("kv_b")
-        if not kv_sharded and tp > 1:  # the one kv head this shard's query heads read
-            head = model_index * heads // (H // K)
+        if not kv_sharded and tp > 1 and not k_whole:  # the kv head its query heads read
             kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
         kv = h @ kv_w
@@ -217,8 +219,10 @@ def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, to
         q, k, v = qk_transform(
             q, kv[..., 0, :], kv[..., 1, :], p.get("qn"), p.get("kn"), kind=spec.qk_norm,
             eps=spec.norm_eps, clip=spec.clip_qkv, axis_name=MODEL if tp > 1 else None,
-            widths=(H * D, K * D),
+            widths=(H * D, K * D), k_whole=k_whole,
         )  # fmt: skip
+        if k_whole:  # then the one kv head this shard's query heads read
+            k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
         if spec.positions == "rope":
             q = rope(q, positions, spec.rope_theta, spec.rope_scaling)
             k = rope(k, positions, spec.rope_theta, spec.rope_scaling)
