@@ -416,7 +416,7 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
         raise ValueError(f"on_read={on_read!r} must be None or a callable taking a TensorRead")
     path = Path(path)
     spec = read_hf_spec(path)
-    family = json.loads((path / "config.json").read_text()).get("model_type")
+    family = _default_family(spec)  # (the MoE families' specs tell them apart)
     source = _Checkpoint(SafetensorsDir(path))
 
     def build():
