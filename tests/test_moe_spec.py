@@ -141,3 +141,28 @@ def test_deepseek_style_routing_fields_are_accepted():
 def test_doctests():
     assert doctest.testmod(model_spec).failed == 0
     assert doctest.testmod(flops).failed == 0
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(experts=4, top_k=2, dense_layers=(2, 1)), "dense_layers=.* sorted tuple"),
+        (dict(experts=4, top_k=2, dense_layers=(4,)), r"dense_layers=\(4,\)"),
+        (dict(experts=4, top_k=2, dense_layers=(0, 1, 2, 3)), "leaves no mixture-of-experts"),
+        (dict(dense_layers=(1,)), "dense_layers=.* needs a mixture of experts"),
+        (dict(qk_norm="per_head"), "qk_norm='per_head' must be one of"),
+        (dict(clip_qkv=0.0), "clip_qkv=0.0 must be None or a positive number"),
+    ],
+)
+def test_dense_layers_qk_norm_and_clip_fields_name_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSpec.tiny(num_layers=4, **fields)
+
+
+def test_dense_layers_and_qk_norm_counts():
+    spec = ModelSpec.tiny(num_layers=4, experts=4, top_k=2, moe_every=2, dense_layers=(3,))
+    assert spec.moe_layers == (1,) and [spec.is_moe_layer(i) for i in range(4)] == [0, 1, 0, 0]
+    dense = ModelSpec.tiny(num_layers=2)
+    D, H, K = dense.head_dim, dense.heads, dense.kv_heads
+    assert dense.replace(qk_norm="head").num_params() - dense.num_params() == 2 * 2 * D
+    assert dense.replace(qk_norm="flat").num_params() - dense.num_params() == 2 * (H + K) * D

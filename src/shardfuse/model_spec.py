@@ -51,16 +51,16 @@ the counts `num_params()` / `active_params()` give are the published totals):
 
 The `ffn_hidden` of a model whose every block is a mixture of experts is its
 `intermediate_size`, which no block reads. Qwen3's per-head q/k RMSNorms (2 x 128
-weights a block) are not a `ModelSpec` field: its counts are short by 12288 (30B)
-and 24064 (235B) weights. Transformers' `MixtralConfig`, `Qwen2MoeConfig` and
-`Qwen3MoeConfig` defaults are the Mixtral, Qwen1.5-MoE and Qwen3-30B figures (the
-last with 24 layers). DeepSeek-V3 is not in the table: its multi-head latent
-attention (low-rank q and kv projections, `kv_lora_rank` 512, a decoupled RoPE key
-of 64 dims) has no honest `ModelSpec` form (heads x head_dim would miscount its
-attention weights and FLOPs); its MoE part alone (256 routed experts of 2048, one
-shared, top 8 of 8 groups limited to 4, sigmoid routing, routed scaling 2.5, the
-first 3 blocks dense) is what the fields `expert_groups`, `topk_groups`,
-`routing="sigmoid"`, `routed_scaling` and `moe_first_dense` express.
+weights a block) are `qk_norm="head"` (counted in `num_params`). Transformers'
+`MixtralConfig`, `Qwen2MoeConfig` and `Qwen3MoeConfig` defaults are the Mixtral,
+Qwen1.5-MoE and Qwen3-30B figures (the last with 24 layers). DeepSeek-V3 is not in
+the table: its multi-head latent attention (low-rank q and kv projections,
+`kv_lora_rank` 512, a decoupled RoPE key of 64 dims) has no honest `ModelSpec` form
+(heads x head_dim would miscount its attention weights and FLOPs); its MoE part
+alone (256 routed experts of 2048, one shared, top 8 of 8 groups limited to 4,
+sigmoid routing, routed scaling 2.5, the first 3 blocks dense) is what the fields
+`expert_groups`, `topk_groups`, `routing="sigmoid"`, `routed_scaling` and
+`moe_first_dense` express.
 
 The GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv:2104.04473),
@@ -80,7 +80,9 @@ published entry but the GPTs is): `norm` ("rmsnorm" or "layernorm") and
 embeddings of `max_positions` rows, or "none"); `use_bias` (GPT-style biases on
 every linear and the learned LayerNorm shift) and `qkv_bias` (biases on the
 query, key and value projections only, as Qwen2); `activation`,
-`tied_embeddings`, `window`, `logit_softcap`.
+`tied_embeddings`, `window`, `logit_softcap`; `qk_norm` ("head": RMSNorms over each
+head of q and k, Qwen3; "flat": over the whole q and k projections, OLMoE) and
+`clip_qkv` (OLMoE's clamp of the q, k, v projections).
 
 Mixture of experts (`experts > 0`; `sf.layers.ParallelMoE` builds it, issue 44):
 `experts` routed experts of `expert_hidden` units (None: `ffn_hidden`), `top_k` of
@@ -93,7 +95,8 @@ experts of `shared_expert_hidden` (None: `expert_hidden`), optionally behind a
 sigmoid gate (`shared_expert_gate`, Qwen2-MoE); which blocks: every `moe_every`-th
 (`(i + 1) % moe_every == 0`, Qwen2-MoE's `decoder_sparse_step`) from block
 `moe_first_dense` on (DeepSeek's `first_k_dense_replace`): `is_moe_layer(i)`,
-`moe_layers`. Counts: `num_params()` holds every expert (memory),
+`moe_layers`; `dense_layers` lists blocks kept dense whatever the rule (Qwen-MoE's
+`mlp_only_layers`). Counts: `num_params()` holds every expert (memory),
 `active_params()` the weights one token reads (`top_k` routed experts, the shared
 ones and the router: the published MoE MFU's count, `shardfuse.flops`).
 
@@ -126,7 +129,9 @@ MOE_DEFAULTS = dict(
     expert_groups=1,
     topk_groups=1,
     routed_scaling=1.0,
+    dense_layers=(),
 )
+QK_NORMS = (None, "head", "flat")  # q/k RMSNorm: per head (Qwen3) or over all heads (OLMoE)
 
 
 def _positive_int(value, *, zero_ok=False) -> bool:
@@ -201,6 +206,16 @@ def check_moe(spec) -> None:
             f"ModelSpec.topk_groups={spec.topk_groups}: {spec.topk_groups} groups of "
             f"{spec.experts // spec.expert_groups} experts hold fewer than top_k={spec.top_k}"
         )
+    dense = spec.dense_layers
+    if (
+        not isinstance(dense, tuple)
+        or any(not _positive_int(i, zero_ok=True) or i >= spec.num_layers for i in dense)
+        or list(dense) != sorted(set(dense))
+    ):
+        raise ValueError(
+            f"ModelSpec.dense_layers={dense!r} must be a sorted tuple of distinct block "
+            f"indices in [0, num_layers={spec.num_layers})"
+        )
     if spec.moe_first_dense >= spec.num_layers or not spec.moe_layers:
         raise ValueError(
             f"ModelSpec.moe_first_dense={spec.moe_first_dense} with moe_every={spec.moe_every} "
@@ -252,6 +267,13 @@ class ModelSpec:
       normalize_top_k: the top-k weights renormalised to sum to 1.
       expert_groups, topk_groups: group-limited top-k (DeepSeek-V3: 8 groups, 4 searched).
       routed_scaling: factor on the routed experts' output (DeepSeek-V3: 2.5).
+      dense_layers: blocks whose MLP is dense whatever `moe_every` says (Qwen-MoE's
+        `mlp_only_layers`), a sorted tuple of block indices.
+      qk_norm: None, "head" (an RMSNorm over each head's `head_dim` of q and k, before
+        RoPE: Qwen3) or "flat" (an RMSNorm over the whole q projection `heads x
+        head_dim` and the whole k projection `kv_heads x head_dim`: OLMoE).
+      clip_qkv: None, or clamp the q, k and v projections to `[-clip_qkv, clip_qkv]`
+        (after the q/k norms, before RoPE: OLMoE's `clip_qkv`).
 
     Raises:
       ValueError: a size is not a positive int, `heads % kv_heads != 0`, or an
@@ -297,6 +319,9 @@ class ModelSpec:
     expert_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    dense_layers: tuple = ()
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
 
     def __post_init__(self):
         for field in (
@@ -368,6 +393,13 @@ class ModelSpec:
                 f"ModelSpec.head_dim={self.head_dim} must be even with positions='rope' "
                 "(rotary embeddings rotate pairs)"
             )
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"ModelSpec.qk_norm={self.qk_norm!r} must be one of {QK_NORMS}")
+        clip = self.clip_qkv
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, int | float) or not clip > 0
+        ):
+            raise ValueError(f"ModelSpec.clip_qkv={clip!r} must be None or a positive number")
         check_moe(self)
 
     @classmethod
@@ -492,7 +524,10 @@ class ModelSpec:
         ):
             raise ValueError(f"layer={layer!r} must be an int in [0, num_layers={self.num_layers})")
         return (
-            self.experts > 0 and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
+            self.experts > 0
+            and layer >= self.moe_first_dense
+            and (layer + 1) % self.moe_every == 0
+            and layer not in self.dense_layers
         )
 
     @functools.cached_property
@@ -507,7 +542,9 @@ class ModelSpec:
         if self.experts == 0:
             return ()
         return tuple(
-            i for i in range(self.moe_first_dense, self.num_layers) if (i + 1) % self.moe_every == 0
+            i
+            for i in range(self.moe_first_dense, self.num_layers)
+            if (i + 1) % self.moe_every == 0 and i not in self.dense_layers
         )
 
     @property
@@ -631,7 +668,9 @@ class ModelSpec:
             biases += (self.heads + 2 * self.kv_heads) * self.head_dim
         if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
             biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
-        return biases + 2 * self.norm_params
+        flat = (self.heads + self.kv_heads) * self.head_dim
+        qk_norm = {"head": 2 * self.head_dim, "flat": flat}.get(self.qk_norm, 0)
+        return biases + 2 * self.norm_params + qk_norm
 
     def layer_params(self, layer: int | None = None, *, active: bool = False):
         """Weights of a transformer block: q, k, v, o projections, MLP, biases, two norms.
@@ -812,6 +851,7 @@ MODELS: dict[str, ModelSpec] = {
             experts=128,
             top_k=8,
             expert_hidden=768,
+            qk_norm="head",
         ),  # fmt: skip
         ModelSpec(
             "qwen3-235b-a22b",
@@ -826,6 +866,7 @@ MODELS: dict[str, ModelSpec] = {
             experts=128,
             top_k=8,
             expert_hidden=1536,
+            qk_norm="head",
         ),  # fmt: skip
     )
 }

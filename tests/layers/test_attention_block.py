@@ -183,6 +183,38 @@ def test_self_attention(name):
     }
 
 
+@pytest.mark.parametrize(
+    "qk_norm, kv_heads",
+    [("flat", 2), pytest.param("flat", 1, marks=pytest.mark.slow),
+     pytest.param("head", 2, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_self_attention_qk_norm_and_clip(qk_norm, kv_heads):
+    """Qwen3's per-head and OLMoE's flat q/k RMSNorms and the q/k/v clamp, on a data x
+    sequence x model mesh (ring attention, sequence parallel; the flat norm's sum of
+    squares reduced over model, or, one kv head replicated, computed whole on each
+    shard): forward and gradients against the reference."""
+    mesh = mesh_3d()
+    attention = sf.layers.ParallelSelfAttention(
+        32, 4, num_kv_heads=kv_heads, mesh=mesh, layout="zigzag", sequence_parallel=True,
+        qk_norm=qk_norm, qk_norm_eps=1e-5, clip_qkv=1.0, rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    for norm in (attention.q_norm, attention.k_norm):  # weights that are not all ones
+        norm[...] = norm[...] * jnp.linspace(0.5, 2.0, norm.shape[0])
+    x = 2.0 * jax.random.normal(jax.random.key(0), (2, 32, 32))
+    _check(attention, reference.self_attention, x, ring=2)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(attention, nnx.Param)))
+    assert specs["q_norm"] == (P("model") if qk_norm == "flat" else P())
+    assert specs["k_norm"] == (P("model") if qk_norm == "flat" and kv_heads == 2 else P())
+    # the clamp acts: unclamped, the output differs
+    params = reference.params(attention)
+    unclamped = nnx.clone(attention)
+    unclamped.clip_qkv = None
+    diff = reference.self_attention(unclamped, params, x) - reference.self_attention(
+        attention, params, x
+    )
+    assert float(jnp.abs(diff).max()) > 1e-2
+
+
 def _block(mesh, dtype=None):
     return sf.layers.ParallelTransformerBlock(
         32, 4, 64, num_kv_heads=2, mesh=mesh, layout="zigzag", dtype=dtype, rngs=nnx.Rngs(0)

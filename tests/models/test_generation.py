@@ -162,3 +162,29 @@ def test_bad_sampling_options_are_named(bad, match):
     model, _ = _model("window", "model2")
     with pytest.raises(ValueError, match=match):
         sf.generate(model, np.zeros((1, 3), np.int32), 2, temperature=1.0, rngs=nnx.Rngs(0), **bad)
+
+
+@pytest.mark.slow
+def test_greedy_generation_of_a_mixture_of_experts_equals_recomputing_the_sequence():
+    """DeepSeek-style MoE options no Hugging Face family here has (test_hf_moe.py has those):
+    sigmoid routing with a selection bias, group-limited top-k, routed scaling, a shared
+    expert, a first dense block; experts over an expert axis of 2, heads over model."""
+    spec = sf.models.ModelSpec(
+        "moe", hidden=32, heads=4, kv_heads=2, head_dim=8, ffn_hidden=64, num_layers=3,
+        vocab_size=64, experts=4, top_k=2, expert_hidden=16, routing="sigmoid",
+        expert_groups=2, topk_groups=1, routed_scaling=2.5, shared_experts=1,
+        moe_first_dense=1,
+    )  # fmt: skip
+    mesh = jax.make_mesh((2, 2), ("expert", "model"), devices=jax.devices()[:4])
+    model = sf.models.Transformer(spec, mesh=mesh, sequence_parallel=False, rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Any(nnx.Param, sf.layers.router.SelectionBias))
+    for path, value in nnx.to_flat_state(state):
+        key = jax.random.fold_in(jax.random.key(1), zlib.crc32(str(path).encode()))
+        noise = 0.3 * jax.random.normal(key, value.shape, value.dtype)
+        value.set_value(jax.device_put(value[...] + noise, value[...].sharding))
+    prompt = np.random.default_rng(0).integers(0, 64, (2, 5)).astype(np.int32)
+    got = np.asarray(sf.generate(model, prompt, 8))
+    seq = np.concatenate([prompt, got[:, :-1]], axis=1)
+    with jax.set_mesh(mesh):
+        logits = np.asarray(model(jnp.asarray(seq)))
+    np.testing.assert_array_equal(got, logits[:, 4:].argmax(-1))

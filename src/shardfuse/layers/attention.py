@@ -75,6 +75,42 @@ def rope(x, positions, theta: float | None, scaling=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+QK_NORMS = (None, "head", "flat")
+
+
+def _rms(x, scale, eps, axis_name=None, width=None):
+    """RMSNorm of `x` over its last axis in float32 (`axis_name`: the last axis is split over
+    that mesh axis, `width` wide in all: the sum of squares is summed over it)."""
+    x32 = x.astype(jnp.float32)
+    if axis_name is None:
+        mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    else:
+        mean = lax.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), axis_name) / width
+    return (x32 * lax.rsqrt(mean + eps) * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def qk_transform(q, k, v, q_norm, k_norm, *, kind, eps, clip, axis_name=None, widths=None,
+                 k_whole=False):  # fmt: skip
+    """q `[b, t, h, D]`, k and v `[b, t, k, D]` after their optional norms and clamp.
+
+    `kind` None: no norm; "head": RMSNorm over D with `q_norm`, `k_norm` `[D]` (Qwen3);
+    "flat": over all heads (`[h * D]` weights of this shard's heads; `axis_name` the mesh
+    axis the heads are split over, `widths` the full `(H * D, K * D)`: OLMoE; `k_whole`:
+    k holds every kv head, its norm needs no reduction). Then `clip`: q, k and v clamped
+    to `[-clip, clip]` (OLMoE's `clip_qkv`). Before RoPE.
+    """
+    if kind == "head":
+        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+    elif kind == "flat":
+        (b, t, h, D), kh = q.shape, k.shape[2]
+        q = _rms(q.reshape(b, t, h * D), q_norm, eps, axis_name, widths[0]).reshape(q.shape)
+        k_axis = None if k_whole else axis_name
+        k = _rms(k.reshape(b, t, kh * D), k_norm, eps, k_axis, widths[1]).reshape(k.shape)
+    if clip is not None:
+        q, k, v = (jnp.clip(a, -clip, clip) for a in (q, k, v))
+    return q, k, v
+
+
 class ParallelSelfAttention(nnx.Module):
     """Multi-head (GQA) self-attention split over heads (`model_axis`) and sequence.
 
@@ -83,7 +119,9 @@ class ParallelSelfAttention(nnx.Module):
     (per kv head: its key columns, then its value columns) `P(None, tp)` when
     `K % tp == 0`, else replicated `P()`; `o_kernel` `[H * D, F]`
     `P(tp, None)`; with `use_bias`, `q_bias` `[H * D]` `P(tp)`, `kv_bias`
-    `[K * 2 * D]` (like `kv_kernel`) and `o_bias` `[F]` `P()`.
+    `[K * 2 * D]` (like `kv_kernel`) and `o_bias` `[F]` `P()`; with `qk_norm="head"`
+    `q_norm`, `k_norm` `[D]` `P()`, with "flat" `q_norm` `[H * D]` `P(tp)` and `k_norm`
+    `[K * D]` like the kv kernel (`P(tp)`, or `P()` where it is replicated).
 
     Masks (causal, window) apply to token positions in natural order (the
     ring layout's positions when `sequence_axis` is set); `positions` given to
@@ -127,6 +165,13 @@ class ParallelSelfAttention(nnx.Module):
         attention, unlike the `nnx.Linear`-compatible linear layers).
       qkv_bias: biases on the q, k and v projections only (Qwen2), not on the
         output projection; implied by `use_bias`. Default False.
+      qk_norm: None; "head": RMSNorms (weights `[D]`) over each query and key head
+        before RoPE (Qwen3); "flat": over the whole q projection `[H * D]` and the whole k
+        projection `[K * D]` (OLMoE; sums of squares reduced over the model axis; where the
+        kv heads are not split over it, each shard projects all of them for the norm).
+      qk_norm_eps: the q/k norms' epsilon.
+      clip_qkv: None, or clamp q, k and v to `[-clip_qkv, clip_qkv]` after the norms,
+        before RoPE (OLMoE).
       dtype, param_dtype, precision, kernel_init, bias_init, implementation,
         rngs: as in `nnx.Linear` / `ColumnParallelLinear` (`precision`
         applies to the projections).
@@ -166,11 +211,18 @@ class ParallelSelfAttention(nnx.Module):
         logit_softcap: float | None = None,
         use_bias: bool = False,
         qkv_bias: bool = False,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        clip_qkv: float | None = None,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         rngs: nnx.Rngs,
     ):
         options = options_lib.configure(self, options)
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={qk_norm!r} must be one of {QK_NORMS}")
+        if clip_qkv is not None and not clip_qkv > 0:
+            raise ValueError(f"clip_qkv={clip_qkv!r} must be None or > 0")
         mesh = self.mesh
         tp = _sharding.axis_size(mesh, self.model_axis)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -209,6 +261,8 @@ class ParallelSelfAttention(nnx.Module):
         self.logit_softcap = logit_softcap
         self.attention_implementation = options.attention_kernel_implementation()
         self.kv_sharded = num_kv_heads % tp == 0
+        self.qk_norm, self.qk_norm_eps = qk_norm, float(qk_norm_eps)
+        self.clip_qkv = None if clip_qkv is None else float(clip_qkv)
         H, K, D, F = num_heads, num_kv_heads, head_dim, features
         fsdp.check_kernel("features", F, mesh, self.zero)
         specs = self._param_specs()
@@ -220,6 +274,10 @@ class ParallelSelfAttention(nnx.Module):
         self.q_bias = make(bias_init, (H * D,), specs["q_bias"]) if self.qkv_bias else None
         self.kv_bias = make(bias_init, (K * 2 * D,), specs["kv_bias"]) if self.qkv_bias else None
         self.o_bias = make(bias_init, (F,), specs["o_bias"]) if use_bias else None
+        ones = nnx.initializers.ones_init()
+        widths = {"head": (D, D), "flat": (H * D, K * D)}.get(qk_norm)
+        self.q_norm = make(ones, (widths[0],), specs["q_norm"]) if widths else None
+        self.k_norm = make(ones, (widths[1],), specs["k_norm"]) if widths else None
 
     def _param_specs(self):
         """PartitionSpec of each parameter (kv replicated when `K % tp != 0`)."""
@@ -232,6 +290,8 @@ class ParallelSelfAttention(nnx.Module):
             q_bias=P(self.model_axis),
             kv_bias=P(*kv[1:]),
             o_bias=P(),
+            q_norm=P(self.model_axis) if self.qk_norm == "flat" else P(),
+            k_norm=P(self.model_axis) if self.qk_norm == "flat" and self.kv_sharded else P(),
         )
 
     def local_params(self, dtype):
@@ -241,9 +301,10 @@ class ParallelSelfAttention(nnx.Module):
         fsdp under zero=3), so that their gradients are reduced before the cast back.
         """
         specs = self._param_specs()
-        names = ("q_kernel", "kv_kernel", "o_kernel", "q_bias", "kv_bias", "o_bias")
+        names = ("q_kernel", "kv_kernel", "o_kernel", "q_bias", "kv_bias", "o_bias", "q_norm",
+                 "k_norm")  # fmt: skip
         values = [None if getattr(self, n) is None else getattr(self, n)[...] for n in names]
-        values[3:] = [None if b is None else b.astype(dtype) for b in values[3:]]
+        values[3:6] = [None if b is None else b.astype(dtype) for b in values[3:6]]
         return values, [specs[n] for n in names]
 
     def default_positions(self, seq_len: int):
@@ -253,7 +314,8 @@ class ParallelSelfAttention(nnx.Module):
         ring = _sharding.axis_size(self.mesh, self.sequence_axis)
         return ring_positions(seq_len, ring, self.layout).reshape(-1)
 
-    def local(self, x, positions, segment_ids, q_w, kv_w, o_w, q_b, kv_b, o_b):
+    def local(self, x, positions, segment_ids, q_w, kv_w, o_w, q_b, kv_b, o_b, q_n=None,
+              k_n=None):  # fmt: skip
         """Per-shard attention (inside `jax.shard_map`).
 
         x `[b, t, F]` (t = T / cp, or T / (cp * tp) with sequence parallelism),
@@ -261,8 +323,10 @@ class ParallelSelfAttention(nnx.Module):
         """
         heads = self.num_heads // _sharding.axis_size(self.mesh, self.model_axis)  # local heads
         D = self.head_dim
-        if not self.kv_sharded:  # replicated kv kernel: keep the one head this shard reads
-            group = self.num_heads // self.num_kv_heads
+        group = self.num_heads // self.num_kv_heads
+        # a flat k norm over a replicated kv kernel: every kv head projected (for the norm)
+        k_whole = self.qk_norm == "flat" and not self.kv_sharded
+        if not self.kv_sharded and not k_whole:  # replicated: keep the one head this shard reads
             head = lax.axis_index(self.model_axis) * heads // group
             kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
@@ -275,9 +339,16 @@ class ParallelSelfAttention(nnx.Module):
         b, t = y.shape[:2]
         q = checkpoint_name(y[..., : heads * D], "attention_q").reshape(b, t, heads, D)
         kv = checkpoint_name(y[..., heads * D :], "attention_kv").reshape(b, t, -1, 2, D)
+        q, k, v = qk_transform(
+            q, kv[..., 0, :], kv[..., 1, :], q_n, k_n, kind=self.qk_norm, eps=self.qk_norm_eps,
+            clip=self.clip_qkv, axis_name=self.model_axis,
+            widths=(self.num_heads * D, self.num_kv_heads * D), k_whole=k_whole,
+        )  # fmt: skip
+        if k_whole:  # then the one kv head this shard's query heads read
+            head = lax.axis_index(self.model_axis) * heads // group
+            k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
         q = rope(q, positions, self.rope_theta, self.rope_scaling)
-        k = rope(kv[..., 0, :], positions, self.rope_theta, self.rope_scaling)
-        v = kv[..., 1, :]
+        k = rope(k, positions, self.rope_theta, self.rope_scaling)
         masks = dict(
             causal=self.causal,
             q_segment_ids=segment_ids,

@@ -169,6 +169,9 @@ ATTENTION_KEYWORDS = (
     "window",
     "logit_softcap",
     "qkv_bias",
+    "qk_norm",
+    "qk_norm_eps",
+    "clip_qkv",
 )
 
 
@@ -193,7 +196,8 @@ class ParallelTransformerBlock(nnx.Module):
         stands; `shardfuse.layers.options` has the rule).
       mesh: the mesh (Explicit or Auto axes; `jax.set_mesh` is not needed).
       num_kv_heads, head_dim, causal, layout, rope_theta, rope_scaling, window,
-        logit_softcap: attention options, as in `ParallelSelfAttention`.
+        logit_softcap, qk_norm, qk_norm_eps, clip_qkv: attention options, as in
+        `ParallelSelfAttention`.
       norm: "rmsnorm" or "layernorm".
       norm_eps: epsilon of the norms.
       activation: MLP activation, "gelu" or "swiglu".

@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from shardfuse.kernels.attention.api import attention_reference
-from shardfuse.layers.attention import rope
+from shardfuse.layers.attention import qk_transform, rope
 from shardfuse.layers.block import normalize
 from shardfuse.layers.mlp import activate
 
@@ -97,9 +97,12 @@ def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None)
     positions = jnp.arange(T, dtype=jnp.int32) if positions is None else positions
     q = _dense(x, p["q_kernel"], p.get("q_bias"), layer.precision).reshape(B, T, H, D)
     kv = _dense(x, p["kv_kernel"], p.get("kv_bias"), layer.precision).reshape(B, T, K, 2, D)
-    q = rope(q, positions, layer.rope_theta)
-    k = rope(kv[..., 0, :], positions, layer.rope_theta)
-    v = kv[..., 1, :]
+    q, k, v = qk_transform(
+        q, kv[..., 0, :], kv[..., 1, :], p.get("q_norm"), p.get("k_norm"), kind=layer.qk_norm,
+        eps=layer.qk_norm_eps, clip=layer.clip_qkv, widths=(H * D, K * D),
+    )  # fmt: skip
+    q = rope(q, positions, layer.rope_theta, layer.rope_scaling)
+    k = rope(k, positions, layer.rope_theta, layer.rope_scaling)
     o = attention_reference(
         q,
         k,

@@ -7,12 +7,23 @@
 
 Both run as one `jax.shard_map` over the whole mesh with the parameters in a
 decode layout: heads, kv heads and MLP units over `model` (as in training),
-the batch over `data` and `fsdp` where it divides them, nothing over
-`pipeline` or `sequence` (a pipelined or ZeRO-3 model is gathered along those
-axes once, before the first step). The cache is `[L, B, S, K, D]` for keys and
-values, kv heads over `model` when `K % model == 0` (else each model shard
-keeps the kv head its query heads read), the batch like the tokens. Its size S
-is fixed, so the decode step compiles once for every token.
+routed experts over `expert` (as in training), the batch over `data` and `fsdp`
+where it divides them, nothing over `pipeline` or `sequence` (a pipelined or
+ZeRO-3 model is gathered along those axes once, before the first step).
+
+Mixture-of-experts blocks route each token as `ParallelMoE` does (the same
+`router.route`, dropless: no capacity at inference) and run only the routed
+experts, two grouped matmuls over the token slots sorted by expert. On an
+expert axis every shard sees its data shard's tokens, computes the slots of its
+own experts (`grouped_matmul`'s `group_offset`; the others' rows are zero) and
+the routed outputs are summed over `expert` (a `[tokens, F]` all-reduce per MoE
+block; the shared experts are added after it, once). A spec mixing dense and MoE
+blocks runs one layer scan per run of blocks of one kind (`BlockRuns`).
+
+The cache is `[L, B, S, K, D]` for keys and values, kv heads over `model` when
+`K % model == 0` (else each model shard keeps the kv head its query heads read),
+the batch like the tokens. Its size S is fixed, so the decode step compiles once
+for every token.
 """
 
 import functools
@@ -28,11 +39,15 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.sharding import place
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.decode_attention.api import decode_attention
-from shardfuse.layers.attention import rope
+from shardfuse.kernels.grouped_matmul.api import grouped_matmul
+from shardfuse.layers import router as router_lib
+from shardfuse.layers.attention import qk_transform, rope
 from shardfuse.layers.block import normalize
 from shardfuse.layers.mlp import activate
+from shardfuse.models.block_runs import moe_keywords
 
 MODEL = "model"
+EXPERT = "expert"
 BATCH_AXES = ("data", "fsdp")
 
 # Trace counts of the prefill and decode programs (the compile-once test reads them).
@@ -59,15 +74,28 @@ _LAYER_NAMES = {
     "norm_1.bias": "n1_b",
     "norm_2.scale": "n2",
     "norm_2.bias": "n2_b",
+    "attention.q_norm": "qn",
+    "attention.k_norm": "kn",
+    "mlp.router": "router",
+    "mlp.selection_bias": "sel_bias",
+    "mlp.gate_up": "gate_up",
+    "mlp.down": "moe_down",
+    "mlp.shared_up": "shared_up",
+    "mlp.shared_down": "shared_down",
+    "mlp.shared_gate": "shared_gate",
 }
 _TOP_NAMES = {"embed": "embed", "norm.scale": "nf", "norm.bias": "nf_b",
               "unembed.kernel": "unembed", "pos_embed": "pos"}  # fmt: skip
 
 
 def _decode_spec(spec, mesh):
-    """`spec` with every axis but `model` dropped (the decode layout)."""
-    keep = lambda a: a if a == MODEL or (isinstance(a, tuple) and MODEL in a) else None  # noqa: E731
-    return P(*[MODEL if keep(a) is not None else None for a in spec])
+    """`spec` with every axis but `model` and `expert` dropped (the decode layout)."""
+
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        return MODEL if MODEL in names else EXPERT if EXPERT in names else None
+
+    return P(*[keep(a) for a in spec])
 
 
 def decode_params(model) -> dict:
@@ -81,11 +109,14 @@ def _decode_layout(model):
     the spec in their type)."""
     mesh = model.mesh
     params, specs = {}, {}
-    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    state = nnx.state(model, nnx.Any(nnx.Param, router_lib.SelectionBias))
+    for path, variable in nnx.to_flat_state(state):
         name = _leaf(path)
         short = _LAYER_NAMES.get(name) or _TOP_NAMES.get(name) or _TOP_NAMES.get(str(path[-1]))
         if short is None:
             raise ValueError(f"generate: parameter {'.'.join(map(str, path))} is not understood")
+        if name in _LAYER_NAMES and path[:2] == ("blocks", "runs"):  # run i of `BlockRuns`
+            short = f"r{int(path[2])}.{short}"
         value = variable[...]
         specs[short] = _decode_spec(value.sharding.spec, mesh)
         params[short] = jax.device_put(value, NamedSharding(mesh, specs[short]))
@@ -104,8 +135,60 @@ def _cache_spec(mesh, batch_axes):
     return P(None, batch_axes, None, MODEL if tp > 1 else None)
 
 
-def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens, cache_k, cache_v,
-                   start):  # fmt: skip
+def _moe(spec, tp, ep, p, h):
+    """Per shard: the MoE block's output (partial over `model`) for tokens `h` `[n, F]`.
+
+    Routes as `ParallelMoE` (`router.route` on float32 logits, dropless), runs the routed
+    slots of this shard's experts (two grouped matmuls; with `ep > 1` the others' rows
+    are zero and the routed sum is reduced over `expert`), adds the shared experts.
+    """
+    keywords = moe_keywords(spec)
+    config = router_lib.RoutingConfig(
+        num_experts=spec.experts, top_k=spec.top_k, rule=keywords["routing"],
+        normalize_top_k=keywords["normalize_top_k"], n_groups=keywords["n_groups"],
+        topk_groups=keywords["topk_groups"], routed_scaling=keywords["routed_scaling"],
+    )  # fmt: skip
+    n, F = h.shape
+    k = spec.top_k
+    experts, weights, _ = router_lib.route(
+        config, router_lib.router_logits(h, p["router"]), p.get("sel_bias")
+    )
+    slot_experts = experts.T.reshape(n * k)  # slot a is token a % n
+    order = jnp.argsort(slot_experts, stable=True)
+    sorted_e = slot_experts[order]
+    sizes = jnp.zeros((spec.experts,), jnp.int32).at[sorted_e].add(1)
+    offset = lax.axis_index(EXPERT) * (spec.experts // ep) if ep > 1 else None
+    rows = h[order % n]
+    u = grouped_matmul(rows, p["gate_up"].astype(h.dtype), sizes, group_offset=offset)
+    d = grouped_matmul(activate("swiglu", u), p["moe_down"].astype(h.dtype), sizes,
+                       group_offset=offset)  # fmt: skip
+    slots = jnp.zeros_like(d).at[order].set(d).reshape(k, n, F)
+    y = jnp.einsum("NK,KNF->NF", weights, slots.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)  # fmt: skip
+    if ep > 1:
+        y = lax.psum(y, EXPERT)
+    if p.get("shared_up") is not None:
+        f32 = dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        s = activate("swiglu", jnp.dot(h, p["shared_up"], **f32).astype(h.dtype))
+        s = jnp.dot(s, p["shared_down"], **f32)
+        if p.get("shared_gate") is not None:
+            s = jax.nn.sigmoid(jnp.dot(h, p["shared_gate"], **f32)) * s
+        y = y + s
+    return y.astype(h.dtype)
+
+
+def _runs(params):
+    """The layer parameters by short name, one dict per run of blocks of one kind, in order."""
+    runs = {}
+    for key, value in params.items():
+        run, _, short = key.rpartition(".")
+        if short in _LAYER_NAMES.values():
+            runs.setdefault(int(run[1:]) if run else 0, {})[short] = value
+    return [runs[i] for i in sorted(runs)]
+
+
+def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, tokens, cache_k,
+                   cache_v, start):  # fmt: skip
     """Per shard: logits `[b, V]` of the last token, and the updated cache."""
     H, K, D = spec.heads, spec.kv_heads, spec.head_dim
     heads = H // tp
@@ -116,14 +199,16 @@ def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens
         x = x + jnp.take(params["pos"], positions, axis=0)
     model_index = lax.axis_index(MODEL) if tp > 1 else 0
     window = None if spec.window is None else (spec.window - 1, 0)
+    # a flat k norm over a replicated kv kernel: every kv head projected (for the norm)
+    k_whole = spec.qk_norm == "flat" and not kv_sharded and tp > 1
+    head = model_index * heads // (H // K)  # the kv head of a shard without its own
 
     def layer(x, xs):
         p, ck, cv = xs
         h = normalize(spec.norm, x, p["n1"], p.get("n1_b"), spec.norm_eps)
         q = h @ p["q"]
         kv_w, kv_b = p["kv"], p.get("kv_b")
-        if not kv_sharded and tp > 1:  # the one kv head this shard's query heads read
-            head = model_index * heads // (H // K)
+        if not kv_sharded and tp > 1 and not k_whole:  # the kv head its query heads read
             kv_w = lax.dynamic_slice_in_dim(kv_w, head * 2 * D, 2 * D, axis=1)
             kv_b = None if kv_b is None else lax.dynamic_slice_in_dim(kv_b, head * 2 * D, 2 * D)
         kv = h @ kv_w
@@ -131,7 +216,13 @@ def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens
             q, kv = q + p["q_b"], kv + kv_b
         q = q.reshape(b, t, heads, D)
         kv = kv.reshape(b, t, -1, 2, D)
-        k, v = kv[..., 0, :], kv[..., 1, :]
+        q, k, v = qk_transform(
+            q, kv[..., 0, :], kv[..., 1, :], p.get("qn"), p.get("kn"), kind=spec.qk_norm,
+            eps=spec.norm_eps, clip=spec.clip_qkv, axis_name=MODEL if tp > 1 else None,
+            widths=(H * D, K * D), k_whole=k_whole,
+        )  # fmt: skip
+        if k_whole:  # then the one kv head this shard's query heads read
+            k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
         if spec.positions == "rope":
             q = rope(q, positions, spec.rope_theta, spec.rope_scaling)
             k = rope(k, positions, spec.rope_theta, spec.rope_scaling)
@@ -150,17 +241,28 @@ def _local_forward(spec, tp, kv_sharded, prefill, implementation, params, tokens
             o = o + p["o_b"]
         x = x + o.astype(x.dtype)
         h = normalize(spec.norm, x, p["n2"], p.get("n2_b"), spec.norm_eps)
-        u = h @ p["up"]
-        if p.get("up_b") is not None:
-            u = u + p["up_b"]
-        d = activate(spec.activation, u) @ p["down"]
+        if "router" in p:  # a mixture of experts
+            d = _moe(spec, tp, ep, p, h.reshape(b * t, -1)).reshape(h.shape)
+        else:
+            u = h @ p["up"]
+            if p.get("up_b") is not None:
+                u = u + p["up_b"]
+            d = activate(spec.activation, u) @ p["down"]
         d = lax.psum(d, MODEL) if tp > 1 else d
         if p.get("down_b") is not None:
             d = d + p["down_b"]
         return x + d.astype(x.dtype), (ck, cv)
 
-    layer_params = {k: v for k, v in params.items() if k in _LAYER_NAMES.values()}
-    x, (cache_k, cache_v) = lax.scan(layer, x, (layer_params, cache_k, cache_v))
+    new_k, new_v, first = [], [], 0
+    for run in _runs(params):  # one scan per run of blocks of one kind
+        count = next(iter(run.values())).shape[0]
+        ck, cv = cache_k[first : first + count], cache_v[first : first + count]
+        x, (ck, cv) = lax.scan(layer, x, (run, ck, cv))
+        new_k.append(ck)
+        new_v.append(cv)
+        first += count
+    cache_k, cache_v = (parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+                        for parts in (new_k, new_v))  # fmt: skip
     x = normalize(spec.norm, x[:, -1], params["nf"], params.get("nf_b"), spec.norm_eps)
     unembed = params["embed"].T if spec.tied_embeddings else params["unembed"]
     logits = x @ unembed
@@ -176,8 +278,9 @@ def _step(static, prefill, layout, params, tokens, cache_k, cache_v, start):
     spec, mesh, implementation = static
     batch_axes, kv_sharded, param_specs, logits_spec = layout
     tp = mesh.shape[MODEL] if MODEL in mesh.axis_names else 1
+    ep = mesh.shape[EXPERT] if EXPERT in mesh.axis_names and spec.is_moe else 1
     cache_spec = _cache_spec(mesh, batch_axes)
-    local = functools.partial(_local_forward, spec, tp, kv_sharded, prefill, implementation)
+    local = functools.partial(_local_forward, spec, tp, ep, kv_sharded, prefill, implementation)
     # a cache or tokens laid out otherwise (by the caller): moved to the step's layout, which
     # an Explicit mesh's shard_map does not do by itself
     tokens = place(tokens, mesh, P(batch_axes, None))
@@ -237,7 +340,7 @@ class DecodeProgram:
         K = spec.kv_heads if kv_sharded or tp == 1 else tp  # one kv head per model shard
         self.cache_shape = (spec.num_layers, batch, cache_size, K, spec.head_dim)
         self.cache_sharding = NamedSharding(mesh, _cache_spec(mesh, self.batch_axes))
-        self.cache_dtype = cache_dtype or self.params["q"].dtype
+        self.cache_dtype = cache_dtype or _runs(self.params)[0]["q"].dtype
         self.static = (spec, mesh, implementation)  # hashable: the step's static argument
         self.spec, self.mesh, self.cache_size = spec, mesh, cache_size
 

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral and Qwen2 on any mesh.
+"""Hugging Face checkpoints in and out on any mesh: Llama, Mistral, Qwen2 and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
     config.json            <->  `ModelSpec`        (`hf_config.py`: `spec_from_hf_config`,
                                                     `hf_config`, re-exported here)
@@ -21,6 +22,26 @@ kernels, the layers stacked along a leading axis):
     down_proj [F, I]            -> mlp.down.kernel     [L, I, F]
     input/post_attention_layernorm -> norm_1 / norm_2 scale
     embed_tokens [V, F]         -> embed [V, F];  lm_head [V, F] -> unembed [F, V] (untied)
+    self_attn.q_norm, k_norm    -> attention.q_norm, k_norm  [L, D] (Qwen3-MoE, per head)
+                                   or [L, H*D], [L, K*D] (OLMoE, over the projection)
+
+Mixture-of-experts blocks (`mlp.` below; Mixtral: `block_sparse_moe.`, its experts'
+w1, w3, w2 for gate_proj, up_proj, down_proj; E experts of I units):
+
+    gate.weight [E, F]                       -> mlp.router   [L, F, E]        transposed
+    experts.{e}.gate_proj, up_proj [I, F]    -> mlp.gate_up  [L, E, F, 2*I]   per unit: gate, up
+    experts.{e}.down_proj [F, I]             -> mlp.down     [L, E, I, F]
+    shared_expert.gate_proj, up_proj [S, F]  -> mlp.shared_up [L, F, 2*S]     (Qwen2-MoE)
+    shared_expert.down_proj [F, S]           -> mlp.shared_down [L, S, F]
+    shared_expert_gate.weight [1, F]         -> mlp.shared_gate [L, F, 1]
+
+or, as transformers 5 holds them in memory, fused per layer: `mlp.experts.gate_up_proj`
+`[E, 2*I, F]` (an expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+`[E, F, I]` (and Mixtral's router as `mlp.gate.weight`): `load_hf` reads either layout
+(still each device's slice only: an expert's rows of the fused tensor); `save_hf`
+writes the per-expert one, as transformers' `save_pretrained` does. A spec mixing dense
+and MoE blocks (Qwen's `decoder_sparse_step`, `mlp_only_layers`) has a `Stack` per run
+of blocks of one kind; their layers are numbered on from the run before.
 
 Both use the rotate-half RoPE convention, so q and k need no permutation.
 """
@@ -36,6 +57,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from shardfuse.models.block_runs import block_runs
 from shardfuse.models.hf_config import (  # the config half (hf_config.py), re-exported
     ARCHITECTURES as ARCHITECTURES,
 )
@@ -69,14 +91,46 @@ class _Map:
     kind: str
     stacked: bool = False
     group: int = 1
+    offset: int = 0  # the first layer's number (a run of blocks of one kind: `BlockRuns`)
+    experts: bool = False  # one tensor per expert (`{expert}`), stacked along our next axis
 
 
 _LAYER = "model.layers.{layer}."
 
 
-def _map_of(path: tuple, spec) -> _Map:
+def _layer_offset(path: tuple, spec) -> int:
+    """The number of the first layer of the `Stack` holding `path` (`BlockRuns`' run i)."""
+    if len(path) > 2 and path[:2] == ("blocks", "runs"):
+        return sum(count for _, count in block_runs(spec)[: int(path[2])])
+    return 0
+
+
+def _moe_names(family: str) -> dict:
+    """Our MoE parameter -> its checkpoint tensors (names under a layer) in `family`."""
+    if family == "mixtral":  # the hub's names (what transformers 5's save_pretrained writes)
+        moe, (gate, up, down) = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        moe, (gate, up, down) = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    expert = moe + "experts.{expert}."
+    return {
+        "router": (moe + "gate.weight",),
+        "gate_up": (expert + gate + ".weight", expert + up + ".weight"),
+        "down": (expert + down + ".weight",),
+        "shared_up": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "shared_down": ("mlp.shared_expert.down_proj.weight",),
+        "shared_gate": ("mlp.shared_expert_gate.weight",),
+    }
+
+
+def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
     """The `_Map` of our parameter at `path` (ValueError for a parameter HF has no name for)."""
     D = spec.head_dim
+    offset = _layer_offset(path, spec)
+    if len(path) >= 2 and path[-2] == "mlp" and path[-1] in _moe_names(family):
+        names = tuple(_LAYER + n for n in _moe_names(family)[path[-1]])
+        experts = path[-1] in ("gate_up", "down")
+        kind = "pair" if len(names) == 2 else "t"
+        return _Map(names, kind, stacked=True, offset=offset, experts=experts)
     layer = {
         ("attention", "q_kernel"): ("self_attn.q_proj.weight",),
         ("attention", "kv_kernel"): ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -87,13 +141,17 @@ def _map_of(path: tuple, spec) -> _Map:
         ("down", "kernel"): ("mlp.down_proj.weight",),
         ("norm_1", "scale"): ("input_layernorm.weight",),
         ("norm_2", "scale"): ("post_attention_layernorm.weight",),
+        ("attention", "q_norm"): ("self_attn.q_norm.weight",),
+        ("attention", "k_norm"): ("self_attn.k_norm.weight",),
     }
     key = tuple(path[-2:])
     if key in layer:
         names = tuple(_LAYER + n for n in layer[key])
         if len(names) == 2:
-            return _Map(names, "pair", stacked=True, group=D if key[0] == "attention" else 1)
-        return _Map(names, "copy" if key[1] in ("q_bias", "scale") else "t", stacked=True)
+            group = D if key[0] == "attention" else 1
+            return _Map(names, "pair", stacked=True, group=group, offset=offset)
+        copy = key[1] in ("q_bias", "scale", "q_norm", "k_norm")
+        return _Map(names, "copy" if copy else "t", stacked=True, offset=offset)
     if path[-1] == "embed":
         return _Map(("model.embed_tokens.weight",), "copy")
     if key == ("norm", "scale"):
@@ -101,6 +159,79 @@ def _map_of(path: tuple, spec) -> _Map:
     if key == ("unembed", "kernel"):
         return _Map(("lm_head.weight",), "t")
     raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face counterpart")
+
+
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_HALF = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # gate rows first, then up
+
+
+class _Checkpoint:
+    """A `SafetensorsDir` read under the per-expert names (`experts.{e}.gate_proj.weight`,
+    Mixtral's `block_sparse_moe.experts.{e}.w1.weight`), whichever expert layout it holds.
+
+    Transformers 5 holds a layer's experts fused in memory, `mlp.experts.gate_up_proj`
+    `[E, 2I, F]` (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+    `[E, F, I]` (Mixtral's router as `mlp.gate.weight`); a checkpoint saved in that layout
+    is read through this view: expert e's `[rows, cols]` block of a per-expert name is
+    the block `[e, offset + rows, cols]` of the fused tensor (only those bytes are read).
+    """
+
+    def __init__(self, source: SafetensorsDir):
+        self.source = source
+        self._stored = set(source.names())
+
+    @property
+    def on_read(self):
+        return self.source.on_read
+
+    @on_read.setter
+    def on_read(self, value):
+        self.source.on_read = value
+
+    def names(self):
+        return self.source.names()
+
+    def _resolve(self, name):
+        """`(stored tensor, expert or None, row offset)` holding the tensor `name`."""
+        if name in self._stored:
+            return name, None, 0
+        if name.endswith(".block_sparse_moe.gate.weight"):
+            fused = name.replace(".block_sparse_moe.", ".mlp.")
+            return (fused if fused in self._stored else name), None, 0
+        match = _EXPERT.match(name)
+        if match:
+            layer, expert, weight = match.groups()
+            fused = f"{layer}.mlp.experts." + ("down_proj" if weight in ("down_proj", "w2")
+                                               else "gate_up_proj")  # fmt: skip
+            if fused in self._stored:
+                rows = self.source.info(fused)[0][1] // 2 if weight in _HALF else 0
+                return fused, int(expert), _HALF.get(weight, 0) * rows
+        return name, None, 0  # not stored: `info` names it
+
+    def stored_name(self, name):
+        """The stored tensor that holds `name`."""
+        return self._resolve(name)[0]
+
+    def info(self, name):
+        stored, expert, _ = self._resolve(name)
+        shape, dtype = self.source.info(stored)
+        if expert is None:
+            return shape, dtype
+        rows = shape[1] // 2 if stored.endswith("gate_up_proj") else shape[1]
+        return (rows, *shape[2:]), dtype
+
+    def read(self, name, index=()):
+        stored, expert, offset = self._resolve(name)
+        if expert is None:
+            return self.source.read(stored, index)
+        shape = self.info(name)[0]
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        r0, r1, _ = index[0].indices(shape[0])
+        rows = slice(r0 + offset, r1 + offset)
+        return self.source.read(stored, (slice(expert, expert + 1), rows, *index[1:]))[0]
 
 
 def _bounds(index, shape):
@@ -117,7 +248,21 @@ def _bounds(index, shape):
 
 def _read_one(source, m: _Map, layer, bounds):
     """Our (unstacked) parameter's block at `bounds` from the tensors of layer `layer`."""
-    names = [n.format(layer=layer) for n in m.names]
+    if m.experts:  # one block per expert, stacked along our expert axis
+        (e0, e1), rest = bounds[0], bounds[1:]
+        return np.stack([_read_expert(source, m, layer, e, rest) for e in range(e0, e1)])
+    return _read_expert(source, m, layer, None, bounds)
+
+
+def _names(m: _Map, layer, expert=None):
+    """The checkpoint names of `m`'s tensors of `layer` (and `expert`)."""
+    if layer is not None:
+        layer += m.offset
+    return [n.format(layer=layer, expert=expert) for n in m.names]
+
+
+def _read_expert(source, m: _Map, layer, expert, bounds):
+    names = _names(m, layer, expert)
     if m.kind == "copy":
         return source.read(names[0], tuple(slice(a, b) for a, b in bounds))
     if m.kind == "t":
@@ -151,8 +296,11 @@ def _check_shapes(source, m: _Map, shape, path):
     """ValueError unless the checkpoint's tensors have the sizes our parameter needs."""
     layers = range(shape[0]) if m.stacked else [None]
     per_layer = shape[1:] if m.stacked else shape
-    for layer in layers:
-        got = [source.info(n.format(layer=layer))[0] for n in m.names]
+    experts = range(per_layer[0]) if m.experts else [None]
+    per_layer = per_layer[1:] if m.experts else per_layer
+    for layer, expert in ((a, b) for a in layers for b in experts):
+        names = _names(m, layer, expert)
+        got = [source.info(n)[0] for n in names]
         if m.kind == "copy":
             want = [tuple(per_layer)]
         elif m.kind == "t":
@@ -162,7 +310,7 @@ def _check_shapes(source, m: _Map, shape, path):
             want = [(rows, *per_layer[:-1])] * 2
         if got != want:
             raise ValueError(
-                f"checkpoint tensors {[n.format(layer=layer) for n in m.names]} have shapes {got}; "
+                f"checkpoint tensors {names} have shapes {got}; "
                 f"parameter {'.'.join(map(str, path))} {tuple(shape)} needs {want}"
             )
 
@@ -182,7 +330,9 @@ def _check_all_used(source, maps, state, spec):
     used = set()
     for p, m in maps.items():
         layers = range(shapes[p][0]) if m.stacked else [None]
-        used.update(n.format(layer=layer) for n in m.names for layer in layers)
+        experts = range(shapes[p][1]) if m.experts else [None]
+        used.update(source.stored_name(n) for layer in layers for expert in experts
+                    for n in _names(m, layer, expert))  # fmt: skip
     unused = [n for n in source.names() if n not in used and not _NOT_PARAMETERS.search(n)]
     if spec.tied_embeddings and "lm_head.weight" in unused:
         _check_tied_head(source)
@@ -266,7 +416,8 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
         raise ValueError(f"on_read={on_read!r} must be None or a callable taking a TensorRead")
     path = Path(path)
     spec = read_hf_spec(path)
-    source = SafetensorsDir(path)
+    family = _default_family(spec)  # (the MoE families' specs tell them apart)
+    source = _Checkpoint(SafetensorsDir(path))
 
     def build():
         return Transformer(spec, mesh=mesh, pipelined=pipelined, rngs=nnx.Rngs(0),
@@ -275,7 +426,7 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
     graphdef, state = nnx.split(nnx.eval_shape(build))
     maps = {}
     for p, variable in _params(state):
-        m = _map_of(p, spec)
+        m = _map_of(p, spec, family)
         _check_shapes(source, m, variable.get_raw_value().shape, p)
         maps[p] = m
     if on_read is not None:  # reads of no parameter: the tied head's check
@@ -303,6 +454,13 @@ def load_hf(path, *, mesh, pipelined: bool = False, param_dtype=np.float32, on_r
         value = jax.make_array_from_callback(shape, sharding, callback)
         variable.set_raw_value(value)
     source.on_read = None
+    for _, variable in nnx.to_flat_state(state):  # not parameters: the MoE statistics (zeros,
+        if not isinstance(variable, nnx.Param):  # as the model initialises them)
+            abstract = variable.get_raw_value()
+            zeros = np.zeros(abstract.shape, abstract.dtype)
+            sharding = NamedSharding(mesh, abstract.sharding.spec)
+            variable.set_raw_value(jax.make_array_from_callback(
+                abstract.shape, sharding, lambda index, zeros=zeros: zeros[index]))  # fmt: skip
     return nnx.merge(graphdef, state)
 
 
@@ -328,6 +486,15 @@ def _split(m: _Map, ours):
     return [both[:, i].reshape(-1, *rows.shape[1:]) for i in (0, 1)]
 
 
+def _default_family(spec) -> str:
+    """The family `save_hf` writes `spec` as when no `model_type` is given."""
+    if spec.is_moe:
+        if spec.shared_experts:
+            return "qwen2_moe"
+        return {"head": "qwen3_moe", "flat": "olmoe"}.get(spec.qk_norm, "mixtral")
+    return "qwen2" if spec.qkv_bias else "mistral" if spec.window else "llama"
+
+
 def save_hf(model, path, *, model_type: str | None = None, dtype=None,
             max_shard_bytes: int = 4 << 30):  # fmt: skip
     """Writes `model` (a `models.Transformer`) as a Hugging Face checkpoint directory.
@@ -342,8 +509,11 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
     Args:
       model: the model; its `spec` says the sizes.
       path: a directory (created; existing files of the same names are replaced).
-      model_type: "llama", "mistral" or "qwen2"; default: qwen2 with q/k/v biases,
-        mistral with a sliding window, else llama.
+      model_type: a key of `ARCHITECTURES`; default: for a mixture of experts qwen2_moe
+        with a shared expert, qwen3_moe with per-head q/k norms, olmoe with flat ones, else
+        mixtral; dense: qwen2 with q/k/v biases, mistral with a sliding window, else llama.
+        Experts are written one tensor each (`experts.{e}.gate_proj.weight`; Mixtral's
+        `block_sparse_moe.experts.{e}.w1.weight`), as transformers' `save_pretrained` does.
       dtype: numpy dtype of the tensors (default: the parameters' own).
       max_shard_bytes: the largest shard file.
 
@@ -356,22 +526,24 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
     """
     spec = model.spec
     if model_type is None:
-        model_type = "qwen2" if spec.qkv_bias else "mistral" if spec.window else "llama"
+        model_type = _default_family(spec)
     state = nnx.state(model, nnx.Param)
     entries = []  # (name, shape, dtype, producer)
     params = _params(state)
     first_dtype = None
     for p, variable in params:
-        m = _map_of(p, spec)
+        m = _map_of(p, spec, model_type)
         value = variable.get_raw_value()
         first_dtype = first_dtype or value.dtype
         out_dtype = np.dtype(dtype or value.dtype)
         layers = range(value.shape[0]) if m.stacked else [None]
-        for layer in layers:
-            per = value.shape[1:] if m.stacked else value.shape
-            shapes = [tuple(s.shape) for s in _split(m, np.empty(per, np.uint8))]
-            for i, (name, shape) in enumerate(zip(m.names, shapes, strict=True)):
-                entries.append((name.format(layer=layer), shape, out_dtype, (value, m, layer, i)))
+        per = value.shape[1:] if m.stacked else value.shape
+        experts = range(per[0]) if m.experts else [None]
+        per = per[1:] if m.experts else per
+        shapes = [tuple(s.shape) for s in _split(m, np.empty(per, np.uint8))]
+        for layer, expert in ((a, b) for a in layers for b in experts):
+            for i, (name, shape) in enumerate(zip(_names(m, layer, expert), shapes, strict=True)):
+                entries.append((name, shape, out_dtype, (value, m, layer, expert, i)))
     config = hf_config(spec, model_type=model_type,
                        dtype=str(np.dtype(dtype or first_dtype)))  # fmt: skip
     path = Path(path)
@@ -391,13 +563,14 @@ def save_hf(model, path, *, model_type: str | None = None, dtype=None,
     cache = {}
     for i, (file, group) in enumerate(zip(names, files, strict=True)):
         tensors = {}
-        for name, _, out_dtype, (value, m, layer, part) in group:
+        for name, _, out_dtype, (value, m, layer, expert, part) in group:
             key = (id(value), layer)
             if key not in cache:  # every process gathers (a collective across hosts)
                 cache.clear()
-                cache[key] = _split(m, _full(value, layer))
+                cache[key] = _full(value, layer)
             if i % processes == me:
-                tensors[name] = np.ascontiguousarray(cache[key][part]).astype(out_dtype)
+                ours = cache[key] if expert is None else cache[key][expert]
+                tensors[name] = np.ascontiguousarray(_split(m, ours)[part]).astype(out_dtype)
         if i % processes == me:
             write_safetensors(path / file, tensors, metadata={"format": "pt"})
     if me == 0:
