@@ -107,7 +107,23 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(family)
         model.save_pretrained(path)
         out[family] = (path, model)
+    # A pipeline runs one kind of block: Qwen2-MoE with every block sparse for its mesh
+    torch.manual_seed(20)
+    config_cls, extra = FAMILIES["qwen2_moe"]
+    config = config_cls(**SIZES, **{**extra, "mlp_only_layers": [], "num_hidden_layers": 2})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path_factory.mktemp("qwen2_moe_sparse")
+    model.save_pretrained(path)
+    out["qwen2_moe", "pipeline"] = (path, model)
     return out
+
+
+def checkpoint(checkpoints, family, mesh_name):
+    """`(path, transformers model)` of `family` for `mesh_name` (on the pipeline mesh, the
+    all-sparse Qwen2-MoE: a Pipeline runs one kind of block)."""
+    if family == "qwen2_moe" and MESHES[mesh_name][2].get("pipelined"):
+        return checkpoints["qwen2_moe", "pipeline"]
+    return checkpoints[family]
 
 
 def make_mesh(mesh_name, axis_type=AxisType.Explicit):
@@ -117,10 +133,6 @@ def make_mesh(mesh_name, axis_type=AxisType.Explicit):
 
 def load(path, mesh_name, axis_type=AxisType.Explicit, **extra):
     mesh, options = make_mesh(mesh_name, axis_type)
-    if options.get("pipelined"):  # the pipeline schedules do not run MoE blocks yet
-        with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-            hf.load_hf(path, mesh=mesh, **options, **extra)
-        pytest.xfail("pipelined=True with MoE blocks raises NotImplementedError (not built yet)")
     return hf.load_hf(path, mesh=mesh, **options, **extra), mesh
 
 
@@ -146,7 +158,8 @@ def test_specs_of_the_families(checkpoints):
     assert (specs["qwen3_moe"].qk_norm, specs["olmoe"].qk_norm) == ("head", "flat")
     assert specs["olmoe"].clip_qkv == 1.5
     # the sparse blocks are those transformers builds a sparse MLP for
-    for family, (_, reference) in checkpoints.items():
+    for family in FAMILIES:
+        reference = checkpoints[family][1]
         sparse = [i for i, layer in enumerate(reference.model.layers)
                   if hasattr(layer.mlp, "experts")]  # fmt: skip
         assert list(specs[family].moe_layers) == sparse, family
@@ -154,7 +167,7 @@ def test_specs_of_the_families(checkpoints):
 
 @pytest.mark.parametrize("family, mesh_name", cases(QUICK))
 def test_logits_match_transformers(checkpoints, family, mesh_name):
-    path, reference = checkpoints[family]
+    path, reference = checkpoint(checkpoints, family, mesh_name)
     model, _ = load(path, mesh_name)
     toks = tokens()
     ours = np.asarray(model(jnp.asarray(toks, jnp.int32)))
@@ -245,7 +258,7 @@ def test_each_device_reads_its_shard_of_each_expert_parameter(checkpoints, mesh_
 
 @pytest.mark.parametrize("family, mesh_name", cases([("qwen2_moe", "expert2_model4")]))
 def test_greedy_generation_matches_transformers(checkpoints, family, mesh_name):
-    path, reference = checkpoints[family]
+    path, reference = checkpoint(checkpoints, family, mesh_name)
     model, _ = load(path, mesh_name, AxisType.Auto)
     prompt = tokens(batch=2, length=5, seed=1)
     with torch.no_grad():
@@ -253,6 +266,13 @@ def test_greedy_generation_matches_transformers(checkpoints, family, mesh_name):
                                   min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
     got = generation.generate(model, prompt, 32)
     np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_mixed_dense_and_sparse_blocks_is_refused_by_name(checkpoints):
+    mesh, options = make_mesh("pipeline2_expert2_data2")
+    with pytest.raises(ValueError, match=r"dense_layers=\(1,\)"):
+        hf.load_hf(checkpoints["qwen2_moe"][0], mesh=mesh, **options)
 
 
 def _config(family, **changes):

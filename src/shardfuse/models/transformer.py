@@ -474,9 +474,10 @@ def _check_experts(spec, mesh, expert_axis, pipelined):
     if pipelined and len(runs) > 1:
         raise ValueError(
             f"pipelined=True with blocks of mixed kinds (runs of (is_moe, count): {runs}, "
-            f"from moe_first_dense={spec.moe_first_dense}, moe_every={spec.moe_every}): a "
-            "Pipeline runs one Stack of one kind of block; pipeline a spec whose every "
-            "block is a mixture of experts (moe_first_dense=0, moe_every=1), or none"
+            f"from moe_first_dense={spec.moe_first_dense}, moe_every={spec.moe_every}, "
+            f"dense_layers={spec.dense_layers}): a Pipeline runs one Stack of one kind of "
+            "block; pipeline a spec whose every block is a mixture of experts "
+            "(moe_first_dense=0, moe_every=1, dense_layers=()), or none"
         )
 
 
