@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -78,9 +79,20 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+# The quick suite's heaviest cases (measured; the list says how) run under `-m slow`.
+_HEAVY = frozenset(
+    line.strip()
+    for line in (pathlib.Path(__file__).parent / "heavy.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     has_gpu = any(d.platform == "gpu" for d in jax.devices())
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
+        if item.nodeid in _HEAVY:
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
