@@ -268,8 +268,8 @@ def _drop_stage0_weight_gradient(monkeypatch):
     """Stage 0 accumulates no parameter gradient (its forward is unchanged)."""
     original = program._stage_fn
 
-    def stage_fn(config):
-        stage = original(config)
+    def stage_fn(config, *args, **kwargs):
+        stage = original(config, *args, **kwargs)
 
         def dropped(chunk_state, x):
             first = lax.axis_index(config.pipeline_axis) == 0
