@@ -70,7 +70,8 @@ def _extension():
         if getattr(e, "name", None) == "shardfuse._native":
             raise NotImplementedError(_why_not_built()) from None
         raise NotImplementedError(f"shardfuse._native does not load: {e}") from e
-    native.set_default_threads(default_threads())
+    if hasattr(native, "set_default_threads"):  # (an extension built before it: every core)
+        native.set_default_threads(default_threads())
     for name, capsule in native.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     return native
