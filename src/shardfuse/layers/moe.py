@@ -147,6 +147,45 @@ def stats_aux_loss(stats, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0):
     return total
 
 
+def sort_slots(experts, num_experts: int, capacity_factor: float | None = None):
+    """`(order, sorted_experts)` of the `n x k` slots of `experts` `[n, k]`, slot-major
+    (slot a is token a % n), sorted by expert (stable); over a `capacity_factor` each
+    expert keeps its first `ceil(c * n * k / E)` slots, the dropped ones get expert E and
+    go last."""
+    n, k = experts.shape
+    E = num_experts
+    slot_experts = experts.T.reshape(n * k)  # slot-major: every first choice first
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * n * k / E)
+        order = jnp.argsort(slot_experts, stable=True)
+        sorted_e = slot_experts[order]
+        counts = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1)
+        rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[sorted_e]
+        keep = jnp.zeros((n * k,), bool).at[order].set(rank < capacity)
+        slot_experts = jnp.where(keep, slot_experts, E)
+    order = jnp.argsort(slot_experts, stable=True)
+    return order, slot_experts[order]
+
+
+def combine_slots(y_sorted, order, weights):
+    """The routed outputs `y_sorted` `[n x k, F]` (in `sort_slots`' order) back to their
+    tokens, weighted by `weights` `[n, k]` and summed: float32 `[n, F]`."""
+    n, k = weights.shape
+    y_slots = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(k, n, -1)
+    return jnp.einsum("NK,KNF->NF", weights, y_slots.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST)  # fmt: skip
+
+
+def shared_experts(x, up, down, gate, precision):
+    """The shared experts' SwiGLU on `x` `[n, F]`, sigmoid-gated where `gate` is given:
+    float32 `[n, F]` (partial over `model` where the kernels are split over it)."""
+    f32 = dict(precision=precision, preferred_element_type=jnp.float32)
+    s = jnp.dot(activate("swiglu", jnp.dot(x, up, **f32).astype(x.dtype)), down, **f32)
+    if gate is not None:
+        s = jax.nn.sigmoid(jnp.dot(x, gate, **f32)) * s
+    return s
+
+
 class ParallelMoE(nnx.Module):
     """Mixture of SwiGLU experts, expert-parallel over `expert_axis`, tensor-parallel inside.
 
@@ -380,24 +419,9 @@ class ParallelMoE(nnx.Module):
             grouped_matmul(activate("swiglu", h), down, sizes, **gmm), "moe_down"
         )
 
-    def _slots(self, experts, n):
-        """Sorted slots: `(order, sorted_experts)`; dropped slots get expert E and go last."""
-        E, k = self.num_experts, self.top_k
-        slot_experts = experts.T.reshape(n * k)  # slot-major: every first choice first
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * n * k / E)
-            order = jnp.argsort(slot_experts, stable=True)
-            sorted_e = slot_experts[order]
-            counts = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1)
-            rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[sorted_e]
-            keep = jnp.zeros((n * k,), bool).at[order].set(rank < capacity)
-            slot_experts = jnp.where(keep, slot_experts, E)
-        order = jnp.argsort(slot_experts, stable=True)
-        return order, slot_experts[order]
-
     def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate):
         """Per shard: `(y, stats)` for this device's tokens `x [b, t, F]`."""
-        E, k, F = self.num_experts, self.top_k, self.features
+        E, F = self.num_experts, self.features
         model, sp = self.model_axis, self.sequence_parallel and self.model_axis is not None
         if sp:
             x = lax.all_gather(x, model, axis=1, tiled=True)
@@ -409,7 +433,7 @@ class ParallelMoE(nnx.Module):
         xf = x.reshape(n, F)
         logits = router_lib.router_logits(xf, router)  # [n, E] float32
         experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
-        order, sorted_e = self._slots(experts, n)
+        order, sorted_e = sort_slots(experts, E, self.capacity_factor)
         rows = xf[order % n]  # [A, F]: slot a is token a % n (slot-major)
         ep = self._ep()
         if ep > 1:
@@ -432,23 +456,9 @@ class ParallelMoE(nnx.Module):
         else:
             sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
             y_sorted = self._experts(rows, sizes, None, gate_up, down)
-        y_slots = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(k, n, F)
-        y = jnp.einsum("NK,KNF->NF", weights, y_slots.astype(jnp.float32),
-                       precision=lax.Precision.HIGHEST)  # fmt: skip
+        y = combine_slots(y_sorted, order, weights)
         if shared_up is not None:
-            h = activate(
-                "swiglu",
-                jnp.dot(
-                    xf, shared_up, precision=self.precision, preferred_element_type=jnp.float32
-                ).astype(x.dtype),
-            )
-            s = jnp.dot(h, shared_down, precision=self.precision,
-                        preferred_element_type=jnp.float32)  # fmt: skip
-            if shared_gate is not None:
-                g = jnp.dot(xf, shared_gate, precision=self.precision,
-                            preferred_element_type=jnp.float32)  # fmt: skip
-                s = jax.nn.sigmoid(g) * s
-            y = y + s
+            y = y + shared_experts(xf, shared_up, shared_down, shared_gate, self.precision)
         y = y.astype(x.dtype).reshape(b, t, F)
         if model is not None and sp:
             y = lax.psum_scatter(y, model, scatter_dimension=1, tiled=True)

@@ -40,6 +40,7 @@ from shardfuse.collectives.sharding import place
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.decode_attention.api import decode_attention
 from shardfuse.kernels.grouped_matmul.api import grouped_matmul
+from shardfuse.layers import moe as moe_lib
 from shardfuse.layers import router as router_lib
 from shardfuse.layers.attention import qk_transform, rope
 from shardfuse.layers.block import normalize
@@ -148,32 +149,22 @@ def _moe(spec, tp, ep, p, h):
         normalize_top_k=keywords["normalize_top_k"], n_groups=keywords["n_groups"],
         topk_groups=keywords["topk_groups"], routed_scaling=keywords["routed_scaling"],
     )  # fmt: skip
-    n, F = h.shape
-    k = spec.top_k
     experts, weights, _ = router_lib.route(
         config, router_lib.router_logits(h, p["router"]), p.get("sel_bias")
     )
-    slot_experts = experts.T.reshape(n * k)  # slot a is token a % n
-    order = jnp.argsort(slot_experts, stable=True)
-    sorted_e = slot_experts[order]
+    order, sorted_e = moe_lib.sort_slots(experts, spec.experts)
     sizes = jnp.zeros((spec.experts,), jnp.int32).at[sorted_e].add(1)
     offset = lax.axis_index(EXPERT) * (spec.experts // ep) if ep > 1 else None
-    rows = h[order % n]
+    rows = h[order % h.shape[0]]
     u = grouped_matmul(rows, p["gate_up"].astype(h.dtype), sizes, group_offset=offset)
     d = grouped_matmul(activate("swiglu", u), p["moe_down"].astype(h.dtype), sizes,
                        group_offset=offset)  # fmt: skip
-    slots = jnp.zeros_like(d).at[order].set(d).reshape(k, n, F)
-    y = jnp.einsum("NK,KNF->NF", weights, slots.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)  # fmt: skip
+    y = moe_lib.combine_slots(d, order, weights)
     if ep > 1:
         y = lax.psum(y, EXPERT)
     if p.get("shared_up") is not None:
-        f32 = dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-        s = activate("swiglu", jnp.dot(h, p["shared_up"], **f32).astype(h.dtype))
-        s = jnp.dot(s, p["shared_down"], **f32)
-        if p.get("shared_gate") is not None:
-            s = jax.nn.sigmoid(jnp.dot(h, p["shared_gate"], **f32)) * s
-        y = y + s
+        y = y + moe_lib.shared_experts(h, p["shared_up"], p["shared_down"],
+                                       p.get("shared_gate"), lax.Precision.HIGHEST)  # fmt: skip
     return y.astype(h.dtype)
 
 
