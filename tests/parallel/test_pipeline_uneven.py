@@ -207,9 +207,17 @@ def test_per_stage_branches_with_collectives_lower_for_tpu(monkeypatch):
     def step(state):
         return jax.value_and_grad(lambda state: pipelined(*nnx.merge(graphdef, state)))(state)
 
+    # JAX's trace caches do not key on the backend: a stage function an earlier test traced
+    # on CPU (picking native_cpu attention) would be reused here, and this test's TPU traces
+    # (picking pallas_tpu) by later CPU tests. Clear them on both sides of the fake backend.
+    jax.clear_caches()
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with jax.set_mesh(mesh):
-        text = jax.export.export(jax.jit(step), platforms=["tpu"])(state).mlir_module()
+    try:
+        with jax.set_mesh(mesh):
+            text = jax.export.export(jax.jit(step), platforms=["tpu"])(state).mlir_module()
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
     bodies = dict(
         re.findall(r"func\.func \w+ @([\w.$-]+)\((.*?)(?=\n  func\.func |\Z)", text, re.S)
     )
