@@ -143,7 +143,7 @@ def check(drawn: Drawn):
     assert_matches(got, case, label, references)
 
 
-@pytest.mark.parametrize("max_examples", budget_params(10, 120))
+@pytest.mark.parametrize("max_examples", budget_params(10, 60))
 def test_grouped_matmul_matches_the_float64_loop(max_examples):
     run(check, drawn_cases(), max_examples)
 
