@@ -4,8 +4,9 @@ Measured in the optimized HLO of one MoE layer (per device):
 
 - all-to-all: the dense CPU path sends `EP x A x F` floats each way (`A = tokens x k`),
   `EP^2 / (EP - 1)` times the ideal `2 x A x F x bytes x (EP - 1) / EP` in operand bytes,
-  `EP` times it in bytes that leave the device; plus the expert ids (`EP x A` int32 each
-  way). On GPU/TPU the ragged path sends only the routed rows (not measurable here: XLA:CPU
+  `EP` times it in bytes that leave the device; the expert ids ride in the dispatch as two
+  more columns of the rows' dtype (`(F + 2) / F` of the dispatch's bytes, no separate
+  all-to-all). On GPU/TPU the ragged path sends only the routed rows (not measurable here: XLA:CPU
   has no ragged-all-to-all).
 - no buffer of tokens x experts x F elements exists, forward or backward (dispatch memory
   O(EP x tokens x k x F)); the xla grouped matmul's CPU lowering (a dense [G, M, K]
@@ -66,10 +67,13 @@ def test_dense_dispatch_moves_the_stated_all_to_all_bytes():
     A = 8 * k  # routed rows per device
     moved = all_to_all_bytes(_compiled(moe, x, grad=False).as_text())
     ideal = 2 * A * F * 4 * (ep - 1) / ep  # ragged, balanced routing
-    assert moved["f32"] == 2 * ep * A * F * 4  # dispatch + combine, per-destination padding
-    assert moved["f32"] / ideal == pytest.approx(ep**2 / (ep - 1))  # the CPU path's factor
-    assert moved["f32"] * (ep - 1) / ep == pytest.approx(ep * ideal)  # bytes leaving a device
-    assert moved["s32"] == ep * A * 4  # the rows' expert ids (the counts: unused, removed)
+    # dispatch (the rows and their two id columns) + combine, per-destination padding
+    assert moved["f32"] == ep * A * (F + 2) * 4 + ep * A * F * 4
+    rows = 2 * ep * A * F * 4  # the rows alone
+    assert rows / ideal == pytest.approx(ep**2 / (ep - 1))  # the CPU path's factor
+    assert rows * (ep - 1) / ep == pytest.approx(ep * ideal)  # bytes leaving a device
+    assert moved["f32"] / rows == pytest.approx((2 * F + 2) / (2 * F))  # the ids: 2 columns
+    assert "s32" not in moved  # one all-to-all carries rows and ids (the counts: removed)
 
 
 def _largest_buffer(hlo: str) -> int:

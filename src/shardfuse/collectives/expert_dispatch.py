@@ -23,9 +23,11 @@ Two implementations, identical results:
 - "dense": a dense `lax.all_to_all` of per-destination buffers padded to the static
   worst case, `A` rows per destination (dropless: all of a device's rows may go to one
   device). It moves `EP` times the ragged bytes, `2 x A x F x bytes x (EP - 1)` per
-  device, plus the expert ids (`EP x A` int32 each way); its send and receive buffers
-  are `EP x A x F`. XLA:CPU, which cannot run `ragged_all_to_all` (jax#34755); the
-  tests check it against the ragged version's definition and against one device.
+  device, plus the expert ids as two more columns of the rows' dtype (exact up to
+  E = 64 x 256 in bfloat16; beyond, an `EP x A` int32 all-to-all of their own); its send
+  and receive buffers are `EP x A x F`. XLA:CPU, which cannot run `ragged_all_to_all`
+  (jax#34755); the tests check it against the ragged version's definition and against
+  one device.
 
 Neither ever builds a tokens x experts x F or tokens x experts x capacity x F tensor:
 the buffers are `EP x A x F` with `A = tokens x k`.
@@ -67,6 +69,33 @@ def _routing(experts, num_experts: int, ep: int):
     return dest, pos, counts, starts
 
 
+# The dense dispatch sends each row's expert id as two extra columns of the rows' own
+# dtype, `id // 64` and `id % 64` (small integers, exact in every float type up to E =
+# 64 x 256 in bfloat16): one all-to-all instead of two (each collective is a rendezvous
+# of the group; the ids' own all-to-all was a fifth of the MoE layer's).
+_ID_BASE = 64
+
+
+def _ids_fit(num_experts: int, dtype) -> bool:
+    """Whether ids up to `num_experts` survive as `_id_columns` of `dtype` exactly."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    return num_experts // _ID_BASE <= 2 ** (jnp.finfo(dtype).nmant + 1)  # E itself too
+
+
+def _id_columns(ids, like):
+    """`[..., 2]` of `like`'s dtype: the int ids as `(id // 64, id % 64)`, no gradient."""
+    ids = ids.astype(jnp.int32)
+    cols = jnp.stack([ids // _ID_BASE, ids % _ID_BASE], -1).astype(like.dtype)
+    return lax.stop_gradient(cols)
+
+
+def _read_ids(cols):
+    """The int32 ids from `_id_columns`."""
+    cols = jnp.round(lax.stop_gradient(cols).astype(jnp.float32)).astype(jnp.int32)
+    return cols[..., 0] * _ID_BASE + cols[..., 1]
+
+
 def _exchange(values, axis_name):
     """`[EP]` per-destination ints -> `[EP]` per-source: what each source has for me."""
     return lax.all_to_all(values[:, None], axis_name, 0, 0, tiled=True)[:, 0]
@@ -97,10 +126,22 @@ def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None,
     plan = dict(dest=dest, pos=pos, counts=counts, starts=starts, recv_counts=recv_counts)
     if implementation == "dense":
         with jax.named_scope("expert_dispatch_dense"):
-            send = jnp.full((ep, A, F), pad_value, rows.dtype).at[dest, pos].set(rows, mode="drop")
-            ids = jnp.full((ep, A), num_experts, jnp.int32).at[dest, pos].set(experts, mode="drop")
-            received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F]
-            received_ids = lax.all_to_all(ids, axis_name, 0, 0, tiled=True)
+            if _ids_fit(num_experts, rows.dtype):  # the ids ride in the rows' all-to-all
+                pad = jnp.full((ep, A, F), pad_value, rows.dtype)
+                pad = jnp.concatenate([pad, _id_columns(jnp.full((ep, A), num_experts), pad)], -1)
+                payload = jnp.concatenate([rows, _id_columns(experts, rows)], -1)
+                send = pad.at[dest, pos].set(payload, mode="drop")
+                received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F + 2]
+                received_ids = _read_ids(received[..., F:])
+                received = received[..., :F]
+            else:
+                send = (
+                    jnp.full((ep, A, F), pad_value, rows.dtype).at[dest, pos].set(rows, mode="drop")
+                )
+                ids = jnp.full((ep, A), num_experts, jnp.int32)
+                ids = ids.at[dest, pos].set(experts, mode="drop")
+                received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F]
+                received_ids = lax.all_to_all(ids, axis_name, 0, 0, tiled=True)
         return received.reshape(ep * A, F), received_ids.reshape(ep * A), plan
     me = lax.axis_index(axis_name)
     plan["recv_starts"] = _exchange(starts, axis_name)

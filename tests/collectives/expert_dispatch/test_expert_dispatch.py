@@ -77,6 +77,48 @@ def test_dense_dispatch_and_combine_match_their_definition(ep):
     np.testing.assert_array_equal(back, want_back)
 
 
+@pytest.mark.parametrize(
+    "dtype, num_experts",
+    [("bfloat16", 256), ("bfloat16", 2**14), ("bfloat16", 2**14 + 64), ("float16", 2**16),
+     ("float32", 2**20)],
+)  # fmt: skip
+def test_the_ids_arrive_exactly_with_the_rows_or_beside_them(dtype, num_experts):
+    """The dense path sends the ids as two columns of the rows' dtype where they are exact
+    (`bfloat16` up to 64 x 256 experts), else in an all-to-all of their own: either way
+    every received id is the one sent, the sentinel E included."""
+    ep = 4
+    fits = expert_dispatch._ids_fit(num_experts, jnp.dtype(dtype))
+    assert fits == (num_experts <= 2**14 + 63 or dtype != "bfloat16")
+    rng = np.random.default_rng(num_experts)
+    experts = np.sort(rng.integers(max(0, num_experts - 300), num_experts, size=(ep, A)), -1)
+    experts[:, -1] = num_experts  # one dropped row each
+    experts = experts.astype(np.int32)
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    put = functools.partial(jax.device_put, device=NamedSharding(mesh, P("expert")))
+    rows, experts = put(jnp.asarray(rng.normal(size=(ep, A, F)), dtype)), put(experts)
+
+    def local(rows, experts):
+        received, ids, _ = expert_dispatch.dispatch(
+            rows[0], experts[0], num_experts=num_experts, axis_name="expert",
+            implementation="dense",
+        )  # fmt: skip
+        return received[None], ids[None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P("expert")),
+                       out_specs=(P("expert"), P("expert")))  # fmt: skip
+    text = jax.jit(fn).lower(rows, experts).as_text()
+    assert text.count("all_to_all") == (1 if fits else 2)
+    received, ids = (np.asarray(a) for a in jax.jit(fn)(rows, experts))
+    experts = np.asarray(experts)
+    per = num_experts // ep
+    for d in range(ep):
+        for src in range(ep):
+            mine = experts[src][(experts[src] // per == d) & (experts[src] < num_experts)]
+            chunk = ids[d, src * A : (src + 1) * A]
+            np.testing.assert_array_equal(chunk[: len(mine)], mine)
+            assert (chunk[len(mine) :] == num_experts).all()
+
+
 def test_every_row_to_one_device_is_dropless():
     ep = 4
     mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
