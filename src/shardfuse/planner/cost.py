@@ -29,6 +29,8 @@ recomputes the MoE blocks (`Assumptions.recompute_moe`) runs their grouped
 matmuls, all-to-alls and permutation once more; a grouped matmul whose row tiles
 are visited once per group (`Assumptions.grouped_matmul_row_tile`, megablox)
 runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`).
+An async pipeline's last stage runs the head (logits, loss) beside its layers, or in the
+layer slot the split gives it (`Assumptions.loss_slot`): `pipeline_head`.
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
@@ -352,11 +354,44 @@ def pipeline(step: Step, terms: list) -> list:
             f"(sf.parallel.balance_stages): ({layers_dev:g} x {P} / {L} - 1) x the stage "
             f"work {work:.3g} s",
         ))  # fmt: skip
+    if a.pipeline_executor == "async":
+        head = pipeline_head(step, terms, head_s)
+        if head is not None:
+            out.append(head)
     out += pipeline_terms(
         step.parallelism, a, terms + out, head_s=head_s, send_bytes=send, overlap=step.overlap,
         link=axis_link(step.cluster, step.parallelism, "pipeline"),
     )  # fmt: skip
     return out
+
+
+def pipeline_head(step: Step, terms: list, head_s: float) -> Term | None:
+    """The head (logits, loss and their backward) runs on the last pipeline stage only.
+
+    `compute_term` spreads the head's FLOPs over every device (`1 / P` of a replica's head
+    on each stage); in an async pipeline (Megatron's) the last stage runs all of it beside
+    its layers, and in the steady state every stage waits for the slowest. The last stage
+    works `m x head_s x (1 - 1 / P)` more than the others; where the pipeline split gives
+    the head one layer slot (`Assumptions.loss_slot`: Megatron's
+    `--account-for-loss-in-pipeline-split`, Llama 3's last stage one layer short) that
+    stage holds one layer fewer than the planned `layers_dev`, and the excess is the head
+    less one layer's stage work (none where the head is lighter than a layer). The
+    lockstep executor charges the head in its table (`pipeline_time`). None when nothing
+    is left over."""
+    m, P, layers = step.m, step.P, step.layers_dev
+    head = m * head_s
+    spread = head / P  # what compute_term already charges every stage
+    work = sum(t.value for t in terms if t.name in PIPELINED)
+    layer = (work - spread) / layers if step.a.loss_slot else 0.0
+    extra = head - spread - layer
+    if extra <= 0:
+        return None
+    slot = f" less one layer's stage work {layer:.3g} s (the loss slot)" if layer else ""
+    return Term(
+        "pipeline_head", extra,
+        f"the head on the last of {P} stages: {m} microbatches x {head_s:.3g} s x (1 - 1/{P})"
+        f"{slot}: {extra:.3g} s beside the stage work {work:.3g} s",
+    )  # fmt: skip
 
 
 def data_parallel(step: Step, params_dev: float, compute_s: float) -> list:
