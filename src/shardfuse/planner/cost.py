@@ -28,7 +28,9 @@ the routed work instead of waiting for the most loaded device; one that
 recomputes the MoE blocks (`Assumptions.recompute_moe`) runs their grouped
 matmuls, all-to-alls and permutation once more; a grouped matmul whose row tiles
 are visited once per group (`Assumptions.grouped_matmul_row_tile`, megablox)
-runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`).
+runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`). A capacity-padded
+dense dispatch permutes nothing (its one-hot einsums are matmuls: two forward, three
+backward) and runs the experts' activation on the padded rows (`elementwise_term`).
 An async pipeline's last stage runs the head (logits, loss) beside its layers, or in the
 layer slot the split gives it (`Assumptions.loss_slot`): `pipeline_head`.
 
@@ -198,16 +200,27 @@ def elementwise_term(step: Step) -> Term:
     materialised scores without flash attention; in a mixture of experts the permutation of
     the routed copies and their combine, `moe_permute_h_passes`): each op reads and writes
     its tensors once per pass; backward ~2 passes, a recomputed forward 1 more (the MoE
-    blocks' too under `Assumptions.recompute_moe`)."""
+    blocks' too under `Assumptions.recompute_moe`). A capacity-padded dense dispatch
+    (`Assumptions.expert_capacity_padded`) permutes nothing (its einsums are matmuls) and
+    runs the routed experts' activation on `capacity_factor x` the routed rows."""
     model, a, T = step.model, step.a, step.T
     act = a.activation_bytes
     token_split = T if a.sequence_parallel else 1
-    mlp_io = (3 if model.activation == "swiglu" else 2) * model.mlp_width() / T
+    width = model.mlp_width()
+    capacity = step.parallelism.options.capacity_factor
+    padded = bool(model.moe_layers) and a.expert_capacity_padded and capacity is not None
+    if padded:  # the routed experts' activation runs on their capacity-padded buffers
+        moe_fraction = len(model.moe_layers) / model.num_layers
+        width += (capacity - 1) * moe_fraction * model.top_k * model.expert_ffn_hidden
+    mlp_io = (3 if model.activation == "swiglu" else 2) * width / T
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
     passes = 3 + (1 if step.reruns_forward else 0)
-    if model.moe_layers:  # the routed copies' permutation and the weighted combine
+    # The routed copies' permutation and the weighted combine; a capacity-padded dense
+    # dispatch has none: its one-hot einsums (matmuls, `Step.hardware_flops`) place the
+    # copies and sum them back.
+    if model.moe_layers and not padded:
         moe_fraction = len(model.moe_layers) / model.num_layers
         moe_passes = 3 + (1 if step.reruns_moe else 0)
         traffic += (
