@@ -28,7 +28,11 @@ the routed work instead of waiting for the most loaded device; one that
 recomputes the MoE blocks (`Assumptions.recompute_moe`) runs their grouped
 matmuls, all-to-alls and permutation once more; a grouped matmul whose row tiles
 are visited once per group (`Assumptions.grouped_matmul_row_tile`, megablox)
-runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`).
+runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`). A capacity-padded
+dense dispatch permutes nothing (its one-hot einsums are matmuls: two forward, three
+backward) and runs the experts' activation on the padded rows (`elementwise_term`).
+An async pipeline's last stage runs the head (logits, loss) beside its layers, or in the
+layer slot the split gives it (`Assumptions.loss_slot`): `pipeline_head`.
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
@@ -196,16 +200,27 @@ def elementwise_term(step: Step) -> Term:
     materialised scores without flash attention; in a mixture of experts the permutation of
     the routed copies and their combine, `moe_permute_h_passes`): each op reads and writes
     its tensors once per pass; backward ~2 passes, a recomputed forward 1 more (the MoE
-    blocks' too under `Assumptions.recompute_moe`)."""
+    blocks' too under `Assumptions.recompute_moe`). A capacity-padded dense dispatch
+    (`Assumptions.expert_capacity_padded`) permutes nothing (its einsums are matmuls) and
+    runs the routed experts' activation on `capacity_factor x` the routed rows."""
     model, a, T = step.model, step.a, step.T
     act = a.activation_bytes
     token_split = T if a.sequence_parallel else 1
-    mlp_io = (3 if model.activation == "swiglu" else 2) * model.mlp_width() / T
+    width = model.mlp_width()
+    capacity = step.parallelism.options.capacity_factor
+    padded = bool(model.moe_layers) and a.expert_capacity_padded and capacity is not None
+    if padded:  # the routed experts' activation runs on their capacity-padded buffers
+        moe_fraction = len(model.moe_layers) / model.num_layers
+        width += (capacity - 1) * moe_fraction * model.top_k * model.expert_ffn_hidden
+    mlp_io = (3 if model.activation == "swiglu" else 2) * width / T
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
     passes = 3 + (1 if step.reruns_forward else 0)
-    if model.moe_layers:  # the routed copies' permutation and the weighted combine
+    # The routed copies' permutation and the weighted combine; a capacity-padded dense
+    # dispatch has none: its one-hot einsums (matmuls, `Step.hardware_flops`) place the
+    # copies and sum them back.
+    if model.moe_layers and not padded:
         moe_fraction = len(model.moe_layers) / model.num_layers
         moe_passes = 3 + (1 if step.reruns_moe else 0)
         traffic += (
@@ -352,11 +367,44 @@ def pipeline(step: Step, terms: list) -> list:
             f"(sf.parallel.balance_stages): ({layers_dev:g} x {P} / {L} - 1) x the stage "
             f"work {work:.3g} s",
         ))  # fmt: skip
+    if a.pipeline_executor == "async":
+        head = pipeline_head(step, terms, head_s)
+        if head is not None:
+            out.append(head)
     out += pipeline_terms(
         step.parallelism, a, terms + out, head_s=head_s, send_bytes=send, overlap=step.overlap,
         link=axis_link(step.cluster, step.parallelism, "pipeline"),
     )  # fmt: skip
     return out
+
+
+def pipeline_head(step: Step, terms: list, head_s: float) -> Term | None:
+    """The head (logits, loss and their backward) runs on the last pipeline stage only.
+
+    `compute_term` spreads the head's FLOPs over every device (`1 / P` of a replica's head
+    on each stage); in an async pipeline (Megatron's) the last stage runs all of it beside
+    its layers, and in the steady state every stage waits for the slowest. The last stage
+    works `m x head_s x (1 - 1 / P)` more than the others; where the pipeline split gives
+    the head one layer slot (`Assumptions.loss_slot`: Megatron's
+    `--account-for-loss-in-pipeline-split`, Llama 3's last stage one layer short) that
+    stage holds one layer fewer than the planned `layers_dev`, and the excess is the head
+    less one layer's stage work (none where the head is lighter than a layer). The
+    lockstep executor charges the head in its table (`pipeline_time`). None when nothing
+    is left over."""
+    m, P, layers = step.m, step.P, step.layers_dev
+    head = m * head_s
+    spread = head / P  # what compute_term already charges every stage
+    work = sum(t.value for t in terms if t.name in PIPELINED)
+    layer = (work - spread) / layers if step.a.loss_slot else 0.0
+    extra = head - spread - layer
+    if extra <= 0:
+        return None
+    slot = f" less one layer's stage work {layer:.3g} s (the loss slot)" if layer else ""
+    return Term(
+        "pipeline_head", extra,
+        f"the head on the last of {P} stages: {m} microbatches x {head_s:.3g} s x (1 - 1/{P})"
+        f"{slot}: {extra:.3g} s beside the stage work {work:.3g} s",
+    )  # fmt: skip
 
 
 def data_parallel(step: Step, params_dev: float, compute_s: float) -> list:

@@ -256,6 +256,11 @@ class Assumptions:
         grouped matmuls, of the dispatch and combine all-to-alls and of the
         permutation, beside the run's remat policy (no effect where that reruns the
         whole forward already: "full", the ZeRO-3 prefetch). False (default).
+      loss_slot: the pipeline split gives the head (logits and loss) one layer slot of the
+        last stage, which then holds one layer fewer than the planned `num_layers / P`
+        (Megatron's `--account-for-loss-in-pipeline-split`; Llama 3's last stage one layer
+        short): an async pipeline's last stage runs the head in place of that layer
+        (`cost.pipeline_head`). False (default): the head runs beside the stage's layers.
       ep_overlap: the dispatch and combine all-to-alls hide behind the expert
         compute (chunked, as the collective matmuls hide theirs); False
         (default): exposed.
@@ -308,6 +313,7 @@ class Assumptions:
     grouped_matmul_row_tile: int | None = None
     attention_efficiency: float | None = None
     recompute_moe: bool = False
+    loss_slot: bool = False
 
     def __post_init__(self):
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:

@@ -32,7 +32,8 @@ Sources (the numbers, verified against the text where it is stored):
   16 per replica, 400 TFLOP/s, 41%; at sequence 131,072 CP 16 (all-gather K/V
   context parallelism, their sec. 3.3.2), DP 8, 380 TFLOP/s, 38%. Its 126 layers sit on 16 stages
   of 8 layer slots (the first and last stage one layer short): planned as a
-  128-layer model whose step time is the most loaded stage's, MFU counted on 126.
+  128-layer model whose step time is the most loaded stage's, MFU counted on 126; the
+  head runs in the last stage's free slot (`Assumptions.loss_slot`).
 - Chowdhery et al. 2022, "PaLM" (arXiv:2204.02311), sec. 4 and Table 3: 540B on
   6144 TPU v4 chips (two pods of 3072), 12-way model parallelism x 256-way
   fully sharded data parallelism per pod, 2 pods data parallel, batch 2048 x
@@ -58,7 +59,11 @@ Sources (the numbers, verified against the text where it is stored):
   out. Planned as shardfuse lays it out: the 16-way data parallelism is the expert
   axis (which splits the batch outside the MoE blocks) and the experts are sharded
   over expert x model = 32, as Megatron's EP 32 over its TP 2 x DP 16 ranks; 94 layers
-  on 8 stages of 4 chunks planned as 96 layer slots (the most loaded stage: 12 layers).
+  on 8 stages of 4 chunks planned as 96 layer slots (the most loaded stage: 12 layers):
+  the model config's `--account-for-embedding-in-pipeline-split` and
+  `--account-for-loss-in-pipeline-split` give the embedding and the head one slot each, so
+  the last stage runs the head in place of a layer (`Assumptions.loss_slot`, on every
+  Qwen3-235B row).
   Preset "megatron-moe": DeepEP sends a token once per remote node
   (`Assumptions.ep_node_dedup`); modelled after a first prediction that charged every
   routed copy to InfiniBand came out 39% slow (a property of the dispatcher, nothing fitted).
@@ -335,6 +340,7 @@ _QWEN3_235B_RUN = ValidationRun(
     "step_s",
     _MEGATRON_MOE,
     routing="forced balanced",
+    overrides=dict(loss_slot=True),
 )
 _MOE_INTERLEAVED = dict(zero=0, microbatch_size=1, schedule="interleaved", virtual_stages=4)
 
@@ -358,7 +364,7 @@ def _long_context(seq_len, cp, routing, tflops):
         "step_s",
         f"{_MEGATRON_MOE_LONG}: {tflops:g} TFLOP/s per GPU",
         routing=routing,
-        overrides=dict(recompute_moe=True),
+        overrides=dict(recompute_moe=True, loss_slot=True),
     )
 
 
@@ -468,6 +474,7 @@ RUNS: tuple[ValidationRun, ...] = (
         "mfu",
         "Dubey et al. 2024 (arXiv:2407.21783), Table 4",
         model_flops_scale=126 / 128,
+        overrides=dict(loss_slot=True),
     ),
     ValidationRun(
         "Llama 3 405B 16K",
@@ -484,6 +491,7 @@ RUNS: tuple[ValidationRun, ...] = (
         "mfu",
         "Dubey et al. 2024 (arXiv:2407.21783), Table 4",
         model_flops_scale=126 / 128,
+        overrides=dict(loss_slot=True),
     ),
     ValidationRun(
         "Llama 3 405B 128K",
@@ -507,6 +515,7 @@ RUNS: tuple[ValidationRun, ...] = (
         "mfu",
         "Dubey et al. 2024 (arXiv:2407.21783), Table 4",
         model_flops_scale=126 / 128,
+        overrides=dict(loss_slot=True),
     ),
     ValidationRun(
         "PaLM 540B",
@@ -577,7 +586,7 @@ RUNS: tuple[ValidationRun, ...] = (
         "step_s",
         _MEGATRON_MOE_INTRA + ", A2A dispatcher",
         routing="dropless",
-        overrides=dict(ep_node_dedup=False),
+        overrides=dict(ep_node_dedup=False, loss_slot=True),
     ),
     ValidationRun(
         "Megatron Qwen3-235B DeepEP EP8 TP4",
@@ -594,6 +603,7 @@ RUNS: tuple[ValidationRun, ...] = (
         "step_s",
         _MEGATRON_MOE_INTRA + ", DeepEP",
         routing="dropless",
+        overrides=dict(loss_slot=True),
     ),
     *(
         _long_context(seq_len, cp, routing, tflops)

@@ -17,6 +17,11 @@ from shardfuse.planner.efficiency import attention_efficiency
 from shardfuse.planner.memory import slowest_stage_layers
 from shardfuse.planner.options import Assumptions, Parallelism
 
+# Einsums of the backward of a capacity-padded dense dispatch and combine (module
+# `Step` docstring): the tokens' cotangent through the dispatch; the expert outputs' and
+# the combine weights' through the combine (the boolean dispatch mask takes none).
+DENSE_DISPATCH_BACKWARD_EINSUMS = 3
+
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -45,8 +50,9 @@ class Step:
     `expert_flops` hold one more forward of the routed experts; `reruns_moe` says so.
     With `Assumptions.expert_capacity_padded` and a capacity factor `c`, `hardware_flops`
     holds the dense dispatch and combine einsums (`[s, h]` of a sequence into `experts x
-    s k c / experts` one-hot slots and back: `4 s k c h` per token and MoE block and pass),
-    priced as matmuls.
+    s k c / experts` one-hot slots and back: `2 s k c h` per token, MoE block and einsum;
+    two einsums a forward, three in the backward, where the boolean dispatch mask takes no
+    cotangent), priced as matmuls.
     """
 
     model: ModelSpec
@@ -135,11 +141,17 @@ class Step:
         if a.expert_capacity_padded and capacity is not None and model.moe_layers:
             # The dense dispatch and combine: one-hot einsums of each sequence's `s` tokens
             # into (and out of) `experts x capacity` slots, `capacity = s k c / experts`:
-            # `2 x 2 s k c h` FLOPs per token and MoE block, as matmuls, in every pass
-            # the experts run.
+            # `2 s k c h` FLOPs per token, MoE block and einsum, as matmuls. The forward
+            # runs both (and again where the backward reruns it); the backward three, not
+            # four: the dispatch mask is boolean (MaxText's `dense_matmul`: `dispatch_mask =
+            # combine_mask.astype(bool)`), so only the tokens' cotangent goes back through
+            # the dispatch, while the combine's float mask (the router's weights) takes
+            # one besides the expert outputs'.
             moe_blocks = len(model.moe_layers) / L
-            dispatch = 2 * 2 * s * model.top_k * capacity * model.hidden
-            hardware_flops += expert_passes * moe_blocks * tokens * dispatch
+            einsum = 2 * s * model.top_k * capacity * model.hidden
+            dispatch_passes = expert_passes - (flops.TRAINING_OVER_FORWARD - 1) * L
+            einsums = 2 * dispatch_passes + DENSE_DISPATCH_BACKWARD_EINSUMS * L
+            hardware_flops += einsums * moe_blocks * tokens * einsum
         return cls(
             model=model,
             cluster=cluster,
