@@ -9,11 +9,14 @@
 #include "grouped_matmul.h"
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 
 namespace shardfuse {
 
 namespace {
+
+std::atomic<int64_t> g_macs{0};
 
 // dst[i] = float(src[offset + i]) for i < n. Plain loops, which the compiler vectorises: a
 // memcpy call per 64-byte panel row cost more than the copy.
@@ -215,7 +218,8 @@ struct Item {
   int g;
   int64_t row0, col0;
   int rows, cols;
-  int64_t cost;
+  int64_t cost;  // for scheduling: multiply-adds, at least one per output element
+  int64_t macs;  // multiply-adds
 };
 
 // Per-thread buffers: a packed block of rows (lhs, or x transposed), a packed block of
@@ -236,8 +240,9 @@ void run_items(std::vector<Item>& items, const std::function<void(const Item&, W
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
   // One thread per kMinThreadWork multiply-adds: a small call (a few experts' rows on one
   // of 8 simulated devices) runs on its caller instead of waiting for a thread to start.
-  int64_t work = 0;
-  for (const Item& it : items) work += it.cost;
+  int64_t work = 0, macs = 0;
+  for (const Item& it : items) work += it.cost, macs += it.macs;
+  g_macs.fetch_add(macs, std::memory_order_relaxed);
   const int threads = static_cast<int>(
       std::clamp<int64_t>(work / kMinThreadWork, 1, static_cast<int64_t>(num_threads())));
   Scratch scratch(Workspace::kFloats * threads, /*zero=*/false);
@@ -275,7 +280,8 @@ void add_items(std::vector<Item>& items, int g, int64_t begin, int64_t end, int6
     for (int64_t n = 0; n < cols; n += kItemCols) {
       const int rows = static_cast<int>(std::min<int64_t>(kItemRows, end - r));
       const int width = static_cast<int>(std::min<int64_t>(kItemCols, cols - n));
-      items.push_back({g, r, n, rows, width, int64_t{rows} * width * std::max<int64_t>(depth, 1)});
+      const int64_t macs = int64_t{rows} * width * depth;
+      items.push_back({g, r, n, rows, width, std::max<int64_t>(macs, int64_t{rows} * width), macs});
     }
 }
 
@@ -286,6 +292,8 @@ void zero_rows(void* out, int64_t first, int64_t last, int64_t N, bool out_bf16)
 }
 
 }  // namespace
+
+int64_t grouped_matmul_macs() { return g_macs.load(std::memory_order_relaxed); }
 
 GroupRows::GroupRows(int64_t M, int G, const int32_t* sizes, int64_t start)
     : begin(G), end(G) {

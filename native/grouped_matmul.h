@@ -27,6 +27,13 @@ constexpr int kDepthBlock = 256;
 // machine and up to a scheduler quantum on a busy one).
 constexpr int64_t kMinThreadWork = int64_t{1} << 23;
 
+// Multiply-adds the grouped matmul kernels have executed in this process (every call's
+// items: the rows of its local groups times the output columns times the depth; rows no
+// group owns cost nothing). A profiling counter: the tests compare it with the active
+// FLOPs of a compiled mixture-of-experts step, whose XLA cost analysis cannot see inside
+// the custom calls.
+int64_t grouped_matmul_macs();
+
 // The row range [begin, end) of each local group, every size clipped so that the ranges
 // stay inside [0, M) (negative sizes count as 0).
 struct GroupRows {

@@ -294,7 +294,13 @@ PyObject* set_default_threads(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+PyObject* grouped_matmul_macs(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(shardfuse::grouped_matmul_macs());
+}
+
 PyMethodDef methods[] = {
+    {"grouped_matmul_macs", grouped_matmul_macs, METH_NOARGS,
+     "Multiply-adds the grouped matmul kernels have executed in this process."},
     {"set_default_threads", set_default_threads, METH_O,
      "The kernels' thread count where SHARDFUSE_NATIVE_THREADS is unset; before the first "
      "kernel runs (then fixed for the process)."},
