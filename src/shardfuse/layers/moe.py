@@ -42,10 +42,12 @@ differentiated function::
             + 1e-3 * stats["router_z_loss"]
 """
 
+import itertools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -223,6 +225,14 @@ class ParallelMoE(nnx.Module):
       capacity_factor: None (dropless) or > 0: each expert's capacity per device.
       dispatch_implementation: "ragged", "dense" or None (the mesh's platform:
         `expert_dispatch.default_implementation`).
+      dispatch_chunks: with expert parallelism, the routed rows' chunks (1: one): each
+        chunk is dispatched, run through its experts and combined on its own (named
+        scopes `moe_chunk_{c}/dispatch`, `/experts`, `/combine`), and no chunk's
+        transfers depend on another's expert compute, so that where collectives run
+        asynchronously (GPU, TPU) chunk c + 1's dispatch and chunk c - 1's combine
+        overlap chunk c's grouped matmuls, as the collective matmuls overlap their rings.
+        Each chunk is its own collective: on XLA:CPU, whose collectives are
+        synchronous, more than 1 only adds rendezvous. The result equals one chunk's.
       grouped_matmul_implementation: of `sf.grouped_matmul` (None: the platform's best).
       options: the `LayerOptions` (its `expert_axis`, default "expert", is the
         expert-parallel axis where the mesh has it); the option keywords override it.
@@ -270,6 +280,7 @@ class ParallelMoE(nnx.Module):
         shared_expert_gate: bool = False,
         capacity_factor: float | None = None,
         dispatch_implementation: str | None = None,
+        dispatch_chunks: int = 1,
         grouped_matmul_implementation=None,
         options: options_lib.LayerOptions | None = None,
         kernel_init=default_kernel_init,
@@ -302,6 +313,10 @@ class ParallelMoE(nnx.Module):
             )
         if dispatch_implementation is not None:
             expert_dispatch.check_implementation(dispatch_implementation)
+        if isinstance(dispatch_chunks, bool) or not isinstance(dispatch_chunks, int):
+            raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
+        if dispatch_chunks < 1:
+            raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
         options = options_lib.configure(self, options, sequence_parallel=False)
         mesh = self.mesh
         fsdp_lib.check_kernel("features", features, mesh, self.zero)
@@ -316,6 +331,7 @@ class ParallelMoE(nnx.Module):
             dispatch_implementation or expert_dispatch.default_implementation(platform)
         )
         self.grouped_matmul_implementation = grouped_matmul_implementation
+        self.dispatch_chunks = dispatch_chunks
         E, F, H = num_experts, features, expert_hidden
         S = shared_experts * expert_hidden if shared_hidden is None else shared_hidden
         if S:
@@ -422,6 +438,27 @@ class ParallelMoE(nnx.Module):
             grouped_matmul(activate("swiglu", h), down, sizes, **gmm), "moe_down"
         )
 
+    def _expert_parallel(self, rows, sorted_e, gate_up, down):
+        """Rows sorted by expert -> their experts' devices -> SwiGLU -> back: `[A, F]`."""
+        E, ep = self.num_experts, self._ep()
+        plan_args = dict(axis_name=self.expert_axis, implementation=self.dispatch_implementation)
+        with jax.named_scope("dispatch"):
+            received, received_e, plan = expert_dispatch.dispatch(
+                rows, sorted_e, num_experts=E, **plan_args
+            )
+            received = checkpoint_name(received, "moe_dispatch")
+        with jax.named_scope("experts"):
+            local_order = jnp.argsort(received_e, stable=True)
+            local_e = received_e[local_order]
+            xs = jnp.where((local_e < E)[:, None], received[local_order], 0)
+            sizes = jnp.zeros((E,), jnp.int32).at[local_e].add(1, mode="drop")
+            offset = lax.axis_index(self.expert_axis) * (E // ep)
+            ys = self._experts(xs, sizes, offset, gate_up, down)
+            ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to the receive order
+        with jax.named_scope("combine"):
+            y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
+            return checkpoint_name(y_sorted, "moe_combine")
+
     def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate):
         """Per shard: `(y, stats)` for this device's tokens `x [b, t, F]`."""
         E, F = self.num_experts, self.features
@@ -440,22 +477,17 @@ class ParallelMoE(nnx.Module):
         rows = xf[order % n]  # [A, F]: slot a is token a % n (slot-major)
         ep = self._ep()
         if ep > 1:
-            plan_args = dict(
-                axis_name=self.expert_axis, implementation=self.dispatch_implementation
-            )
-            received, received_e, plan = expert_dispatch.dispatch(
-                rows, sorted_e, num_experts=E, **plan_args
-            )
-            received = checkpoint_name(received, "moe_dispatch")
-            local_order = jnp.argsort(received_e, stable=True)
-            local_e = received_e[local_order]
-            xs = jnp.where((local_e < E)[:, None], received[local_order], 0)
-            sizes = jnp.zeros((E,), jnp.int32).at[local_e].add(1, mode="drop")
-            offset = lax.axis_index(self.expert_axis) * (E // ep)
-            ys = self._experts(xs, sizes, offset, gate_up, down)
-            ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to the receive order
-            y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
-            y_sorted = checkpoint_name(y_sorted, "moe_combine")
+            # Chunks of consecutive sorted slots (each still sorted, the dropped rows in
+            # the last): dispatched, computed and combined independently.
+            bounds = np.linspace(0, rows.shape[0], self.dispatch_chunks + 1).astype(int)
+            chunks = []
+            for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                if hi > lo:
+                    with jax.named_scope(f"moe_chunk_{c}"):
+                        chunks.append(
+                            self._expert_parallel(rows[lo:hi], sorted_e[lo:hi], gate_up, down)
+                        )
+            y_sorted = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
         else:
             sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
             y_sorted = self._experts(rows, sizes, None, gate_up, down)
