@@ -101,24 +101,38 @@ _LAYER = "model.layers.{layer}."
 def _layer_offset(path: tuple, spec) -> int:
     """The number of the first layer of the `Stack` holding `path` (`BlockRuns`' run i)."""
     if len(path) > 2 and path[:2] == ("blocks", "runs"):
-        return sum(count for _, count in block_runs(spec)[: int(path[2])])
+        return sum(run.count for run in block_runs(spec)[: int(path[2])])
     return 0
 
 
 def _moe_names(family: str) -> dict:
-    """Our MoE parameter -> its checkpoint tensors (names under a layer) in `family`."""
+    """Our MoE parameter -> `(its checkpoint tensors (names under a layer), kind, one tensor
+    per expert)` in `family` (`_Map`'s kinds)."""
+    if family == "gpt_oss":  # every expert in one tensor per layer, laid out as ours
+        return {
+            "router": (("mlp.router.weight",), "t", False),
+            "router_bias": (("mlp.router.bias",), "copy", False),
+            "gate_up": (("mlp.experts.gate_up_proj",), "copy", False),  # [E, F, 2I] interleaved
+            "gate_up_bias": (("mlp.experts.gate_up_proj_bias",), "copy", False),
+            "down": (("mlp.experts.down_proj",), "copy", False),  # [E, I, F]
+            "down_bias": (("mlp.experts.down_proj_bias",), "copy", False),
+        }
     if family == "mixtral":  # the hub's names (what transformers 5's save_pretrained writes)
         moe, (gate, up, down) = "block_sparse_moe.", ("w1", "w3", "w2")
     else:
         moe, (gate, up, down) = "mlp.", ("gate_proj", "up_proj", "down_proj")
     expert = moe + "experts.{expert}."
     return {
-        "router": (moe + "gate.weight",),
-        "gate_up": (expert + gate + ".weight", expert + up + ".weight"),
-        "down": (expert + down + ".weight",),
-        "shared_up": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-        "shared_down": ("mlp.shared_expert.down_proj.weight",),
-        "shared_gate": ("mlp.shared_expert_gate.weight",),
+        "router": ((moe + "gate.weight",), "t", False),
+        "gate_up": ((expert + gate + ".weight", expert + up + ".weight"), "pair", True),
+        "down": ((expert + down + ".weight",), "t", True),
+        "shared_up": (
+            ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+            "pair",
+            False,
+        ),  # fmt: skip
+        "shared_down": (("mlp.shared_expert.down_proj.weight",), "t", False),
+        "shared_gate": (("mlp.shared_expert_gate.weight",), "t", False),
     }
 
 
@@ -127,9 +141,8 @@ def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
     D = spec.head_dim
     offset = _layer_offset(path, spec)
     if len(path) >= 2 and path[-2] == "mlp" and path[-1] in _moe_names(family):
-        names = tuple(_LAYER + n for n in _moe_names(family)[path[-1]])
-        experts = path[-1] in ("gate_up", "down")
-        kind = "pair" if len(names) == 2 else "t"
+        names, kind, experts = _moe_names(family)[path[-1]]
+        names = tuple(_LAYER + n for n in names)
         return _Map(names, kind, stacked=True, offset=offset, experts=experts)
     layer = {
         ("attention", "q_kernel"): ("self_attn.q_proj.weight",),
@@ -137,6 +150,8 @@ def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
         ("attention", "o_kernel"): ("self_attn.o_proj.weight",),
         ("attention", "q_bias"): ("self_attn.q_proj.bias",),
         ("attention", "kv_bias"): ("self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        ("attention", "o_bias"): ("self_attn.o_proj.bias",),
+        ("attention", "sinks"): ("self_attn.sinks",),
         ("up", "kernel"): ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         ("down", "kernel"): ("mlp.down_proj.weight",),
         ("norm_1", "scale"): ("input_layernorm.weight",),
@@ -150,7 +165,7 @@ def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
         if len(names) == 2:
             group = D if key[0] == "attention" else 1
             return _Map(names, "pair", stacked=True, group=group, offset=offset)
-        copy = key[1] in ("q_bias", "scale", "q_norm", "k_norm")
+        copy = key[1] in ("q_bias", "o_bias", "sinks", "scale", "q_norm", "k_norm")
         return _Map(names, "copy" if copy else "t", stacked=True, offset=offset)
     if path[-1] == "embed":
         return _Map(("model.embed_tokens.weight",), "copy")
@@ -488,6 +503,8 @@ def _split(m: _Map, ours):
 
 def _default_family(spec) -> str:
     """The family `save_hf` writes `spec` as when no `model_type` is given."""
+    if spec.attention_sinks or spec.expert_bias:
+        return "gpt_oss"
     if spec.is_moe:
         if spec.shared_experts:
             return "qwen2_moe"
