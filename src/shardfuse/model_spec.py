@@ -82,7 +82,11 @@ every linear and the learned LayerNorm shift) and `qkv_bias` (biases on the
 query, key and value projections only, as Qwen2); `activation`,
 `tied_embeddings`, `window`, `logit_softcap`; `qk_norm` ("head": RMSNorms over each
 head of q and k, Qwen3; "flat": over the whole q and k projections, OLMoE) and
-`clip_qkv` (OLMoE's clamp of the q, k, v projections).
+`clip_qkv` (OLMoE's clamp of the q, k, v projections). gpt-oss adds `window_layers`
+(the window on some blocks only: `layer_window(i)`), `attention_bias` (q, k, v and o
+biases), `attention_sinks` (a learned logit per head in every softmax),
+`activation="swiglu_clamped"` (`swiglu_limit`, `swiglu_alpha`), YaRN's named
+`rope_scaling` (`rope_scaling_parameters`) and, for its experts, `expert_bias`.
 
 Mixture of experts (`experts > 0`; `sf.layers.ParallelMoE` builds it, issue 44):
 `experts` routed experts of `expert_hidden` units (None: `ffn_hidden`), `top_k` of

@@ -23,14 +23,15 @@ from jax.sharding import AxisType
 
 import shardfuse as sf
 from shardfuse.layers.attention import apply_sinks, rope_frequencies
-from shardfuse.models import generation, hf
+from shardfuse.models import generation, hf, mxfp4
 from shardfuse.models.block_runs import block_runs
-from shardfuse.models.safetensors import SafetensorsDir
+from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
 from tests.models.test_hf import hf_logits
 from tests.models.test_hf_moe import MESHES, _check_reads, _copy, _state
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 from transformers.modeling_rope_utils import _compute_yarn_parameters  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 
@@ -411,3 +412,92 @@ def test_the_window_and_yarn_are_computed(checkpoints, tmp_path):
         model, _ = load(changed, "expert2_model4")
         ours = np.asarray(model(jnp.asarray(toks, jnp.int32)))
         assert np.abs(ours - want).max() > 1e-2, change
+
+
+# --- MXFP4 checkpoints (the hub's form of gpt-oss's experts) ----------------------------
+
+
+def _quantize_mxfp4(w):
+    """MXFP4 `(blocks, scales)` of `w` `[..., rows, cols]` (cols a multiple of 32): per group
+    of 32 the smallest power-of-two scale that fits its largest value in FP4's 6, each
+    value rounded to the nearest FP4 code (a test's quantizer: any codes test the reader)."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    top = np.abs(groups).max(-1, keepdims=True)
+    exponent = np.ceil(np.log2(np.maximum(top, 1e-30) / 6.0)).astype(np.int32)
+    scaled = groups / np.exp2(exponent)
+    codes = np.abs(scaled[..., None] - mxfp4.FP4_VALUES).argmin(-1).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent[..., 0] + 127).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    """`(directory, transformers model holding the dequantized experts, {tensor: (blocks,
+    scales)})`: a 2-block gpt-oss (both sliding: one Stack) of experts 64 wide (MXFP4 groups
+    of 32) with its expert
+    weights stored as `_blocks` and `_scales`, and `quantization_config` saying so."""
+    path, model = _build(tmp_path_factory.mktemp("gpt_oss_mxfp4"), 32, intermediate_size=64,
+                         num_hidden_layers=2, layer_types=["sliding_attention"] * 2)  # fmt: skip
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    packed = {}
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        packed[name] = _quantize_mxfp4(np.swapaxes(state.pop(name), 1, 2))  # [E, out, in]
+        state[name + "_blocks"], state[name + "_scales"] = packed[name]
+    write_safetensors(path / "model.safetensors", state, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = dict(quant_method="mxfp4", modules_to_not_convert=[
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"])  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():  # the dense reference: transformers' own dequantization
+        for name, (blocks, scales) in packed.items():
+            weight = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                                dtype=torch.float32)  # fmt: skip
+            model.get_parameter(name).copy_(weight)
+    return path, model, packed
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 5, 2, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (3, 5, 2), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                      dtype=torch.float32)  # fmt: skip
+    ours = np.swapaxes(mxfp4.dequantize(blocks, scales), 1, 2)  # [E, in, out], as theirs
+    np.testing.assert_array_equal(ours, want.numpy())
+    with pytest.raises(ValueError, match="MXFP4 blocks of shape"):
+        mxfp4.dequantize(blocks[..., :8], scales)
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_mxfp4_checkpoint_loads_each_devices_bytes_dequantized(mxfp4_checkpoint, param_dtype):
+    """Each device reads its experts' and its columns' packed bytes (half a byte a value and
+    a scale byte per 32) and holds transformers' dequantization bitwise, in the parameter
+    dtype; the logits (float32) are transformers' with those weights."""
+    path, reference, packed = mxfp4_checkpoint
+    mesh = jax.make_mesh((2, 2, 2), ("expert", "data", "model"))
+    reads = []
+    dtype = jnp.dtype(param_dtype)
+    model = hf.load_hf(path, mesh=mesh, param_dtype=dtype, on_read=reads.append)
+    params = {".".join(map(str, p)): v[...] for p, v in hf._params(_state(model))}
+    for tensor, (blocks, scales) in packed.items():
+        layer = int(tensor.split(".")[2])
+        leaf = "mlp.gate_up" if "gate_up" in tensor else "mlp.down"
+        ours = next(v for n, v in params.items() if n.endswith(leaf))[layer]  # (one Stack)
+        torch_dtype = torch.float32 if param_dtype == "float32" else torch.bfloat16
+        want = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                          dtype=torch_dtype).float().numpy()  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), want)
+    per_device = sf.models.hf_reads.bytes_per_device(reads, params)
+    for device, per_parameter in per_device.items():
+        for name, got in per_parameter.items():
+            value = params[name]
+            if name.endswith(("mlp.gate_up", "mlp.down")):  # packed: 1/2 + 1/32 byte a value
+                elements = sf.models.hf_reads.shard_bytes(value, itemsize=1)
+                assert got == elements // 2 + elements // 32, (device, name, got)
+            else:
+                assert got == sf.models.hf_reads.shard_bytes(value, itemsize=4), (device, name)
+    if param_dtype == "float32":
+        toks = tokens()
+        ours = np.asarray(model(jnp.asarray(toks, jnp.int32)))
+        np.testing.assert_allclose(ours, hf_logits(reference, toks), atol=1e-4, rtol=0)

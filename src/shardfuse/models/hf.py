@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out on any mesh: Llama, Mistral, Qwen2 and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss.
 
     config.json            <->  `ModelSpec`        (`hf_config.py`: `spec_from_hf_config`,
                                                     `hf_config`, re-exported here)
@@ -43,6 +43,16 @@ writes the per-expert one, as transformers' `save_pretrained` does. A spec mixin
 and MoE blocks (Qwen's `decoder_sparse_step`, `mlp_only_layers`) has a `Stack` per run
 of blocks of one kind; their layers are numbered on from the run before.
 
+gpt-oss (`gpt_oss`) holds a layer's experts in our layout already, biases beside them:
+`mlp.router.weight [E, F]` -> `mlp.router` (transposed), `mlp.router.bias` ->
+`mlp.router_bias`, `mlp.experts.gate_up_proj [E, F, 2I]` (gate and up interleaved per
+unit) -> `mlp.gate_up`, `mlp.experts.down_proj [E, I, F]` -> `mlp.down`, their `_bias`
+tensors -> `mlp.gate_up_bias`, `mlp.down_bias`; `self_attn.sinks [H]` ->
+`attention.sinks`, `self_attn.o_proj.bias` -> `attention.o_bias`. The hub's MXFP4 experts
+(`..._blocks`, `..._scales`) are read through the same names, dequantized
+(`shardfuse.models.mxfp4`: each device reads its slice's packed bytes); `save_hf` writes
+them dequantized.
+
 Both use the rotate-half RoPE convention, so q and k need no permutation.
 """
 
@@ -57,6 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from shardfuse.models import mxfp4
 from shardfuse.models.block_runs import block_runs
 from shardfuse.models.hf_config import (  # the config half (hf_config.py), re-exported
     ARCHITECTURES as ARCHITECTURES,
@@ -209,6 +220,12 @@ class _Checkpoint:
     def names(self):
         return self.source.names()
 
+    def _mxfp4(self, name):
+        """`(blocks, scales)`: the stored tensors holding `name` in MXFP4 (gpt-oss's
+        `mlp.experts.gate_up_proj` as `..._blocks` and `..._scales`), or None."""
+        pair = tuple(name + suffix for suffix in mxfp4.SUFFIXES)
+        return pair if name not in self._stored and all(p in self._stored for p in pair) else None
+
     def _resolve(self, name):
         """`(stored tensor, expert or None, row offset)` holding the tensor `name`."""
         if name in self._stored:
@@ -226,11 +243,14 @@ class _Checkpoint:
                 return fused, int(expert), _HALF.get(weight, 0) * rows
         return name, None, 0  # not stored: `info` names it
 
-    def stored_name(self, name):
-        """The stored tensor that holds `name`."""
-        return self._resolve(name)[0]
+    def stored_names(self, name):
+        """The stored tensors that hold `name`."""
+        return self._mxfp4(name) or (self._resolve(name)[0],)
 
     def info(self, name):
+        if self._mxfp4(name):  # [E, rows, groups, 16] -> dequantized, ours: [E, in, out]
+            (experts, rows, groups, _), _ = self.source.info(self._mxfp4(name)[0])
+            return (experts, groups * mxfp4.GROUP, rows), np.dtype(np.float32)
         stored, expert, _ = self._resolve(name)
         shape, dtype = self.source.info(stored)
         if expert is None:
@@ -239,6 +259,8 @@ class _Checkpoint:
         return (rows, *shape[2:]), dtype
 
     def read(self, name, index=()):
+        if self._mxfp4(name):
+            return self._read_mxfp4(name, index)
         stored, expert, offset = self._resolve(name)
         if expert is None:
             return self.source.read(stored, index)
@@ -247,6 +269,18 @@ class _Checkpoint:
         r0, r1, _ = index[0].indices(shape[0])
         rows = slice(r0 + offset, r1 + offset)
         return self.source.read(stored, (slice(expert, expert + 1), rows, *index[1:]))[0]
+
+    def _read_mxfp4(self, name, index):
+        """Our `[E, in, out]` block `index` of an MXFP4 tensor: the rows (out) and groups of
+        32 columns (in) it covers, read and dequantized (`mxfp4.dequantize`)."""
+        (e0, e1), (c0, c1), (r0, r1) = _bounds(index, self.info(name)[0])
+        g0, g1 = c0 // mxfp4.GROUP, -(-c1 // mxfp4.GROUP)
+        blocks, scales = (self.source.read(n, (slice(e0, e1), slice(r0, r1), slice(g0, g1)))
+                          for n in self._mxfp4(name))  # fmt: skip
+        values = mxfp4.dequantize(blocks, scales)[
+            ..., c0 - g0 * mxfp4.GROUP : c1 - g0 * mxfp4.GROUP
+        ]
+        return values.transpose(0, 2, 1)
 
 
 def _bounds(index, shape):
@@ -346,8 +380,8 @@ def _check_all_used(source, maps, state, spec):
     for p, m in maps.items():
         layers = range(shapes[p][0]) if m.stacked else [None]
         experts = range(shapes[p][1]) if m.experts else [None]
-        used.update(source.stored_name(n) for layer in layers for expert in experts
-                    for n in _names(m, layer, expert))  # fmt: skip
+        names = (n for layer in layers for expert in experts for n in _names(m, layer, expert))
+        used.update(stored for n in names for stored in source.stored_names(n))
     unused = [n for n in source.names() if n not in used and not _NOT_PARAMETERS.search(n)]
     if spec.tied_embeddings and "lm_head.weight" in unused:
         _check_tied_head(source)
