@@ -401,7 +401,9 @@ def test_sampled_generation_on_an_explicit_mesh(checkpoints):
         sf.generate(model, prompt, 0)
 
 
-@pytest.mark.parametrize("module", ["hf", "hf_config", "safetensors", "generation"])
+@pytest.mark.parametrize(
+    "module", ["hf", "hf_config", "safetensors", "generation", "mxfp4", "block_runs"]
+)
 def test_docstring_examples(module):
     import doctest
     import importlib

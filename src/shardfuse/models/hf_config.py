@@ -243,16 +243,20 @@ def _gpt_oss_fields(config: dict) -> dict:
 def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
     """The `ModelSpec` of a Hugging Face `config.json` (a dict) of a family in `ARCHITECTURES`.
 
-    Llama, Mistral, Qwen2 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (mixtures of
-    experts, `_moe_fields`; Qwen3-MoE's per-head q/k RMSNorm is `qk_norm="head"`,
-    OLMoE's over the whole q and k projections `qk_norm="flat"` with its `clip_qkv`).
+    Llama, Mistral, Qwen2 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss
+    (mixtures of experts, `_moe_fields`, `_gpt_oss_fields`; Qwen3-MoE's per-head q/k
+    RMSNorm is `qk_norm="head"`, OLMoE's over the whole q and k projections
+    `qk_norm="flat"` with its `clip_qkv`). RoPE: default, Llama 3.1's "llama3" and
+    "yarn" (`_rope_scaling`), for every family.
 
     Raises:
       ValueError: an unknown `model_type`, or a field with a value shardfuse does not
         compute (named), e.g. `hidden_act="gelu"` on a Llama, `mlp_bias=True`,
         `attention_bias=True` on Llama, Qwen3-MoE or OLMoE (an `o_proj` bias), a RoPE
-        type other than "default" or "llama3", sliding windows on some layers (Qwen),
-        Mixtral's `router_jitter_noise > 0`.
+        type other than "default", "llama3" or "yarn", a `partial_rotary_factor`,
+        sliding windows on some layers (Qwen), Mixtral's `router_jitter_noise > 0`,
+        gpt-oss's `attention_dropout > 0`, a `quantization_config` other than gpt-oss's
+        MXFP4.
 
     Example:
       >>> from shardfuse.models import hf

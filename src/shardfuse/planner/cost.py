@@ -200,7 +200,7 @@ def elementwise_term(step: Step) -> Term:
     model, a, T = step.model, step.a, step.T
     act = a.activation_bytes
     token_split = T if a.sequence_parallel else 1
-    mlp_io = (3 if model.activation == "swiglu" else 2) * model.mlp_width() / T
+    mlp_io = model.mlp_matrices * model.mlp_width() / T  # gated: gate, up and their product
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act
