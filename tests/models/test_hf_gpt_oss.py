@@ -9,7 +9,9 @@ within 1e-4 in float32, 32 greedy tokens equal to `generate(do_sample=False)`, t
 bitwise the same tensors (and `from_pretrained` of it the same logits), and the bytes each
 device reads. Then each ingredient alone: the sink identity with its gradients against
 transformers' eager attention, the YaRN frequencies against `_compute_yarn_parameters`,
-the router and clamped experts against `GptOssMLP`; and the configs refused by name.
+the router and clamped experts against `GptOssMLP`, MXFP4 experts against
+`convert_moe_packed_tensors`; and the configs refused by name. One mesh each for logits
+and generation runs quick, the rest are `slow`.
 """
 
 import json
@@ -124,6 +126,7 @@ def test_spec_of_the_checkpoint(checkpoints):
     assert spec.num_params() == sum(p.numel() for p in reference.parameters())
 
 
+@pytest.mark.slow
 def test_each_ingredient_changes_the_reference(checkpoints):
     """The test model exercises what it claims: without the window, YaRN, the sinks, the
     biases or the clamp, transformers' own logits move by more than the tolerance x 100."""
