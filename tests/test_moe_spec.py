@@ -166,3 +166,29 @@ def test_dense_layers_and_qk_norm_counts():
     D, H, K = dense.head_dim, dense.heads, dense.kv_heads
     assert dense.replace(qk_norm="head").num_params() - dense.num_params() == 2 * 2 * D
     assert dense.replace(qk_norm="flat").num_params() - dense.num_params() == 2 * (H + K) * D
+
+
+def test_gpt_oss_fields_counts_by_hand():
+    """Sinks, q/k/v/o biases and expert biases (router `[E]`, each expert's gate/up `[2I]`
+    and down `[F]`; `top_k` of them active), counted once each."""
+    base = ModelSpec.tiny(num_layers=2, hidden=64, heads=4, kv_heads=2, experts=4, top_k=2,
+                          expert_hidden=32, activation="swiglu_clamped")  # fmt: skip
+    spec = base.replace(attention_bias=True, attention_sinks=True, expert_bias=True)
+    D, H, K, F, E, hidden = 16, 4, 2, 64, 4, 32
+    attention = (H + 2 * K) * D + F + H  # q, k, v, o biases and the sinks
+    experts = E + E * (2 * hidden + F)
+    assert spec.num_params() - base.num_params() == 2 * (attention + experts)
+    active = E + 2 * (2 * hidden + F)
+    assert spec.active_params() - base.active_params() == 2 * (attention + active)
+    assert spec.layer_params(1) - base.layer_params(1) == attention + experts
+    assert base.mlp_matrices == 3  # gated, as swiglu
+
+
+def test_attention_flops_with_a_window_on_some_blocks():
+    spec = ModelSpec.tiny(num_layers=4, window=8, window_layers=(0, 2))
+    full, every = spec.replace(window=None, window_layers=None), spec.replace(window_layers=None)
+    for skip in (False, True):
+        got = flops.layer_attention_flops(spec, 64, causal_skip=skip)
+        halves = [flops.layer_attention_flops(s, 64, causal_skip=skip) for s in (full, every)]
+        assert got == pytest.approx(sum(halves) / 2)
+        assert halves[0] > halves[1]

@@ -279,13 +279,20 @@ def layer_attention_flops(spec: ModelSpec, seq_len: int, *, causal_skip: bool = 
     """Forward attention FLOPs of one block per token: `4 a d` per key attended.
 
     `causal_skip=False` (model FLOPs): every key of the window, `min(s, window)`;
-    True (hardware FLOPs of a kernel that skips masked blocks): the visible keys.
+    True (hardware FLOPs of a kernel that skips masked blocks): the visible keys. With
+    `spec.window_layers` (a window on some blocks only) the mean over the blocks.
     """
-    if causal_skip:
-        keys = mean_visible_keys(seq_len, spec.window, True)
-    else:
-        keys = min(seq_len, spec.window or seq_len)
-    return 4.0 * spec.heads * spec.head_dim * keys
+
+    def keys(window):
+        if causal_skip:
+            return mean_visible_keys(seq_len, window, True)
+        return min(seq_len, window or seq_len)
+
+    mean = keys(spec.window)
+    if spec.window is not None and spec.window_layers is not None:  # the mean over the blocks
+        slide = len(spec.window_layers)
+        mean = (slide * mean + (spec.num_layers - slide) * keys(None)) / spec.num_layers
+    return 4.0 * spec.heads * spec.head_dim * mean
 
 
 def logits_flops(spec: ModelSpec) -> float:

@@ -82,7 +82,11 @@ every linear and the learned LayerNorm shift) and `qkv_bias` (biases on the
 query, key and value projections only, as Qwen2); `activation`,
 `tied_embeddings`, `window`, `logit_softcap`; `qk_norm` ("head": RMSNorms over each
 head of q and k, Qwen3; "flat": over the whole q and k projections, OLMoE) and
-`clip_qkv` (OLMoE's clamp of the q, k, v projections).
+`clip_qkv` (OLMoE's clamp of the q, k, v projections). gpt-oss adds `window_layers`
+(the window on some blocks only: `layer_window(i)`), `attention_bias` (q, k, v and o
+biases), `attention_sinks` (a learned logit per head in every softmax),
+`activation="swiglu_clamped"` (`swiglu_limit`, `swiglu_alpha`), YaRN's named
+`rope_scaling` (`rope_scaling_parameters`) and, for its experts, `expert_bias`.
 
 Mixture of experts (`experts > 0`; `sf.layers.ParallelMoE` builds it, issue 44):
 `experts` routed experts of `expert_hidden` units (None: `ffn_hidden`), `top_k` of
@@ -111,7 +115,15 @@ Example:
 import dataclasses
 import functools
 
-ACTIVATIONS = ("swiglu", "gelu")
+ACTIVATIONS = ("swiglu", "gelu", "swiglu_clamped")
+SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # gpt-oss's clamped SwiGLU (`swiglu_limit`, `_alpha`)
+# `rope_scaling`'s named forms: the kind, then its parameters in this order (Llama 3.1's
+# 4-tuple without the name is the "llama3" form too)
+ROPE_SCALINGS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions"),
+    "yarn": ("factor", "beta_fast", "beta_slow", "original_max_positions", "truncate",
+             "attention_factor"),
+}  # fmt: skip
 NORMS = ("rmsnorm", "layernorm")
 POSITIONS = ("rope", "learned", "none")
 ROUTINGS = ("softmax", "sigmoid")  # router scores: Mixtral/Qwen softmax, DeepSeek-V3 sigmoid
@@ -130,12 +142,55 @@ MOE_DEFAULTS = dict(
     topk_groups=1,
     routed_scaling=1.0,
     dense_layers=(),
+    expert_bias=False,
 )
 QK_NORMS = (None, "head", "flat")  # q/k RMSNorm: per head (Qwen3) or over all heads (OLMoE)
 
 
 def _positive_int(value, *, zero_ok=False) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= (0 if zero_ok else 1)
+
+
+def rope_scaling_parameters(scaling) -> tuple[str, dict]:
+    """`(kind, {name: value})` of a `ModelSpec.rope_scaling` (ValueError naming it if invalid).
+
+    Forms: Llama 3.1's `(factor, low_freq_factor, high_freq_factor,
+    original_max_positions)` or the same after the name "llama3"; YaRN's `("yarn",
+    factor, beta_fast, beta_slow, original_max_positions, truncate, attention_factor)`
+    (Peng et al. 2023; `attention_factor` multiplies cos and sin, transformers'
+    `attention_scaling`). `sf.layers.attention.rope_frequencies` computes them.
+
+    Example:
+      >>> rope_scaling_parameters(("yarn", 32.0, 32.0, 1.0, 4096, False, 1.35))[1]["beta_fast"]
+      32.0
+      >>> rope_scaling_parameters((8.0, 1.0, 4.0, 8192))[0]
+      'llama3'
+    """
+    if isinstance(scaling, tuple) and len(scaling) == 4 and not isinstance(scaling[0], str):
+        scaling = ("llama3", *scaling)
+    kind = scaling[0] if isinstance(scaling, tuple) and scaling else None
+    names = ROPE_SCALINGS.get(kind) if isinstance(kind, str) else None
+    if names is None or len(scaling) != len(names) + 1:
+        forms = "; ".join(f"({k!r}, {', '.join(v)})" for k, v in ROPE_SCALINGS.items())
+        raise ValueError(
+            f"ModelSpec.rope_scaling={scaling!r} must be None, Llama 3.1's (factor, "
+            "low_freq_factor, high_freq_factor, original_max_positions), or a tuple naming "
+            f"its kind first: {forms}"
+        )
+    params = dict(zip(names, scaling[1:], strict=True))
+    for name, value in params.items():
+        if name == "truncate":
+            ok = isinstance(value, bool)
+        else:
+            ok = not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+        if not ok:
+            want = "a bool" if name == "truncate" else "a positive number"
+            raise ValueError(f"ModelSpec.rope_scaling={scaling!r}: {name}={value!r} must be {want}")
+    if kind == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:
+        raise ValueError(
+            f"ModelSpec.rope_scaling={scaling!r}: high_freq_factor must be > low_freq_factor"
+        )
+    return kind, params
 
 
 def check_moe(spec) -> None:
@@ -179,7 +234,7 @@ def check_moe(spec) -> None:
         value = getattr(spec, field)
         if value is not None and not _positive_int(value):
             raise ValueError(f"ModelSpec.{field}={value!r} must be None or a positive int")
-    for field in ("shared_expert_gate", "normalize_top_k"):
+    for field in ("shared_expert_gate", "normalize_top_k", "expert_bias"):
         if not isinstance(getattr(spec, field), bool):
             raise ValueError(f"ModelSpec.{field}={getattr(spec, field)!r} must be a bool")
     if spec.routing not in ROUTINGS:
@@ -238,23 +293,37 @@ class ModelSpec:
       vocab_size: embedding rows.
       window: sliding-window size (keys, the query itself included) of its local
         attention layers, or None (global attention only).
+      window_layers: the blocks that use `window`, a sorted tuple of block indices; None
+        (default): every block (gpt-oss: the even blocks, its `layer_types`).
+        `layer_window(i)` says it per block.
       logit_softcap: attention logit softcap, or None.
       activation: MLP activation: "swiglu" (gated: three `hidden x ffn_hidden`
-        matrices, Llama, Mistral, Gemma) or "gelu" (two, GPT).
+        matrices, Llama, Mistral, Gemma), "gelu" (two, GPT) or "swiglu_clamped"
+        (gpt-oss's gated form, three matrices: the gate clamped above at
+        `swiglu_limit`, the up half to `[-swiglu_limit, swiglu_limit]`, then
+        `(up + 1) * gate * sigmoid(swiglu_alpha * gate)`; `sf.layers.mlp.activate`).
+      swiglu_limit, swiglu_alpha: of "swiglu_clamped" (gpt-oss: 7.0 and 1.702, the
+        defaults); no other activation reads them.
       tied_embeddings: the output projection reuses the input embedding (GPT).
       norm: "rmsnorm" (scale only) or "layernorm" (scale and shift).
       norm_eps: epsilon of every norm (added to the mean square).
       positions: "rope" (rotary, base `rope_theta`), "learned" (a `[max_positions,
         hidden]` table added to the token embeddings, GPT-2) or "none".
       rope_theta: RoPE base (with `positions="rope"`).
-      rope_scaling: None, or Llama 3.1's RoPE frequency scaling `(factor,
-        low_freq_factor, high_freq_factor, original_max_positions)`
-        (`sf.layers.attention.rope_frequencies`).
+      rope_scaling: None; Llama 3.1's RoPE frequency scaling `(factor,
+        low_freq_factor, high_freq_factor, original_max_positions)` (also spelled
+        with "llama3" first); or YaRN's `("yarn", factor, beta_fast, beta_slow,
+        original_max_positions, truncate, attention_factor)` (gpt-oss;
+        `rope_scaling_parameters`, `sf.layers.attention.rope_frequencies`).
       max_positions: rows of the learned position table (required with
         `positions="learned"`: the longest sequence the model reads), else None.
       use_bias: biases on every linear layer (q, k, v, o and the MLP), GPT-style.
       qkv_bias: biases on the q, k and v projections only (Qwen2); implied by
         `use_bias`.
+      attention_bias: biases on the q, k, v and o projections, none in the MLP
+        (gpt-oss's `attention_bias`); implied by `use_bias`.
+      attention_sinks: a learned logit per query head joining every softmax's
+        denominator (no value): gpt-oss's `sinks`; the layer's parameter `sinks [H]`.
       experts: routed experts per mixture-of-experts block (0: a dense model).
       top_k: experts each token is routed to (`1 <= top_k <= experts`).
       expert_hidden: hidden size of one routed expert (None: `ffn_hidden`).
@@ -267,6 +336,8 @@ class ModelSpec:
       normalize_top_k: the top-k weights renormalised to sum to 1.
       expert_groups, topk_groups: group-limited top-k (DeepSeek-V3: 8 groups, 4 searched).
       routed_scaling: factor on the routed experts' output (DeepSeek-V3: 2.5).
+      expert_bias: biases on the router's logits (`[E]`) and on each routed expert's
+        projections (`[2 x expert_hidden]` and `[hidden]` per expert): gpt-oss.
       dense_layers: blocks whose MLP is dense whatever `moe_every` says (Qwen-MoE's
         `mlp_only_layers`), a sorted tuple of block indices.
       qk_norm: None, "head" (an RMSNorm over each head's `head_dim` of q and k, before
@@ -322,6 +393,12 @@ class ModelSpec:
     dense_layers: tuple = ()
     qk_norm: str | None = None
     clip_qkv: float | None = None
+    window_layers: tuple | None = None
+    attention_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = SWIGLU_LIMIT
+    swiglu_alpha: float = SWIGLU_ALPHA
 
     def __post_init__(self):
         for field in (
@@ -349,7 +426,8 @@ class ModelSpec:
                 raise ValueError(
                     f"ModelSpec.{field}={getattr(self, field)!r} must be one of {valid}"
                 )
-        for field in ("tied_embeddings", "use_bias", "qkv_bias"):
+        for field in ("tied_embeddings", "use_bias", "qkv_bias", "attention_bias",
+                      "attention_sinks"):  # fmt: skip
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(
                     f"ModelSpec.{field}={getattr(self, field)!r} must be a bool (True or False)"
@@ -371,18 +449,23 @@ class ModelSpec:
             ):
                 raise ValueError(f"ModelSpec.{field}={value!r} must be None or a positive int")
         if self.rope_scaling is not None:
-            scaling = self.rope_scaling
-            if (
-                not isinstance(scaling, tuple)
-                or len(scaling) != 4
-                or not all(isinstance(x, int | float) and x > 0 for x in scaling)
-                or not scaling[2] > scaling[1]
-            ):
-                raise ValueError(
-                    f"ModelSpec.rope_scaling={scaling!r} must be None or a tuple (factor, "
-                    "low_freq_factor, high_freq_factor, original_max_positions) of positive "
-                    "numbers with high_freq_factor > low_freq_factor"
-                )
+            rope_scaling_parameters(self.rope_scaling)
+        for field in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"ModelSpec.{field}={value!r} must be a positive number")
+        layers = self.window_layers
+        if layers is not None and (
+            self.window is None
+            or not isinstance(layers, tuple)
+            or any(not _positive_int(i, zero_ok=True) or i >= self.num_layers for i in layers)
+            or list(layers) != sorted(set(layers))
+        ):
+            raise ValueError(
+                f"ModelSpec.window_layers={layers!r} must be None (every block, when window is "
+                "set) or, with a window, a sorted tuple of distinct block indices in "
+                f"[0, num_layers={self.num_layers}) (window={self.window!r})"
+            )
         if self.positions == "learned" and self.max_positions is None:
             raise ValueError(
                 "ModelSpec.max_positions=None: positions='learned' needs the number of "
@@ -491,8 +574,9 @@ class ModelSpec:
 
     @property
     def mlp_matrices(self) -> int:
-        """`hidden x ffn_hidden` matrices per MLP: 3 gated (swiglu), 2 plain (gelu)."""
-        return 3 if self.activation == "swiglu" else 2
+        """`hidden x ffn_hidden` matrices per MLP: 3 gated (swiglu, swiglu_clamped), 2 plain
+        (gelu)."""
+        return 2 if self.activation == "gelu" else 3
 
     # ---- mixture of experts ----
 
@@ -662,12 +746,17 @@ class ModelSpec:
         return (2 if self.norm == "layernorm" else 1) * self.hidden
 
     def _layer_extras(self) -> int:
-        """A block's weights beyond its matmuls: biases and two norms."""
+        """A block's weights beyond its matmuls: biases, sinks and two norms (an MoE block's
+        expert biases: `_expert_biases`)."""
         biases = 0
-        if self.use_bias or self.qkv_bias:
+        if self.use_bias or self.qkv_bias or self.attention_bias:
             biases += (self.heads + 2 * self.kv_heads) * self.head_dim
-        if self.use_bias:  # o; MLP up (2 x ffn_hidden when gated) and down
-            biases += self.hidden + (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
+        if self.use_bias or self.attention_bias:  # o
+            biases += self.hidden
+        if self.use_bias:  # MLP up (2 x ffn_hidden when gated) and down
+            biases += (self.mlp_matrices - 1) * self.ffn_hidden + self.hidden
+        if self.attention_sinks:
+            biases += self.heads
         flat = (self.heads + self.kv_heads) * self.head_dim
         qk_norm = {"head": 2 * self.head_dim, "flat": flat}.get(self.qk_norm, 0)
         return biases + 2 * self.norm_params + qk_norm
@@ -683,7 +772,12 @@ class ModelSpec:
           >>> models.get("llama3-8b").layer_params()
           218112000
         """
-        return self.layer_matmul_params(layer, active=active) + self._layer_extras()
+        extras = self._layer_extras()
+        if layer is None:
+            extras += self._mean(len(self.moe_layers) * self._expert_biases(active))
+        elif self.is_moe_layer(layer):
+            extras += self._expert_biases(active)
+        return self.layer_matmul_params(layer, active=active) + extras
 
     def embedding_params(self) -> int:
         """Input embedding, output projection (once when tied), positions, the final norm."""
@@ -705,7 +799,16 @@ class ModelSpec:
         """
         per_layer = self.attention_matmul_params() + self._layer_extras()
         layers = self.num_layers * per_layer + self._mlp_total(active)
+        layers += len(self.moe_layers) * self._expert_biases(active)
         return layers + self.embedding_params()
+
+    def _expert_biases(self, active: bool) -> int:
+        """An MoE block's biases with `expert_bias`: the router's `[E]` and each routed
+        expert's up (`2 x expert_hidden` gated) and down (`hidden`); `active`: top_k's."""
+        if not self.expert_bias:
+            return 0
+        per_expert = (self.mlp_matrices - 1) * self.expert_ffn_hidden + self.hidden
+        return self.experts + (self.top_k if active else self.experts) * per_expert
 
     def active_params(self) -> int:
         """Weights one token reads: `num_params(active=True)` (all of them in a dense model).
@@ -717,12 +820,30 @@ class ModelSpec:
         """
         return self.num_params(active=True)
 
+    def layer_window(self, layer: int) -> tuple[int, int] | None:
+        """The `window=` of block `layer`'s attention (`sf.flash_attention`'s): `(window - 1,
+        0)` where the block slides (`window` set, and `layer` in `window_layers` when given),
+        else None.
+
+        Example:
+          >>> from shardfuse.models import ModelSpec
+          >>> spec = ModelSpec.tiny(num_layers=4, window=8, window_layers=(0, 2))
+          >>> [spec.layer_window(i) for i in range(4)]
+          [(7, 0), None, (7, 0), None]
+        """
+        self.is_moe_layer(layer)  # (its check of `layer`)
+        if self.window is None or (self.window_layers is not None
+                                   and layer not in self.window_layers):  # fmt: skip
+            return None
+        return (self.window - 1, 0)
+
     @property
     def causal_mask(self) -> tuple[tuple[int, int] | None, str]:
         """`(window, variant)` of its causal self-attention.
 
         `window` is the `window=` argument of `sf.flash_attention` (a window of W
-        keys is `(W - 1, 0)`, None without one); `variant` labels the mask and
+        keys is `(W - 1, 0)`, None without one) of its windowed blocks (all of them
+        unless `window_layers` says: `layer_window`); `variant` labels the mask and
         options ("causal window=4096 softcap=50").
 
         Example:

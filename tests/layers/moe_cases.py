@@ -3,6 +3,7 @@ and the comparison of one configuration with the dense one-device oracle."""
 
 import dataclasses
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,9 @@ class Case:
     zero: int = 0
     batch: int = 1  # per batch shard
     seq: int = 4  # per sequence shard
+    activation: str = "swiglu"
+    swiglu_limit: float = 7.0  # (of "swiglu_clamped"; small: the clamp acts on N(0, 1) rows)
+    expert_bias: bool = False  # gpt-oss: router and expert biases (drawn non-zero)
 
 
 def draw_case(rng: np.random.Generator) -> Case:
@@ -69,7 +73,7 @@ def draw_case(rng: np.random.Generator) -> Case:
     max_k = num_experts if groups is None else groups[1] * (num_experts // groups[0])
     top_k = int(rng.integers(1, min(max_k, 4) + 1))
     shared = int(rng.choice([0, 0, 1, 2]))
-    return Case(
+    case = Case(
         mesh=tuple((a, sizes[a]) for a in ORDER if a in sizes),
         axis_type=str(rng.choice(["explicit", "auto"])),
         mode=str(rng.choice(["eager", "jit"])),
@@ -85,6 +89,16 @@ def draw_case(rng: np.random.Generator) -> Case:
         sequence_parallel=bool("model" in sizes and rng.random() < 0.5),
         zero=int(rng.choice([0, 3])) if "fsdp" in sizes else 0,
         batch=int(rng.choice([1, 2])),
+    )
+    # gpt-oss's options, drawn from a stream of their own (seeded by the case) so that the
+    # cases drawn before them stay the same
+    own = np.random.default_rng(zlib.crc32(str(case).encode()))
+    clamped = bool(own.random() < 0.4)
+    return dataclasses.replace(
+        case,
+        activation="swiglu_clamped" if clamped else "swiglu",
+        swiglu_limit=float(own.choice([0.5, 7.0])) if clamped else 7.0,
+        expert_bias=bool(own.random() < 0.4),
     )
 
 
@@ -110,6 +124,9 @@ def build(case: Case, *, features=8, expert_hidden=8, seed=0, **overrides):
         shared_experts=case.shared_experts,
         shared_expert_gate=case.shared_expert_gate,
         capacity_factor=case.capacity_factor,
+        activation=case.activation,
+        swiglu_limit=case.swiglu_limit,
+        expert_bias=case.expert_bias,
         sequence_parallel=case.sequence_parallel,
         zero=case.zero,
         mesh=mesh,
@@ -119,6 +136,11 @@ def build(case: Case, *, features=8, expert_hidden=8, seed=0, **overrides):
     if moe.selection_bias is not None:  # a bias that changes the choice, not the weights
         bias = jax.random.normal(jax.random.key(seed + 7), (case.num_experts,)) * 0.3
         moe.selection_bias[...] = jax.device_put(bias, moe.selection_bias[...].sharding)
+    if moe.router_bias is not None:  # non-zero biases (they are zeros at init)
+        for i, name in enumerate(("router_bias", "gate_up_bias", "down_bias")):
+            variable = getattr(moe, name)
+            value = jax.random.normal(jax.random.key(seed + 11 + i), variable.shape) * 0.5
+            variable[...] = jax.device_put(value, variable[...].sharding)
     return moe
 
 

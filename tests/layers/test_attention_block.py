@@ -77,13 +77,16 @@ def _check(
     return y
 
 
-@pytest.mark.parametrize("activation", [pytest.param("gelu", marks=pytest.mark.slow), "swiglu"])
+@pytest.mark.parametrize(
+    "activation", [pytest.param("gelu", marks=pytest.mark.slow), "swiglu", "swiglu_clamped"]
+)
 def test_mlp(activation):
     mesh = mesh_3d()
     mlp = sf.layers.ParallelMLP(
         16,
         32,
         activation=activation,
+        swiglu_limit=0.5,  # (swiglu_clamped: a limit the N(0, 1) rows reach)
         mesh=mesh,
         sequence_parallel=True,
         bias_init=nnx.initializers.normal(1.0),
@@ -210,6 +213,32 @@ def test_self_attention_qk_norm_and_clip(qk_norm, kv_heads):
     unclamped = nnx.clone(attention)
     unclamped.clip_qkv = None
     diff = reference.self_attention(unclamped, params, x) - reference.self_attention(
+        attention, params, x
+    )
+    assert float(jnp.abs(diff).max()) > 1e-2
+
+
+def test_self_attention_sinks_window_yarn_and_biases():
+    """gpt-oss's attention: sinks (through ring attention's lse), q/k/v/o biases, a window
+    and YaRN RoPE on a data x sequence x model mesh: forward and gradients (sinks included)
+    against the reference; the sinks act (zeroed, the output differs)."""
+    mesh = mesh_3d()
+    attention = sf.layers.ParallelSelfAttention(
+        32, 4, num_kv_heads=2, mesh=mesh, layout="zigzag", sequence_parallel=True, sinks=True,
+        use_bias=True, window=(5, 0), rope_theta=100.0,
+        rope_scaling=("yarn", 4.0, 8.0, 1.0, 8, False, 1.2),
+        bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    attention.sinks[...] = jax.device_put(
+        jnp.array([-1.0, 0.5, 2.0, 0.0]), attention.sinks[...].sharding
+    )
+    x = jax.random.normal(jax.random.key(0), (2, 32, 32))
+    _check(attention, reference.self_attention, x, ring=2)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(attention, nnx.Param)))
+    assert specs["sinks"] == P("model")
+    params = reference.params(attention)
+    zeroed = {**params, "sinks": params["sinks"] * 0}
+    diff = reference.self_attention(attention, zeroed, x) - reference.self_attention(
         attention, params, x
     )
     assert float(jnp.abs(diff).max()) > 1e-2

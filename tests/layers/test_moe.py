@@ -42,6 +42,9 @@ HAND = [
          capacity_factor=1.0, sequence_parallel=True),
     Case(mesh=(("fsdp", 2), ("expert", 2), ("model", 2)), num_experts=4, top_k=2,
          shared_experts=1, zero=3),
+    # gpt-oss: biased router and experts, the clamped SwiGLU (a limit the rows reach)
+    Case(mesh=(("expert", 2), ("data", 2), ("model", 2)), num_experts=4, top_k=2,
+         activation="swiglu_clamped", swiglu_limit=0.5, expert_bias=True),
 ]  # fmt: skip
 
 
@@ -92,6 +95,17 @@ def test_planted_wrong_unsort_is_caught(monkeypatch):
 
     case = HAND[0]  # passes unmutated (test_moe_equals_oracle)
     _mutated_fails(monkeypatch, lambda m: m.setattr(moe_lib.ParallelMoE, "_experts", shifted),
+                   case)  # fmt: skip
+
+
+def test_planted_down_bias_on_every_model_shard_is_caught(monkeypatch):
+    original = moe_lib.routed_experts
+
+    def every_shard(*args, **kwargs):  # the down bias added on each model shard, not once
+        return original(*args, **{**kwargs, "add_down_bias": True})
+
+    case = HAND[3]  # passes unmutated (test_moe_equals_oracle)
+    _mutated_fails(monkeypatch, lambda m: m.setattr(moe_lib, "routed_experts", every_shard),
                    case)  # fmt: skip
 
 

@@ -283,8 +283,8 @@ def test_bad_checkpoints_name_the_problem(checkpoints, tmp_path):
         hf.load_hf(variant("arch", model_type="gpt2"), mesh=mesh)
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         hf.load_hf(variant("act", hidden_act="gelu"), mesh=mesh)
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
-        hf.load_hf(variant("rope", rope_parameters=dict(rope_type="yarn", rope_theta=1e4)),
+    with pytest.raises(ValueError, match="rope type 'longrope'"):
+        hf.load_hf(variant("rope", rope_parameters=dict(rope_type="longrope", rope_theta=1e4)),
                    mesh=mesh)  # fmt: skip
     with pytest.raises(ValueError, match=r"'llama3' needs \['low_freq_factor'"):
         partial = dict(rope_type="llama3", factor=8.0, high_freq_factor=4.0,
@@ -401,7 +401,9 @@ def test_sampled_generation_on_an_explicit_mesh(checkpoints):
         sf.generate(model, prompt, 0)
 
 
-@pytest.mark.parametrize("module", ["hf", "hf_config", "safetensors", "generation"])
+@pytest.mark.parametrize(
+    "module", ["hf", "hf_config", "safetensors", "generation", "mxfp4", "block_runs"]
+)
 def test_docstring_examples(module):
     import doctest
     import importlib

@@ -18,6 +18,9 @@ model input and back at the output; every per-token layer is indifferent
 to the order.
 """
 
+import math
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
@@ -32,25 +35,37 @@ from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.parallel_matmul import column_matmul, row_matmul
+from shardfuse.model_spec import rope_scaling_parameters
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None):
-    """float32 `[head_dim / 2]` inverse frequencies of RoPE, optionally Llama-3 scaled.
+    """float32 `[head_dim / 2]` inverse frequencies of RoPE, optionally Llama-3 or YaRN scaled.
 
-    `scaling`: None, or `(factor, low_freq_factor, high_freq_factor,
-    original_max_positions)` (Llama 3.1's `rope_type="llama3"`): wavelengths longer
-    than `original / low_freq_factor` are divided by `factor`, shorter than
-    `original / high_freq_factor` kept, and those between interpolated.
+    `scaling`: a `ModelSpec.rope_scaling` (`sf.models.model_spec.rope_scaling_parameters`):
+
+    - Llama 3.1's `(factor, low_freq_factor, high_freq_factor, original_max_positions)`
+      (`rope_type="llama3"`): wavelengths longer than `original / low_freq_factor` are
+      divided by `factor`, shorter than `original / high_freq_factor` kept, and those
+      between interpolated.
+    - YaRN's `("yarn", factor, beta_fast, beta_slow, original_max_positions, truncate,
+      attention_factor)` (Peng et al. 2023, "YaRN: Efficient Context Window Extension",
+      as transformers' `_compute_yarn_parameters`): dimensions `d` (pairs) below
+      `low = D log(original / (2 pi beta_fast)) / (2 log theta)` keep their frequency,
+      above `high` (the same with `beta_slow`) are divided by `factor`, a linear ramp
+      between (`truncate`: low floored, high ceiled); `attention_factor` scales cos and
+      sin (`rope`), not the frequencies.
 
     Example:
       >>> from shardfuse.layers.attention import rope_frequencies
       >>> rope_frequencies(4, 10000.0).tolist()
       [1.0, 0.009999999776482582]
     """
+    if scaling is not None and rope_scaling_parameters(scaling)[0] == "yarn":
+        return _yarn_frequencies(head_dim, theta, rope_scaling_parameters(scaling)[1])
     inv_freq = theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
     if scaling is None:
         return inv_freq
-    factor, low, high, original = scaling
+    factor, low, high, original = rope_scaling_parameters(scaling)[1].values()
     wavelen = 2 * jnp.pi / inv_freq
     scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelen - low) / (high - low)
@@ -59,11 +74,36 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
     return jnp.where(medium, smoothed, scaled)
 
 
+def _yarn_frequencies(head_dim: int, theta: float, p: dict):
+    """YaRN's inverse frequencies (`rope_frequencies`), in transformers' order of operations."""
+    dim = head_dim
+
+    def correction_dim(rotations):  # the dimension that turns `rotations` times in `original`
+        return (
+            dim
+            * math.log(p["original_max_positions"] / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (p["factor"] * pos_freqs)
+    keep = 1 - ramp  # 1: the frequency kept (extrapolated), 0: divided by factor
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
 def rope(x, positions, theta: float | None, scaling=None):
     """Rotary embedding (rotate-half form) of `x` `[B, T, N, D]` at int `positions` `[T]`.
 
     `theta` None: no rotary embedding (`x` unchanged), for models with learned or no
-    position embeddings. `scaling`: Llama-3 frequency scaling, as in `rope_frequencies`.
+    position embeddings. `scaling`: Llama-3 or YaRN frequency scaling, as in
+    `rope_frequencies`; YaRN's `attention_factor` multiplies cos and sin.
     """
     if theta is None:
         return x
@@ -71,11 +111,40 @@ def rope(x, positions, theta: float | None, scaling=None):
     inv_freq = rope_frequencies(x.shape[-1], theta, scaling)  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
+    if scaling is not None:
+        factor = rope_scaling_parameters(scaling)[1].get("attention_factor", 1.0)
+        if factor != 1.0:
+            sin, cos = sin * factor, cos * factor
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 QK_NORMS = (None, "head", "flat")
+
+
+def apply_sinks(out, lse, sinks):
+    """Attention `out` `[B, T, H, D]` with a sink logit per head joining each softmax.
+
+    A sink (gpt-oss; Xiao et al. 2023, "Efficient Streaming Language Models with
+    Attention Sinks") is a logit `sinks[h]` in the denominator of every softmax of
+    head h, with no value. From the attention without it, whose float32 `lse`
+    `[B, H, T]` is `log sum_j exp(s_j)`:
+
+        out_sink = out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)
+
+    exactly, so any attention kernel that returns `lse` (and differentiates through
+    it) computes it. A row with no visible key (lse = -inf) stays 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.layers.attention import apply_sinks
+      >>> out, lse = jnp.ones((1, 1, 1, 2)), jnp.zeros((1, 1, 1))  # one key of logit 0
+      >>> apply_sinks(out, lse, jnp.zeros((1,))).tolist()  # the sink takes half
+      [[[[0.5, 0.5]]]]
+    """
+    scale = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32)[:, None])
+    scale = jnp.swapaxes(scale, 1, 2)[..., None]  # [B, T, H, 1]
+    return (out.astype(jnp.float32) * scale).astype(out.dtype)
 
 
 def _rms(x, scale, eps, axis_name=None, width=None):
@@ -172,6 +241,9 @@ class ParallelSelfAttention(nnx.Module):
       qk_norm_eps: the q/k norms' epsilon.
       clip_qkv: None, or clamp q, k and v to `[-clip_qkv, clip_qkv]` after the norms,
         before RoPE (OLMoE).
+      sinks: a learned logit per query head in every softmax's denominator (gpt-oss):
+        parameter `sinks` `[H]` `P(tp)` (zeros at init), applied by `apply_sinks` to
+        the attention's output and lse.
       dtype, param_dtype, precision, kernel_init, bias_init, implementation,
         rngs: as in `nnx.Linear` / `ColumnParallelLinear` (`precision`
         applies to the projections).
@@ -214,6 +286,7 @@ class ParallelSelfAttention(nnx.Module):
         qk_norm: str | None = None,
         qk_norm_eps: float = 1e-6,
         clip_qkv: float | None = None,
+        sinks: bool = False,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         rngs: nnx.Rngs,
@@ -278,6 +351,8 @@ class ParallelSelfAttention(nnx.Module):
         widths = {"head": (D, D), "flat": (H * D, K * D)}.get(qk_norm)
         self.q_norm = make(ones, (widths[0],), specs["q_norm"]) if widths else None
         self.k_norm = make(ones, (widths[1],), specs["k_norm"]) if widths else None
+        zeros = nnx.initializers.zeros_init()
+        self.sinks = make(zeros, (H,), specs["sinks"]) if sinks else None
 
     def _param_specs(self):
         """PartitionSpec of each parameter (kv replicated when `K % tp != 0`)."""
@@ -292,6 +367,7 @@ class ParallelSelfAttention(nnx.Module):
             o_bias=P(),
             q_norm=P(self.model_axis) if self.qk_norm == "flat" else P(),
             k_norm=P(self.model_axis) if self.qk_norm == "flat" and self.kv_sharded else P(),
+            sinks=P(self.model_axis),
         )
 
     def local_params(self, dtype):
@@ -302,7 +378,7 @@ class ParallelSelfAttention(nnx.Module):
         """
         specs = self._param_specs()
         names = ("q_kernel", "kv_kernel", "o_kernel", "q_bias", "kv_bias", "o_bias", "q_norm",
-                 "k_norm")  # fmt: skip
+                 "k_norm", "sinks")  # fmt: skip
         values = [None if getattr(self, n) is None else getattr(self, n)[...] for n in names]
         values[3:6] = [None if b is None else b.astype(dtype) for b in values[3:6]]
         return values, [specs[n] for n in names]
@@ -315,7 +391,7 @@ class ParallelSelfAttention(nnx.Module):
         return ring_positions(seq_len, ring, self.layout).reshape(-1)
 
     def local(self, x, positions, segment_ids, q_w, kv_w, o_w, q_b, kv_b, o_b, q_n=None,
-              k_n=None):  # fmt: skip
+              k_n=None, sinks=None):  # fmt: skip
         """Per-shard attention (inside `jax.shard_map`).
 
         x `[b, t, F]` (t = T / cp, or T / (cp * tp) with sequence parallelism),
@@ -357,10 +433,13 @@ class ParallelSelfAttention(nnx.Module):
             logit_softcap=self.logit_softcap,
             implementation=self.attention_implementation,
         )
+        masks["return_lse"] = sinks is not None
         if self.sequence_axis is not None:
             o = ring_attention(q, k, v, self.sequence_axis, layout=self.layout, **masks)
         else:
             o = attention_api.flash_attention(q, k, v, **masks)
+        if sinks is not None:
+            o = apply_sinks(*o, sinks)
         o = checkpoint_name(o, "attention_core")
         out = row_matmul(
             self, o.reshape(b, t, heads * D), fsdp.gather(self.zero, o_w, 1, x.dtype, x)

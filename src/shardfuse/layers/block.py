@@ -24,7 +24,8 @@ from shardfuse.layers import remat as remat_lib
 from shardfuse.layers.attention import ParallelSelfAttention
 from shardfuse.layers.linear import default_bias_init, default_kernel_init
 from shardfuse.layers.mlp import ParallelMLP
-from shardfuse.layers.moe import ParallelMoE
+from shardfuse.layers.moe import EXPERT_ACTIVATIONS, ParallelMoE
+from shardfuse.model_spec import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 NORMS = ("rmsnorm", "layernorm")
 
@@ -172,6 +173,7 @@ ATTENTION_KEYWORDS = (
     "qk_norm",
     "qk_norm_eps",
     "clip_qkv",
+    "sinks",
 )
 
 
@@ -196,16 +198,18 @@ class ParallelTransformerBlock(nnx.Module):
         stands; `shardfuse.layers.options` has the rule).
       mesh: the mesh (Explicit or Auto axes; `jax.set_mesh` is not needed).
       num_kv_heads, head_dim, causal, layout, rope_theta, rope_scaling, window,
-        logit_softcap, qk_norm, qk_norm_eps, clip_qkv: attention options, as in
+        logit_softcap, qk_norm, qk_norm_eps, clip_qkv, sinks: attention options, as in
         `ParallelSelfAttention`.
       norm: "rmsnorm" or "layernorm".
       norm_eps: epsilon of the norms.
-      activation: MLP activation, "gelu" or "swiglu".
+      activation: MLP activation, "gelu", "swiglu" or "swiglu_clamped" (gpt-oss;
+        `sf.layers.mlp.activate`, with `swiglu_limit` and `swiglu_alpha`).
       moe: None (a dense `ParallelMLP`), or a dict of `ParallelMoE` keywords
-        (`num_experts`, `top_k`, `routing`, `shared_experts`, `capacity_factor`, ...):
-        the block's MLP is then a mixture of SwiGLU experts, each `hidden_features`
-        wide, and the block writes its `MoEStats` on every call
-        (`sf.layers.moe_stats(model)`; a `Stack` of such blocks writes each layer's).
+        (`num_experts`, `top_k`, `routing`, `shared_experts`, `capacity_factor`,
+        `expert_bias`, ...): the block's MLP is then a mixture of gated experts
+        (`activation` "swiglu" or "swiglu_clamped"), each `hidden_features` wide, and
+        the block writes its `MoEStats` on every call (`sf.layers.moe_stats(model)`; a
+        `Stack` of such blocks writes each layer's).
       model_axis: tensor-parallel axis of attention heads and MLP hidden
         units (deprecated spelling: `tp_axis`).
       sequence_axis: context-parallel axis (ring attention); None: the
@@ -217,6 +221,8 @@ class ParallelTransformerBlock(nnx.Module):
         blocks wants.
       use_bias: default False, Llama-style (the linear layers default to
         True for `nnx.Linear` compatibility).
+      attention_bias: biases on attention's q, k, v and o projections only, none in the
+        MLP (gpt-oss); implied by `use_bias`.
       qkv_bias: biases on attention's q, k and v projections only (Qwen2).
       dtype, param_dtype, precision, kernel_init, bias_init, implementation:
         as in `ColumnParallelLinear`, for attention and MLP alike.
@@ -255,8 +261,11 @@ class ParallelTransformerBlock(nnx.Module):
         norm: str = "rmsnorm",
         norm_eps: float = 1e-6,
         activation: str = "swiglu",
+        swiglu_limit: float = SWIGLU_LIMIT,
+        swiglu_alpha: float = SWIGLU_ALPHA,
         moe: dict | None = None,
         use_bias: bool = False,
+        attention_bias: bool = False,
         kernel_init=default_kernel_init,
         bias_init=default_bias_init,
         rngs: nnx.Rngs,
@@ -271,24 +280,25 @@ class ParallelTransformerBlock(nnx.Module):
         self.remat = options.remat
         inits = dict(use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
         self.attention = ParallelSelfAttention(
-            features, num_heads, options=options, **attention, **inits
-        )
+            features, num_heads, options=options, **attention,
+            **{**inits, "use_bias": use_bias or attention_bias},
+        )  # fmt: skip
+        act = dict(activation=activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
         if moe is not None:  # a mixture of experts in place of the MLP
-            if activation != "swiglu" or use_bias:
+            if activation not in EXPERT_ACTIVATIONS or use_bias:
                 raise ValueError(
-                    f"moe= makes SwiGLU experts without biases; got activation={activation!r}, "
+                    f"moe= makes gated experts {EXPERT_ACTIVATIONS} without use_bias (their "
+                    f"biases: moe=dict(expert_bias=True)); got activation={activation!r}, "
                     f"use_bias={use_bias!r}"
                 )
             if not isinstance(moe, dict):
                 raise ValueError(f"moe={moe!r} must be a dict of ParallelMoE keywords or None")
             self.mlp = ParallelMoE(
                 features, hidden_features, options=options, kernel_init=kernel_init, rngs=rngs,
-                **moe,
+                **act, **moe,
             )  # fmt: skip
         else:
-            self.mlp = ParallelMLP(
-                features, hidden_features, activation=activation, options=options, **inits
-            )
+            self.mlp = ParallelMLP(features, hidden_features, options=options, **act, **inits)
         # zero=3: the norm parameters are sharded over the fsdp axis too
         self.norm_1 = Norm(features, kind=norm, eps=norm_eps, options=options, rngs=rngs)
         self.norm_2 = Norm(features, kind=norm, eps=norm_eps, options=options, rngs=rngs)

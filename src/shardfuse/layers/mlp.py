@@ -8,6 +8,7 @@ all-gather under sequence parallelism) serves both.
 """
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
@@ -18,16 +19,38 @@ from shardfuse.layers import _sharding, fsdp
 from shardfuse.layers import options as options_lib
 from shardfuse.layers.linear import ColumnParallelLinear, default_bias_init, default_kernel_init
 from shardfuse.layers.row_linear import RowParallelLinear
+from shardfuse.model_spec import SWIGLU_ALPHA, SWIGLU_LIMIT
 
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "swiglu_clamped")
 
 
-def activate(activation: str, h):
-    """`gelu(h)`, or for swiglu `silu(gate) * up` on interleaved `[..., 2 * hidden]` columns."""
+def activate(activation: str, h, *, swiglu_limit: float = SWIGLU_LIMIT,
+             swiglu_alpha: float = SWIGLU_ALPHA):  # fmt: skip
+    """The MLP activations, the one home of each (dense MLPs, routed and shared experts).
+
+    - "gelu": `gelu(h)`.
+    - "swiglu" (Shazeer 2020): on interleaved `[..., 2 * hidden]` columns `(gate_0, up_0,
+      gate_1, up_1, ...)`, `silu(gate) * up`.
+    - "swiglu_clamped" (gpt-oss, transformers' `GptOssExperts._apply_gate`): the gate
+      clamped above at `swiglu_limit`, the up half to `[-swiglu_limit, swiglu_limit]`,
+      then `(up + 1) * gate * sigmoid(swiglu_alpha * gate)` (defaults: gpt-oss's 7.0
+      and 1.702).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.layers.mlp import activate
+      >>> y = activate("swiglu_clamped", jnp.array([9.0, -9.0]))  # gate 7, up -7
+      >>> round(float(y[0]), 3)  # (-7 + 1) x 7 x sigmoid(1.702 x 7)
+      -42.0
+    """
     if activation == "gelu":
         return jax.nn.gelu(h)
     gate, up = h[..., 0::2], h[..., 1::2]
-    return jax.nn.silu(gate) * up
+    if activation == "swiglu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, swiglu_limit)
+    up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * swiglu_alpha))
 
 
 class ParallelMLP(nnx.Module):
@@ -42,7 +65,9 @@ class ParallelMLP(nnx.Module):
     Args:
       features: model width.
       hidden_features: MLP width, divisible by the size of `model_axis`.
-      activation: "gelu" or "swiglu" (fused, interleaved gate/up kernel).
+      activation: "gelu", "swiglu" (fused, interleaved gate/up kernel) or
+        "swiglu_clamped" (gpt-oss's, `activate`).
+      swiglu_limit, swiglu_alpha: of "swiglu_clamped" (`activate`).
       options: the `LayerOptions`, handed to both linear layers; None: the
         defaults. The option keywords (`mesh`, `model_axis`, `zero`, ...,
         every field of `LayerOptions`) override its fields.
@@ -74,6 +99,8 @@ class ParallelMLP(nnx.Module):
         hidden_features: int,
         *,
         activation: str = "gelu",
+        swiglu_limit: float = SWIGLU_LIMIT,
+        swiglu_alpha: float = SWIGLU_ALPHA,
         options: options_lib.LayerOptions | None = None,
         use_bias: bool = True,
         kernel_init=default_kernel_init,
@@ -88,9 +115,10 @@ class ParallelMLP(nnx.Module):
         _sharding.check_divisible("hidden_features", hidden_features, mesh, model_axis)
         self.options = options
         self.activation = activation
+        self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
         self.features = features
         self.hidden_features = hidden_features
-        width = 2 * hidden_features if activation == "swiglu" else hidden_features
+        width = hidden_features if activation == "gelu" else 2 * hidden_features
         inits = dict(use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
         self.up = ColumnParallelLinear(features, width, options=options, **inits)
         self.down = RowParallelLinear(hidden_features, features, options=options, **inits)
@@ -98,8 +126,13 @@ class ParallelMLP(nnx.Module):
     def local(self, x, up_kernel, up_bias, down_kernel, down_bias):
         """Per-shard MLP (inside `jax.shard_map`); biases may be None."""
         h = checkpoint_name(self.up.local(x, up_kernel, up_bias), "mlp_up")
-        y = self.down.local(activate(self.activation, h), down_kernel, down_bias)
+        y = self.down.local(self.activate(h), down_kernel, down_bias)
         return checkpoint_name(y, "mlp_down")
+
+    def activate(self, h):
+        """The layer's activation of the up projection `h` (`activate`)."""
+        return activate(self.activation, h, swiglu_limit=self.swiglu_limit,
+                        swiglu_alpha=self.swiglu_alpha)  # fmt: skip
 
     def local_params(self, dtype):
         """`(up_kernel, up_bias, down_kernel, down_bias)` and their specs (biases in `dtype`)."""

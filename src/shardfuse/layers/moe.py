@@ -42,6 +42,7 @@ differentiated function::
             + 1e-3 * stats["router_z_loss"]
 """
 
+import functools
 import itertools
 import math
 
@@ -63,6 +64,9 @@ from shardfuse.layers import options as options_lib
 from shardfuse.layers import router as router_lib
 from shardfuse.layers.linear import default_kernel_init
 from shardfuse.layers.mlp import activate
+from shardfuse.model_spec import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")  # gated: `gate_up` holds both halves
 
 # fan-in of a per-expert kernel `[E, in, out]`: `in` (the expert dimension is a batch)
 expert_kernel_init = nnx.initializers.variance_scaling(
@@ -181,11 +185,45 @@ def combine_slots(y_sorted, order, weights):
                       precision=lax.Precision.HIGHEST)  # fmt: skip
 
 
-def shared_experts(x, up, down, gate, precision):
-    """The shared experts' SwiGLU on `x` `[n, F]`, sigmoid-gated where `gate` is given:
-    float32 `[n, F]` (partial over `model` where the kernels are split over it)."""
+def expert_rows(bias, row_experts, offset=None):
+    """Each row's expert's row of `bias` `[E_local, C]` (experts `offset ...`, all from 0
+    when None), zeros for rows of an expert not held here (another shard's, or E: a dropped
+    or padding slot): `[R, C]` for `row_experts` int `[R]`."""
+    local = bias.shape[0]
+    index = row_experts - (0 if offset is None else offset)
+    held = (index >= 0) & (index < local)
+    return jnp.where(held[:, None], bias[jnp.clip(index, 0, local - 1)], 0).astype(bias.dtype)
+
+
+def routed_experts(rows, row_experts, sizes, gate_up, down, *, act, offset=None,
+                   gate_up_bias=None, down_bias=None, add_down_bias=True, implementation=None,
+                   precision=None):  # fmt: skip
+    """The routed experts on `rows [R, F]` sorted by expert (`row_experts [R]`, `sizes
+    [E]`): `act(rows @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]` per row as
+    two grouped matmuls over this shard's experts (`offset ...`; other rows are zero).
+
+    `[R, F]`, partial over `model` where the kernels' hidden dimension is split over it:
+    then `add_down_bias` is True on one model shard only (the bias is added once).
+    """
+    gmm = dict(group_offset=offset, implementation=implementation, precision=precision)
+    h = grouped_matmul(rows, gate_up, sizes, **gmm)  # [R, 2H/m]
+    if gate_up_bias is not None:
+        h = h + expert_rows(gate_up_bias, row_experts, offset).astype(h.dtype)
+    h = checkpoint_name(h, "moe_up")
+    y = grouped_matmul(act(h), down, sizes, **gmm)
+    if down_bias is not None:
+        bias = expert_rows(down_bias, row_experts, offset).astype(y.dtype)
+        y = y + jnp.where(add_down_bias, bias, 0)
+    return checkpoint_name(y, "moe_down")
+
+
+def shared_experts(x, up, down, gate, precision, act=None):
+    """The shared experts' gated activation `act` (None: SwiGLU) on `x` `[n, F]`,
+    sigmoid-gated where `gate` is given: float32 `[n, F]` (partial over `model` where the
+    kernels are split over it)."""
+    act = act or functools.partial(activate, "swiglu")
     f32 = dict(precision=precision, preferred_element_type=jnp.float32)
-    s = jnp.dot(activate("swiglu", jnp.dot(x, up, **f32).astype(x.dtype)), down, **f32)
+    s = jnp.dot(act(jnp.dot(x, up, **f32).astype(x.dtype)), down, **f32)
     if gate is not None:
         s = jax.nn.sigmoid(jnp.dot(x, gate, **f32)) * s
     return s
@@ -223,6 +261,13 @@ class ParallelMoE(nnx.Module):
         `shared_experts > 0` only, divisible by the model axis.
       shared_expert_gate: scale the shared experts by `sigmoid(x @ shared_gate)`.
       capacity_factor: None (dropless) or > 0: each expert's capacity per device.
+      activation: the experts' (routed and shared) gated activation, "swiglu" or
+        "swiglu_clamped" (gpt-oss, with `swiglu_limit` and `swiglu_alpha`:
+        `sf.layers.mlp.activate`).
+      expert_bias: biases on the router's logits, `router_bias` `[E]` `P()`, and on each
+        routed expert's projections, `gate_up_bias` `[E, 2 * H]` `P(expert, model)`
+        (interleaved as `gate_up`'s columns) and `down_bias` `[E, F]` `P(expert, None)`
+        (gpt-oss); zeros at init.
       dispatch_implementation: "ragged", "dense" or None (the mesh's platform:
         `expert_dispatch.default_implementation`).
       dispatch_chunks: with expert parallelism, the routed rows' chunks (1: one): each
@@ -279,6 +324,10 @@ class ParallelMoE(nnx.Module):
         shared_hidden: int | None = None,
         shared_expert_gate: bool = False,
         capacity_factor: float | None = None,
+        activation: str = "swiglu",
+        swiglu_limit: float = SWIGLU_LIMIT,
+        swiglu_alpha: float = SWIGLU_ALPHA,
+        expert_bias: bool = False,
         dispatch_implementation: str | None = None,
         dispatch_chunks: int = 1,
         grouped_matmul_implementation=None,
@@ -311,6 +360,10 @@ class ParallelMoE(nnx.Module):
                 f"shared_hidden={shared_hidden!r} must be None or a positive int, with "
                 f"shared_experts > 0 (got shared_experts={shared_experts!r})"
             )
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} must be one of {EXPERT_ACTIVATIONS}")
+        if not isinstance(expert_bias, bool):
+            raise ValueError(f"expert_bias={expert_bias!r} must be True or False")
         if dispatch_implementation is not None:
             expert_dispatch.check_implementation(dispatch_implementation)
         if isinstance(dispatch_chunks, bool) or not isinstance(dispatch_chunks, int):
@@ -326,6 +379,8 @@ class ParallelMoE(nnx.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.shared_experts, self.shared_expert_gate = shared_experts, bool(shared_expert_gate)
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.activation, self.expert_bias = activation, expert_bias
+        self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
         platform = mesh.devices.flat[0].platform
         self.dispatch_implementation = (
             dispatch_implementation or expert_dispatch.default_implementation(platform)
@@ -344,6 +399,10 @@ class ParallelMoE(nnx.Module):
         self.shared_up = make(kernel_init, (F, 2 * S), specs["shared_up"]) if S else None
         self.shared_down = make(kernel_init, (S, F), specs["shared_down"]) if S else None
         self.shared_gate = make(kernel_init, (F, 1), P()) if S and shared_expert_gate else None
+        zeros = nnx.initializers.zeros_init()
+        self.router_bias = make(zeros, (E,), P()) if expert_bias else None
+        self.gate_up_bias = make(zeros, (E, 2 * H), specs["gate_up_bias"]) if expert_bias else None
+        self.down_bias = make(zeros, (E, F), specs["down_bias"]) if expert_bias else None
         replicated = NamedSharding(mesh, P())
         if routing == "sigmoid":
             bias = jax.device_put(jnp.zeros((E,), jnp.float32), replicated)
@@ -404,6 +463,8 @@ class ParallelMoE(nnx.Module):
             "down": P(ex, m, fsdp),
             "shared_up": P(fsdp, m),
             "shared_down": P(m, fsdp),
+            "gate_up_bias": P(ex, m),
+            "down_bias": P(ex, None),
         }
 
     def _weight(self, name, shard, like):
@@ -413,32 +474,46 @@ class ParallelMoE(nnx.Module):
         return fsdp_lib.gather(self.zero, shard, self._FSDP_DIMS[name], like.dtype, like)
 
     def param_values_and_specs(self, dtype):
-        """`[router, bias, gate_up, down, shared_up, shared_down, shared_gate]` and specs.
+        """`[router, bias, gate_up, down, shared_up, shared_down, shared_gate, router_bias,
+        gate_up_bias, down_bias]` and specs (None where the layer has no such parameter).
 
         The expert and shared kernels stay in `param_dtype` (cast, and under zero=3
-        gathered, per shard); the gate is cast to `dtype`; router and bias stay float32.
+        gathered, per shard); the gate and the expert biases are cast to `dtype`; router,
+        selection bias and router bias stay float32.
         """
         get = lambda v: None if v is None else v[...]  # noqa: E731
-        gate = None if self.shared_gate is None else self.shared_gate[...].astype(dtype)
+        cast = lambda v: None if v is None else v[...].astype(dtype)  # noqa: E731
         names = ("gate_up", "down", "shared_up", "shared_down")
         values = [self.router[...], get(self.selection_bias)]
-        values += [get(getattr(self, name)) for name in names] + [gate]
+        values += [get(getattr(self, name)) for name in names] + [cast(self.shared_gate)]
+        values += [get(self.router_bias), cast(self.gate_up_bias), cast(self.down_bias)]
         specs = self._kernel_specs()
-        return values, [P(), P(), *(specs[name] for name in names), P()]
+        return values, [P(), P(), *(specs[name] for name in names), P(), P(),
+                        specs["gate_up_bias"], specs["down_bias"]]  # fmt: skip
 
     # --- per shard ----------------------------------------------------------------------
 
-    def _experts(self, rows, sizes, offset, gate_up, down):
-        """SwiGLU experts over `rows [R, F]` sorted by expert: `[R, F]` (partial over model)."""
-        gmm = dict(group_offset=offset, implementation=self.grouped_matmul_implementation,
-                   precision=self.precision)  # fmt: skip
-        rows, gate_up, down = match_varying(rows, gate_up, down)
-        h = checkpoint_name(grouped_matmul(rows, gate_up, sizes, **gmm), "moe_up")  # [R, 2H/m]
-        return checkpoint_name(
-            grouped_matmul(activate("swiglu", h), down, sizes, **gmm), "moe_down"
-        )
+    def activate(self, h):
+        """The experts' activation of their up projection `h` (`sf.layers.mlp.activate`)."""
+        return activate(self.activation, h, swiglu_limit=self.swiglu_limit,
+                        swiglu_alpha=self.swiglu_alpha)  # fmt: skip
 
-    def _expert_parallel(self, rows, sorted_e, gate_up, down):
+    def _experts(self, rows, row_experts, sizes, offset, gate_up, down, gate_up_bias,
+                 down_bias):  # fmt: skip
+        """The experts over `rows [R, F]` sorted by expert: `[R, F]` (partial over model)."""
+        rows, gate_up, down, gate_up_bias, down_bias = match_varying(
+            rows, gate_up, down, gate_up_bias, down_bias
+        )
+        first_model_shard = True
+        if _sharding.axis_size(self.mesh, self.model_axis) > 1:
+            first_model_shard = lax.axis_index(self.model_axis) == 0
+        return routed_experts(
+            rows, row_experts, sizes, gate_up, down, act=self.activate, offset=offset,
+            gate_up_bias=gate_up_bias, down_bias=down_bias, add_down_bias=first_model_shard,
+            implementation=self.grouped_matmul_implementation, precision=self.precision,
+        )  # fmt: skip
+
+    def _expert_parallel(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):
         """Rows sorted by expert -> their experts' devices -> SwiGLU -> back: `[A, F]`."""
         E, ep = self.num_experts, self._ep()
         plan_args = dict(axis_name=self.expert_axis, implementation=self.dispatch_implementation)
@@ -453,13 +528,14 @@ class ParallelMoE(nnx.Module):
             xs = jnp.where((local_e < E)[:, None], received[local_order], 0)
             sizes = jnp.zeros((E,), jnp.int32).at[local_e].add(1, mode="drop")
             offset = lax.axis_index(self.expert_axis) * (E // ep)
-            ys = self._experts(xs, sizes, offset, gate_up, down)
+            ys = self._experts(xs, local_e, sizes, offset, gate_up, down, gate_up_bias, down_bias)
             ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to the receive order
         with jax.named_scope("combine"):
             y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
             return checkpoint_name(y_sorted, "moe_combine")
 
-    def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate):
+    def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate,
+              router_bias=None, gate_up_bias=None, down_bias=None):  # fmt: skip
         """Per shard: `(y, stats)` for this device's tokens `x [b, t, F]`."""
         E, F = self.num_experts, self.features
         model, sp = self.model_axis, self.sequence_parallel and self.model_axis is not None
@@ -471,7 +547,7 @@ class ParallelMoE(nnx.Module):
         shared_up = self._weight("shared_up", shared_up, x)
         shared_down = self._weight("shared_down", shared_down, x)
         xf = x.reshape(n, F)
-        logits = router_lib.router_logits(xf, router)  # [n, E] float32
+        logits = router_lib.router_logits(xf, router, router_bias)  # [n, E] float32
         experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
         order, sorted_e = sort_slots(experts, E, self.capacity_factor)
         rows = xf[order % n]  # [A, F]: slot a is token a % n (slot-major)
@@ -485,15 +561,19 @@ class ParallelMoE(nnx.Module):
                 if hi > lo:
                     with jax.named_scope(f"moe_chunk_{c}"):
                         chunks.append(
-                            self._expert_parallel(rows[lo:hi], sorted_e[lo:hi], gate_up, down)
+                            self._expert_parallel(
+                                rows[lo:hi], sorted_e[lo:hi], gate_up, down, gate_up_bias, down_bias
+                            )
                         )
             y_sorted = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
         else:
             sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
-            y_sorted = self._experts(rows, sizes, None, gate_up, down)
+            y_sorted = self._experts(rows, sorted_e, sizes, None, gate_up, down, gate_up_bias,
+                                     down_bias)  # fmt: skip
         y = combine_slots(y_sorted, order, weights)
         if shared_up is not None:
-            y = y + shared_experts(xf, shared_up, shared_down, shared_gate, self.precision)
+            y = y + shared_experts(xf, shared_up, shared_down, shared_gate, self.precision,
+                                   self.activate)  # fmt: skip
         y = y.astype(x.dtype).reshape(b, t, F)
         if model is not None and sp:
             y = lax.psum_scatter(y, model, scatter_dimension=1, tiled=True)

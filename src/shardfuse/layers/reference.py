@@ -29,9 +29,8 @@ import numpy as np
 from jax import lax
 
 from shardfuse.kernels.attention.api import attention_reference
-from shardfuse.layers.attention import qk_transform, rope
+from shardfuse.layers.attention import apply_sinks, qk_transform, rope
 from shardfuse.layers.block import normalize
-from shardfuse.layers.mlp import activate
 
 
 def params(layer) -> dict:
@@ -80,9 +79,7 @@ def mlp(layer, p, x, *, dtype=None):
     x = x.astype(_dtype(layer.up.dtype, x, p["up"]["kernel"], dtype))
     precision = layer.up.precision
     h = _dense(x, p["up"]["kernel"], p["up"].get("bias"), precision)
-    return _dense(
-        activate(layer.activation, h), p["down"]["kernel"], p["down"].get("bias"), precision
-    )
+    return _dense(layer.activate(h), p["down"]["kernel"], p["down"].get("bias"), precision)
 
 
 def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None):
@@ -112,7 +109,10 @@ def self_attention(layer, p, x, *, positions=None, segment_ids=None, dtype=None)
         kv_segment_ids=segment_ids,
         window=layer.window,
         logit_softcap=layer.logit_softcap,
+        return_lse="sinks" in p,
     )
+    if "sinks" in p:  # the sink logit in each softmax's denominator (`apply_sinks`)
+        o = apply_sinks(*o, p["sinks"])
     return _dense(o.reshape(B, T, H * D), p["o_kernel"], p.get("o_bias"), layer.precision)
 
 
@@ -222,18 +222,21 @@ def moe(layer, p, x, *, bias=None, dtype=None):
     xf = xg.transpose(0, 2, 1, 3, 4).reshape(B * T, F)
     logits = jnp.einsum("NF,FE->NE", xf.astype(jnp.float32), p["router"].astype(jnp.float32),
                         precision=lax.Precision.HIGHEST)  # fmt: skip
+    if "router_bias" in p:
+        logits = logits + p["router_bias"].astype(jnp.float32)
     experts, weights, probs = _moe_routing(layer, logits, bias)
     kept = _moe_kept(layer, experts, batch_groups * sequence_groups)
     y = jnp.zeros((B * T, F), jnp.float32)
     for e in range(E):
         chosen = (experts == e) & kept  # [N, k]
         w = jnp.sum(jnp.where(chosen, weights, 0.0), axis=-1)  # [N]
-        h = _dense(xf, p["gate_up"][e], None, layer.precision)
-        out = _dense(activate("swiglu", h), p["down"][e], None, layer.precision)
+        h = _dense(xf, p["gate_up"][e], p.get("gate_up_bias", [None] * E)[e], layer.precision)
+        out = _dense(layer.activate(h), p["down"][e], p.get("down_bias", [None] * E)[e],
+                     layer.precision)  # fmt: skip
         y = y + w[:, None] * out.astype(jnp.float32)
     if "shared_up" in p:
         h = _dense(xf, p["shared_up"], None, layer.precision)
-        s = _dense(activate("swiglu", h), p["shared_down"], None, layer.precision)
+        s = _dense(layer.activate(h), p["shared_down"], None, layer.precision)
         s = s.astype(jnp.float32)
         if "shared_gate" in p:
             s = jax.nn.sigmoid(_dense(xf, p["shared_gate"], None, layer.precision)) * s

@@ -108,15 +108,17 @@ class RoutingConfig:
             raise ValueError(f"routed_scaling={scaling!r} must be a positive number")
 
 
-def router_logits(x, kernel):
-    """`[N, F] @ [F, E]` -> float32 logits `[N, E]` (float32 inputs, HIGHEST precision)."""
-    return jnp.einsum(
+def router_logits(x, kernel, bias=None):
+    """`[N, F] @ [F, E] (+ bias [E])` -> float32 logits `[N, E]` (float32 inputs, HIGHEST
+    precision; `bias`: gpt-oss's router bias, or None)."""
+    logits = jnp.einsum(
         "NF,FE->NE",
         x.astype(jnp.float32),
         kernel.astype(jnp.float32),
         precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
+    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 def _group_limit(config: RoutingConfig, selection):

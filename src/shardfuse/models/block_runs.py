@@ -3,29 +3,46 @@
 A dense model, or one whose every block is a mixture of experts, is one `Stack` (one
 layer scan). A spec mixing the two (DeepSeek's first dense blocks, `moe_first_dense`;
 Qwen2-MoE's every n-th, `moe_every`) has blocks of two parameter structures, which one
-scan cannot stack: the blocks split into maximal runs of one kind
-(`block_runs(spec)`), each run its own `Stack`, applied in order by `BlockRuns`.
+scan cannot stack; a spec with a sliding window on some blocks only (`window_layers`:
+gpt-oss's alternate layers) has blocks of two static attention masks, which one scan
+cannot compile either. The blocks split into maximal runs of one kind (`block_runs(spec)`:
+MoE or not, windowed or not), each run its own `Stack`, applied in order by `BlockRuns`.
 """
 
 import itertools
+from typing import NamedTuple
 
 from flax import nnx
 
 from shardfuse.model_spec import ModelSpec
 
 
-def block_runs(spec: ModelSpec) -> list[tuple[bool, int]]:
-    """`[(is_moe, count), ...]`: the spec's blocks as maximal runs of one kind, in order.
+class BlockRun(NamedTuple):
+    """`count` consecutive blocks of one kind: a mixture of experts or not, windowed or not."""
+
+    is_moe: bool
+    windowed: bool
+    count: int
+
+
+def block_runs(spec: ModelSpec) -> list[BlockRun]:
+    """The spec's blocks as maximal runs of one kind (`BlockRun`s), in order.
 
     Example:
       >>> from shardfuse.models import ModelSpec
       >>> block_runs(ModelSpec.tiny(num_layers=4))
-      [(False, 4)]
-      >>> block_runs(ModelSpec.tiny(num_layers=4, experts=4, top_k=2, moe_first_dense=1))
-      [(False, 1), (True, 3)]
+      [BlockRun(is_moe=False, windowed=False, count=4)]
+      >>> [r.count for r in block_runs(ModelSpec.tiny(num_layers=4, experts=4, top_k=2,
+      ...                                             moe_first_dense=1))]
+      [1, 3]
+      >>> [r.windowed for r in block_runs(ModelSpec.tiny(num_layers=3, window=8,
+      ...                                                window_layers=(0, 2)))]
+      [True, False, True]
     """
-    kinds = [spec.is_moe_layer(i) for i in range(spec.num_layers)]
-    return [(kind, len(list(run))) for kind, run in itertools.groupby(kinds)]
+    kinds = [
+        (spec.is_moe_layer(i), spec.layer_window(i) is not None) for i in range(spec.num_layers)
+    ]
+    return [BlockRun(*kind, len(list(run))) for kind, run in itertools.groupby(kinds)]
 
 
 def moe_keywords(spec: ModelSpec, capacity_factor: float | None = None) -> dict:
@@ -48,6 +65,7 @@ def moe_keywords(spec: ModelSpec, capacity_factor: float | None = None) -> dict:
         shared_experts=spec.shared_experts,
         shared_expert_gate=spec.shared_expert_gate,
         capacity_factor=capacity_factor,
+        expert_bias=spec.expert_bias,
     )
     if spec.shared_experts:
         keywords["shared_hidden"] = spec.shared_experts * spec.shared_expert_ffn_hidden
@@ -77,4 +95,4 @@ class BlockRuns(nnx.Module):
         return x
 
 
-__all__ = ["BlockRuns", "block_runs", "moe_keywords"]
+__all__ = ["BlockRun", "BlockRuns", "block_runs", "moe_keywords"]

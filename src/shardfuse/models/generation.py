@@ -18,7 +18,9 @@ expert axis every shard sees its data shard's tokens, computes the slots of its
 own experts (`grouped_matmul`'s `group_offset`; the others' rows are zero) and
 the routed outputs are summed over `expert` (a `[tokens, F]` all-reduce per MoE
 block; the shared experts are added after it, once). A spec mixing dense and MoE
-blocks runs one layer scan per run of blocks of one kind (`BlockRuns`).
+blocks, or windowed and global attention (`window_layers`), runs one layer scan per run
+of blocks of one kind (`BlockRuns`). Attention sinks (gpt-oss) scale the prefill's and
+the decode's attention by their lse (`sf.layers.attention.apply_sinks`).
 
 The cache is `[L, B, S, K, D]` for keys and values, kv heads over `model` when
 `K % model == 0` (else each model shard keeps the kv head its query heads read),
@@ -39,10 +41,9 @@ from jax.sharding import PartitionSpec as P
 from shardfuse.collectives.sharding import place
 from shardfuse.kernels.attention import api as attention_api
 from shardfuse.kernels.decode_attention.api import decode_attention
-from shardfuse.kernels.grouped_matmul.api import grouped_matmul
 from shardfuse.layers import moe as moe_lib
 from shardfuse.layers import router as router_lib
-from shardfuse.layers.attention import qk_transform, rope
+from shardfuse.layers.attention import apply_sinks, qk_transform, rope
 from shardfuse.layers.block import normalize
 from shardfuse.layers.mlp import activate
 from shardfuse.models.block_runs import moe_keywords
@@ -77,6 +78,10 @@ _LAYER_NAMES = {
     "norm_2.bias": "n2_b",
     "attention.q_norm": "qn",
     "attention.k_norm": "kn",
+    "attention.sinks": "sinks",
+    "mlp.router_bias": "router_b",
+    "mlp.gate_up_bias": "gate_up_b",
+    "mlp.down_bias": "moe_down_b",
     "mlp.router": "router",
     "mlp.selection_bias": "sel_bias",
     "mlp.gate_up": "gate_up",
@@ -149,22 +154,26 @@ def _moe(spec, tp, ep, p, h):
         normalize_top_k=keywords["normalize_top_k"], n_groups=keywords["n_groups"],
         topk_groups=keywords["topk_groups"], routed_scaling=keywords["routed_scaling"],
     )  # fmt: skip
-    experts, weights, _ = router_lib.route(
-        config, router_lib.router_logits(h, p["router"]), p.get("sel_bias")
-    )
+    logits = router_lib.router_logits(h, p["router"], p.get("router_b"))
+    experts, weights, _ = router_lib.route(config, logits, p.get("sel_bias"))
     order, sorted_e = moe_lib.sort_slots(experts, spec.experts)
     sizes = jnp.zeros((spec.experts,), jnp.int32).at[sorted_e].add(1)
     offset = lax.axis_index(EXPERT) * (spec.experts // ep) if ep > 1 else None
     rows = h[order % h.shape[0]]
-    u = grouped_matmul(rows, p["gate_up"].astype(h.dtype), sizes, group_offset=offset)
-    d = grouped_matmul(activate("swiglu", u), p["moe_down"].astype(h.dtype), sizes,
-                       group_offset=offset)  # fmt: skip
+    cast = lambda name: None if p.get(name) is None else p[name].astype(h.dtype)  # noqa: E731
+    act = functools.partial(activate, spec.activation, swiglu_limit=spec.swiglu_limit,
+                            swiglu_alpha=spec.swiglu_alpha)  # fmt: skip
+    d = moe_lib.routed_experts(
+        rows, sorted_e, sizes, cast("gate_up"), cast("moe_down"), act=act, offset=offset,
+        gate_up_bias=cast("gate_up_b"), down_bias=cast("moe_down_b"),
+        add_down_bias=lax.axis_index(MODEL) == 0 if tp > 1 else True,
+    )  # fmt: skip
     y = moe_lib.combine_slots(d, order, weights)
     if ep > 1:
         y = lax.psum(y, EXPERT)
     if p.get("shared_up") is not None:
-        y = y + moe_lib.shared_experts(h, p["shared_up"], p["shared_down"],
-                                       p.get("shared_gate"), lax.Precision.HIGHEST)  # fmt: skip
+        y = y + moe_lib.shared_experts(h, p["shared_up"], p["shared_down"], p.get("shared_gate"),
+                                       lax.Precision.HIGHEST, act)  # fmt: skip
     return y.astype(h.dtype)
 
 
@@ -180,6 +189,7 @@ def _runs(params):
 
 def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, tokens, cache_k,
                    cache_v, start):  # fmt: skip
+    # (each run of blocks of one kind, `block_runs`, has one window: a scan of its own)
     """Per shard: logits `[b, V]` of the last token, and the updated cache."""
     H, K, D = spec.heads, spec.kv_heads, spec.head_dim
     heads = H // tp
@@ -189,12 +199,11 @@ def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, to
     if spec.positions == "learned":
         x = x + jnp.take(params["pos"], positions, axis=0)
     model_index = lax.axis_index(MODEL) if tp > 1 else 0
-    window = None if spec.window is None else (spec.window - 1, 0)
     # a flat k norm over a replicated kv kernel: every kv head projected (for the norm)
     k_whole = spec.qk_norm == "flat" and not kv_sharded and tp > 1
     head = model_index * heads // (H // K)  # the kv head of a shard without its own
 
-    def layer(x, xs):
+    def layer(window, x, xs):
         p, ck, cv = xs
         h = normalize(spec.norm, x, p["n1"], p.get("n1_b"), spec.norm_eps)
         q = h @ p["q"]
@@ -219,13 +228,16 @@ def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, to
             k = rope(k, positions, spec.rope_theta, spec.rope_scaling)
         ck = lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), start, axis=1)
         cv = lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), start, axis=1)
-        masks = dict(window=window, logit_softcap=spec.logit_softcap, implementation=implementation)
+        masks = dict(window=window, logit_softcap=spec.logit_softcap, implementation=implementation,
+                     return_lse=p.get("sinks") is not None)  # fmt: skip
         if prefill:
             o = attention_api.flash_attention(q, k, v, causal=True, **masks)
         else:
             lengths = jnp.full((b,), start + t, jnp.int32)
             # a cache in another dtype (`cache_dtype`) is read back in the queries' dtype
             o = decode_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), lengths, **masks)
+        if p.get("sinks") is not None:  # the sink logits in each softmax (`apply_sinks`)
+            o = apply_sinks(*o, p["sinks"])
         o = o.reshape(b, t, heads * D) @ p["o"]
         o = lax.psum(o, MODEL) if tp > 1 else o
         if p.get("o_b") is not None:
@@ -238,7 +250,8 @@ def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, to
             u = h @ p["up"]
             if p.get("up_b") is not None:
                 u = u + p["up_b"]
-            d = activate(spec.activation, u) @ p["down"]
+            d = activate(spec.activation, u, swiglu_limit=spec.swiglu_limit,
+                         swiglu_alpha=spec.swiglu_alpha) @ p["down"]  # fmt: skip
         d = lax.psum(d, MODEL) if tp > 1 else d
         if p.get("down_b") is not None:
             d = d + p["down_b"]
@@ -248,7 +261,8 @@ def _local_forward(spec, tp, ep, kv_sharded, prefill, implementation, params, to
     for run in _runs(params):  # one scan per run of blocks of one kind
         count = next(iter(run.values())).shape[0]
         ck, cv = cache_k[first : first + count], cache_v[first : first + count]
-        x, (ck, cv) = lax.scan(layer, x, (run, ck, cv))
+        step = functools.partial(layer, spec.layer_window(first))
+        x, (ck, cv) = lax.scan(step, x, (run, ck, cv))
         new_k.append(ck)
         new_v.append(cv)
         first += count

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out on any mesh: Llama, Mistral, Qwen2 and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss.
 
     config.json            <->  `ModelSpec`        (`hf_config.py`: `spec_from_hf_config`,
                                                     `hf_config`, re-exported here)
@@ -43,6 +43,16 @@ writes the per-expert one, as transformers' `save_pretrained` does. A spec mixin
 and MoE blocks (Qwen's `decoder_sparse_step`, `mlp_only_layers`) has a `Stack` per run
 of blocks of one kind; their layers are numbered on from the run before.
 
+gpt-oss (`gpt_oss`) holds a layer's experts in our layout already, biases beside them:
+`mlp.router.weight [E, F]` -> `mlp.router` (transposed), `mlp.router.bias` ->
+`mlp.router_bias`, `mlp.experts.gate_up_proj [E, F, 2I]` (gate and up interleaved per
+unit) -> `mlp.gate_up`, `mlp.experts.down_proj [E, I, F]` -> `mlp.down`, their `_bias`
+tensors -> `mlp.gate_up_bias`, `mlp.down_bias`; `self_attn.sinks [H]` ->
+`attention.sinks`, `self_attn.o_proj.bias` -> `attention.o_bias`. The hub's MXFP4 experts
+(`..._blocks`, `..._scales`) are read through the same names, dequantized
+(`shardfuse.models.mxfp4`: each device reads its slice's packed bytes); `save_hf` writes
+them dequantized.
+
 Both use the rotate-half RoPE convention, so q and k need no permutation.
 """
 
@@ -57,6 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from shardfuse.models import mxfp4
 from shardfuse.models.block_runs import block_runs
 from shardfuse.models.hf_config import (  # the config half (hf_config.py), re-exported
     ARCHITECTURES as ARCHITECTURES,
@@ -101,24 +112,38 @@ _LAYER = "model.layers.{layer}."
 def _layer_offset(path: tuple, spec) -> int:
     """The number of the first layer of the `Stack` holding `path` (`BlockRuns`' run i)."""
     if len(path) > 2 and path[:2] == ("blocks", "runs"):
-        return sum(count for _, count in block_runs(spec)[: int(path[2])])
+        return sum(run.count for run in block_runs(spec)[: int(path[2])])
     return 0
 
 
 def _moe_names(family: str) -> dict:
-    """Our MoE parameter -> its checkpoint tensors (names under a layer) in `family`."""
+    """Our MoE parameter -> `(its checkpoint tensors (names under a layer), kind, one tensor
+    per expert)` in `family` (`_Map`'s kinds)."""
+    if family == "gpt_oss":  # every expert in one tensor per layer, laid out as ours
+        return {
+            "router": (("mlp.router.weight",), "t", False),
+            "router_bias": (("mlp.router.bias",), "copy", False),
+            "gate_up": (("mlp.experts.gate_up_proj",), "copy", False),  # [E, F, 2I] interleaved
+            "gate_up_bias": (("mlp.experts.gate_up_proj_bias",), "copy", False),
+            "down": (("mlp.experts.down_proj",), "copy", False),  # [E, I, F]
+            "down_bias": (("mlp.experts.down_proj_bias",), "copy", False),
+        }
     if family == "mixtral":  # the hub's names (what transformers 5's save_pretrained writes)
         moe, (gate, up, down) = "block_sparse_moe.", ("w1", "w3", "w2")
     else:
         moe, (gate, up, down) = "mlp.", ("gate_proj", "up_proj", "down_proj")
     expert = moe + "experts.{expert}."
     return {
-        "router": (moe + "gate.weight",),
-        "gate_up": (expert + gate + ".weight", expert + up + ".weight"),
-        "down": (expert + down + ".weight",),
-        "shared_up": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-        "shared_down": ("mlp.shared_expert.down_proj.weight",),
-        "shared_gate": ("mlp.shared_expert_gate.weight",),
+        "router": ((moe + "gate.weight",), "t", False),
+        "gate_up": ((expert + gate + ".weight", expert + up + ".weight"), "pair", True),
+        "down": ((expert + down + ".weight",), "t", True),
+        "shared_up": (
+            ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+            "pair",
+            False,
+        ),  # fmt: skip
+        "shared_down": (("mlp.shared_expert.down_proj.weight",), "t", False),
+        "shared_gate": (("mlp.shared_expert_gate.weight",), "t", False),
     }
 
 
@@ -127,9 +152,8 @@ def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
     D = spec.head_dim
     offset = _layer_offset(path, spec)
     if len(path) >= 2 and path[-2] == "mlp" and path[-1] in _moe_names(family):
-        names = tuple(_LAYER + n for n in _moe_names(family)[path[-1]])
-        experts = path[-1] in ("gate_up", "down")
-        kind = "pair" if len(names) == 2 else "t"
+        names, kind, experts = _moe_names(family)[path[-1]]
+        names = tuple(_LAYER + n for n in names)
         return _Map(names, kind, stacked=True, offset=offset, experts=experts)
     layer = {
         ("attention", "q_kernel"): ("self_attn.q_proj.weight",),
@@ -137,6 +161,8 @@ def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
         ("attention", "o_kernel"): ("self_attn.o_proj.weight",),
         ("attention", "q_bias"): ("self_attn.q_proj.bias",),
         ("attention", "kv_bias"): ("self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        ("attention", "o_bias"): ("self_attn.o_proj.bias",),
+        ("attention", "sinks"): ("self_attn.sinks",),
         ("up", "kernel"): ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
         ("down", "kernel"): ("mlp.down_proj.weight",),
         ("norm_1", "scale"): ("input_layernorm.weight",),
@@ -150,7 +176,7 @@ def _map_of(path: tuple, spec, family: str = "llama") -> _Map:
         if len(names) == 2:
             group = D if key[0] == "attention" else 1
             return _Map(names, "pair", stacked=True, group=group, offset=offset)
-        copy = key[1] in ("q_bias", "scale", "q_norm", "k_norm")
+        copy = key[1] in ("q_bias", "o_bias", "sinks", "scale", "q_norm", "k_norm")
         return _Map(names, "copy" if copy else "t", stacked=True, offset=offset)
     if path[-1] == "embed":
         return _Map(("model.embed_tokens.weight",), "copy")
@@ -194,6 +220,12 @@ class _Checkpoint:
     def names(self):
         return self.source.names()
 
+    def _mxfp4(self, name):
+        """`(blocks, scales)`: the stored tensors holding `name` in MXFP4 (gpt-oss's
+        `mlp.experts.gate_up_proj` as `..._blocks` and `..._scales`), or None."""
+        pair = tuple(name + suffix for suffix in mxfp4.SUFFIXES)
+        return pair if name not in self._stored and all(p in self._stored for p in pair) else None
+
     def _resolve(self, name):
         """`(stored tensor, expert or None, row offset)` holding the tensor `name`."""
         if name in self._stored:
@@ -211,11 +243,14 @@ class _Checkpoint:
                 return fused, int(expert), _HALF.get(weight, 0) * rows
         return name, None, 0  # not stored: `info` names it
 
-    def stored_name(self, name):
-        """The stored tensor that holds `name`."""
-        return self._resolve(name)[0]
+    def stored_names(self, name):
+        """The stored tensors that hold `name`."""
+        return self._mxfp4(name) or (self._resolve(name)[0],)
 
     def info(self, name):
+        if self._mxfp4(name):  # [E, rows, groups, 16] -> dequantized, ours: [E, in, out]
+            (experts, rows, groups, _), _ = self.source.info(self._mxfp4(name)[0])
+            return (experts, groups * mxfp4.GROUP, rows), np.dtype(np.float32)
         stored, expert, _ = self._resolve(name)
         shape, dtype = self.source.info(stored)
         if expert is None:
@@ -224,6 +259,8 @@ class _Checkpoint:
         return (rows, *shape[2:]), dtype
 
     def read(self, name, index=()):
+        if self._mxfp4(name):
+            return self._read_mxfp4(name, index)
         stored, expert, offset = self._resolve(name)
         if expert is None:
             return self.source.read(stored, index)
@@ -232,6 +269,18 @@ class _Checkpoint:
         r0, r1, _ = index[0].indices(shape[0])
         rows = slice(r0 + offset, r1 + offset)
         return self.source.read(stored, (slice(expert, expert + 1), rows, *index[1:]))[0]
+
+    def _read_mxfp4(self, name, index):
+        """Our `[E, in, out]` block `index` of an MXFP4 tensor: the rows (out) and groups of
+        32 columns (in) it covers, read and dequantized (`mxfp4.dequantize`)."""
+        (e0, e1), (c0, c1), (r0, r1) = _bounds(index, self.info(name)[0])
+        g0, g1 = c0 // mxfp4.GROUP, -(-c1 // mxfp4.GROUP)
+        blocks, scales = (self.source.read(n, (slice(e0, e1), slice(r0, r1), slice(g0, g1)))
+                          for n in self._mxfp4(name))  # fmt: skip
+        values = mxfp4.dequantize(blocks, scales)[
+            ..., c0 - g0 * mxfp4.GROUP : c1 - g0 * mxfp4.GROUP
+        ]
+        return values.transpose(0, 2, 1)
 
 
 def _bounds(index, shape):
@@ -331,8 +380,8 @@ def _check_all_used(source, maps, state, spec):
     for p, m in maps.items():
         layers = range(shapes[p][0]) if m.stacked else [None]
         experts = range(shapes[p][1]) if m.experts else [None]
-        used.update(source.stored_name(n) for layer in layers for expert in experts
-                    for n in _names(m, layer, expert))  # fmt: skip
+        names = (n for layer in layers for expert in experts for n in _names(m, layer, expert))
+        used.update(stored for n in names for stored in source.stored_names(n))
     unused = [n for n in source.names() if n not in used and not _NOT_PARAMETERS.search(n)]
     if spec.tied_embeddings and "lm_head.weight" in unused:
         _check_tied_head(source)
@@ -488,6 +537,8 @@ def _split(m: _Map, ours):
 
 def _default_family(spec) -> str:
     """The family `save_hf` writes `spec` as when no `model_type` is given."""
+    if spec.attention_sinks or spec.expert_bias:
+        return "gpt_oss"
     if spec.is_moe:
         if spec.shared_experts:
             return "qwen2_moe"

@@ -1,5 +1,5 @@
 """Hugging Face `config.json` <-> `ModelSpec`: Llama, Mistral, Qwen2 and the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss.
 
 The config half of Hugging Face checkpoints (`shardfuse.models.hf` is the
 tensor half, and re-exports these names): `spec_from_hf_config` maps a
@@ -10,9 +10,10 @@ for a model family; `read_hf_spec` reads a checkpoint directory's
 """
 
 import json
+import math
 from pathlib import Path
 
-from shardfuse.model_spec import ModelSpec
+from shardfuse.model_spec import ModelSpec, rope_scaling_parameters
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -22,28 +23,43 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 # Families known and refused, with what shardfuse does not compute (named in the ValueError).
-NOT_SUPPORTED = {
-    "gpt_oss": "attention sinks (a learned per-head logit in every softmax), sliding "
-    "windows on alternate layers, the router's bias with softmax over the top-k logits, "
-    "expert biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit), o_proj biases",
-}
+NOT_SUPPORTED: dict[str, str] = {}
+# gpt-oss's defaults where its config.json omits a field (`GptOssConfig`)
+GPT_OSS_DEFAULTS = dict(
+    rope_theta=150000.0,
+    rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                         truncate=False, original_max_position_embeddings=4096),
+    sliding_window=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    num_local_experts=128,
+    num_experts_per_tok=4,
+    head_dim=64,
+    attention_bias=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+)  # fmt: skip
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 
 
-def _rope_parameters(config: dict) -> dict:
+def _rope_parameters(config: dict, default_theta: float = 10000.0) -> dict:
     """A config's RoPE fields: old (`rope_theta`, `rope_scaling`) or new (`rope_parameters`).
 
     As transformers reads them (`convert_rope_params_to_dict`): a non-empty
     `rope_scaling` replaces `rope_parameters` whole (transformers 5 writes a default
     `rope_parameters` into every config it saves, and model cards have users add a
     `rope_scaling` beside it), and `rope_theta` comes from the chosen dict, else the
-    top-level field, else 10000.
+    top-level field, else the family's `default_theta` (10000; gpt-oss 150000).
     """
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if params.get("rope_theta") is None:
+        theta = config.get("rope_theta")
+        params["rope_theta"] = default_theta if theta is None else theta
     kind = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = kind
     return params
@@ -109,19 +125,138 @@ def _moe_fields(config: dict, kind: str) -> dict:
     return fields
 
 
+def _check_quantization(quantization: dict, kind: str):
+    """ValueError unless `quantization_config` is one `load_hf` dequantizes: gpt-oss's MXFP4
+    experts (`shardfuse.models.mxfp4`)."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if kind == "gpt_oss" and method == "mxfp4":
+        return
+    raise ValueError(
+        f"config.json: quantization_config={quantization!r} is not supported; supported: "
+        "quant_method 'mxfp4' on gpt_oss (its experts, dequantized on load)"
+    )
+
+
+def _rope_scaling(config: dict, rope: dict):
+    """`ModelSpec.rope_scaling` of a config's RoPE parameters (`_rope_parameters`): None,
+    Llama 3.1's 4-tuple, or YaRN's named tuple with its `attention_factor` resolved as
+    transformers' `_compute_yarn_parameters` does (`mscale`, `mscale_all_dim`, `factor`)."""
+    kind = rope["rope_type"]
+    if kind not in ("default", "llama3", "yarn"):
+        raise ValueError(
+            f"config.json: rope type {kind!r} is not supported; supported: 'default', "
+            "'llama3', 'yarn'"
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"config.json: partial_rotary_factor={rope['partial_rotary_factor']} is not "
+            "supported (RoPE on part of each head)"
+        )
+    if kind == "default":
+        return None
+    # transformers' `standardize_rope_params`: a top-level original length first, else the
+    # config's max_position_embeddings
+    if "original_max_position_embeddings" in config:
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    elif "max_position_embeddings" in config:
+        rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    if kind == "llama3":
+        fields = ("factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings")  # fmt: skip
+        missing = [f for f in fields if f not in rope]
+        if missing:
+            raise ValueError(f"config.json: rope type 'llama3' needs {missing} in rope_parameters")
+        original = int(rope["original_max_position_embeddings"])
+        return (float(rope["factor"]), float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]), original)  # fmt: skip
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(
+            "config.json: rope type 'yarn' needs original_max_position_embeddings in "
+            "rope_parameters (or max_position_embeddings)"
+        )
+    factor = rope.get("factor")
+    if factor is None:  # (DeepSeek-V3's form: the ratio of the lengths)
+        factor = config["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+
+        def mscale(scale, m=1):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else (
+            mscale(factor))  # fmt: skip
+    return ("yarn", float(factor), float(rope.get("beta_fast") or 32),
+            float(rope.get("beta_slow") or 1), original, bool(rope.get("truncate", True)),
+            float(attention_factor))  # fmt: skip
+
+
+def _gpt_oss_fields(config: dict) -> dict:
+    """The `ModelSpec` fields of a gpt-oss config (`modeling_gpt_oss.py`), past the sizes.
+
+    Every block is a mixture of experts: a biased router whose top-k logits are
+    softmaxed (the renormalised top-k of the full softmax: `normalize_top_k`), experts of
+    `intermediate_size` with biases and the clamped SwiGLU (`swiglu_limit`,
+    `swiglu_alpha`); attention with sinks, q/k/v/o biases where `attention_bias` (the
+    default), a window of `sliding_window` keys on the blocks `layer_types` calls
+    "sliding_attention" (default: the even ones). Training-time dropout is refused
+    (shardfuse trains what it loads).
+    """
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or [_LAYER_TYPES[i % 2] for i in range(layers)]
+    if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(
+            f"config.json: layer_types={config.get('layer_types')!r} must list "
+            f"num_hidden_layers={layers} of {_LAYER_TYPES}"
+        )
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = config.get("sliding_window", GPT_OSS_DEFAULTS["sliding_window"])
+    if sliding and not window:
+        raise ValueError(
+            f"config.json: sliding_window={window!r} with sliding layers {list(sliding)} "
+            "(layer_types): a sliding layer needs a window"
+        )
+    if config.get("attention_dropout"):
+        raise ValueError(
+            f"config.json: attention_dropout={config['attention_dropout']} is not supported "
+            "(training-time dropout on the attention weights); set it to 0.0"
+        )
+    get = lambda field: config.get(field, GPT_OSS_DEFAULTS[field])  # noqa: E731
+    experts, top_k = get("num_local_experts"), get("num_experts_per_tok")
+    return dict(
+        window=int(window) if sliding else None,
+        window_layers=None if len(sliding) in (0, layers) else sliding,
+        attention_bias=bool(get("attention_bias")),
+        attention_sinks=True,
+        activation="swiglu_clamped",
+        swiglu_limit=float(get("swiglu_limit")),
+        swiglu_alpha=float(get("swiglu_alpha")),
+        experts=int(experts),
+        top_k=int(top_k),
+        expert_hidden=config["intermediate_size"],
+        normalize_top_k=True,
+        expert_bias=True,
+    )
+
+
 def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
     """The `ModelSpec` of a Hugging Face `config.json` (a dict) of a family in `ARCHITECTURES`.
 
-    Llama, Mistral, Qwen2 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (mixtures of
-    experts, `_moe_fields`; Qwen3-MoE's per-head q/k RMSNorm is `qk_norm="head"`,
-    OLMoE's over the whole q and k projections `qk_norm="flat"` with its `clip_qkv`).
+    Llama, Mistral, Qwen2 (dense) and Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss
+    (mixtures of experts, `_moe_fields`, `_gpt_oss_fields`; Qwen3-MoE's per-head q/k
+    RMSNorm is `qk_norm="head"`, OLMoE's over the whole q and k projections
+    `qk_norm="flat"` with its `clip_qkv`). RoPE: default, Llama 3.1's "llama3" and
+    "yarn" (`_rope_scaling`), for every family.
 
     Raises:
       ValueError: an unknown `model_type`, or a field with a value shardfuse does not
         compute (named), e.g. `hidden_act="gelu"` on a Llama, `mlp_bias=True`,
         `attention_bias=True` on Llama, Qwen3-MoE or OLMoE (an `o_proj` bias), a RoPE
-        type other than "default" or "llama3", sliding windows on some layers (Qwen),
-        Mixtral's `router_jitter_noise > 0`.
+        type other than "default", "llama3" or "yarn", a `partial_rotary_factor`,
+        sliding windows on some layers (Qwen), Mixtral's `router_jitter_noise > 0`,
+        gpt-oss's `attention_dropout > 0`, a `quantization_config` other than gpt-oss's
+        MXFP4.
 
     Example:
       >>> from shardfuse.models import hf
@@ -146,16 +281,21 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
         if field not in config:
             raise ValueError(f"config.json: the required field {field!r} is missing")
     act = config.get("hidden_act", "silu")
-    if act not in _ACTIVATIONS:
+    if act not in _ACTIVATIONS and kind != "gpt_oss":  # (gpt-oss's experts do not read it)
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; supported: silu")
     if kind == "llama" and config.get("mlp_bias"):  # Mistral's and Qwen2's MLPs ignore it
         raise ValueError("config.json: mlp_bias=True is not supported (biases in the MLP)")
-    rope = _rope_parameters(config)
-    if rope["rope_type"] not in ("default", "llama3"):
-        raise ValueError(
-            f"config.json: rope type {rope['rope_type']!r} is not supported; "
-            "supported: 'default', 'llama3'"
-        )
+    if config.get("quantization_config"):
+        _check_quantization(config["quantization_config"], kind)
+    if kind == "gpt_oss":  # GptOssConfig's defaults for what config.json omits
+        omitted = ("rope_scaling", "rope_parameters")
+        defaults = {k: v for k, v in GPT_OSS_DEFAULTS.items() if k not in omitted}
+        if not (config.get("rope_scaling") or config.get("rope_parameters")):
+            defaults["rope_parameters"] = GPT_OSS_DEFAULTS["rope_parameters"]
+        config = {**defaults, **config}
+    default_theta = GPT_OSS_DEFAULTS["rope_theta"] if kind == "gpt_oss" else 10000.0
+    rope = _rope_parameters(config, default_theta)
+    scaling = _rope_scaling(config, rope)
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -201,25 +341,12 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
             "hidden_size / num_attention_heads)"
         )
     clip = config.get("clip_qkv") if kind == "olmoe" else None
-    scaling = None
-    if rope["rope_type"] == "llama3":
-        fields = (
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        )
-        if "max_position_embeddings" in config:  # transformers' default for it
-            rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
-        missing = [f for f in fields if f not in rope]
-        if missing:
-            raise ValueError(f"config.json: rope type 'llama3' needs {missing} in rope_parameters")
-        scaling = (
-            float(rope["factor"]),
-            float(rope["low_freq_factor"]),
-            float(rope["high_freq_factor"]),
-            int(rope["original_max_position_embeddings"]),
-        )
+    fields = dict(window=window, activation="swiglu", qkv_bias=qkv_bias, qk_norm=qk_norm,
+                  clip_qkv=None if clip is None else float(clip))  # fmt: skip
+    if kind == "gpt_oss":
+        fields.update(_gpt_oss_fields(config))
+    elif kind in MOE_FAMILIES:
+        fields.update(_moe_fields(config, kind))
     return ModelSpec(
         name,
         hidden=hidden,
@@ -229,18 +356,13 @@ def spec_from_hf_config(config: dict, name: str = "hf") -> ModelSpec:
         ffn_hidden=config["intermediate_size"],
         num_layers=config["num_hidden_layers"],
         vocab_size=config["vocab_size"],
-        window=window,
-        activation="swiglu",
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         norm="rmsnorm",
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope["rope_theta"]),
         rope_scaling=scaling,
-        qkv_bias=qkv_bias,
         max_positions=config.get("max_position_embeddings"),
-        qk_norm=qk_norm,
-        clip_qkv=None if clip is None else float(clip),
-        **(_moe_fields(config, kind) if kind in MOE_FAMILIES else {}),
+        **fields,
     )
 
 
@@ -250,7 +372,9 @@ def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float
     Mixtures of experts: `mixtral` (every block routed, renormalised top-k, no shared
     expert), `qwen2_moe` (one sigmoid-gated shared expert; sparse blocks written as
     `decoder_sparse_step` and `mlp_only_layers`), `qwen3_moe` (per-head q/k norms),
-    `olmoe` (flat q/k norms, `clip_qkv`; every block routed).
+    `olmoe` (flat q/k norms, `clip_qkv`; every block routed), `gpt_oss` (every block
+    routed with biased router and experts and the clamped SwiGLU; attention sinks, q/k/v/o
+    biases where `attention_bias`, the window on `window_layers` written as `layer_types`).
 
     Raises:
       ValueError: `model_type` unknown, or `spec` uses an option the family lacks
@@ -268,8 +392,9 @@ def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float
     """
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}")
+    gpt_oss = model_type == "gpt_oss"
     unsupported = dict(
-        activation=(spec.activation, "swiglu"),
+        activation=(spec.activation, "swiglu_clamped" if gpt_oss else "swiglu"),
         norm=(spec.norm, "rmsnorm"),
         positions=(spec.positions, "rope"),
         use_bias=(spec.use_bias, False),
@@ -284,9 +409,9 @@ def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float
     _check_family(spec, model_type)
     rope = {"rope_theta": spec.rope_theta, "rope_type": "default"}
     if spec.rope_scaling is not None:
-        factor, low, high, original = spec.rope_scaling
-        rope.update(rope_type="llama3", factor=factor, low_freq_factor=low,
-                    high_freq_factor=high, original_max_position_embeddings=original)  # fmt: skip
+        kind, params = rope_scaling_parameters(spec.rope_scaling)
+        params["original_max_position_embeddings"] = params.pop("original_max_positions")
+        rope.update(rope_type=kind, **params)
     config = dict(
         architectures=[ARCHITECTURES[model_type]],
         model_type=model_type,
@@ -316,7 +441,8 @@ def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float
     if model_type in MOE_FAMILIES:
         config.update(num_experts_per_tok=spec.top_k, router_jitter_noise=0.0,
                       output_router_logits=False)  # fmt: skip
-        config["num_local_experts" if model_type == "mixtral" else "num_experts"] = spec.experts
+        experts = "num_local_experts" if model_type in ("mixtral", "gpt_oss") else "num_experts"
+        config[experts] = spec.experts
     if model_type in ("qwen2_moe", "qwen3_moe"):
         dense = [i for i in range(spec.num_layers)
                  if not spec.is_moe_layer(i) and (i + 1) % spec.moe_every == 0]  # fmt: skip
@@ -333,15 +459,38 @@ def hf_config(spec: ModelSpec, *, model_type: str = "llama", dtype: str = "float
     if model_type == "olmoe":
         config.update(attention_bias=False, clip_qkv=spec.clip_qkv,
                       norm_topk_prob=spec.normalize_top_k)  # fmt: skip
+    if gpt_oss:
+        del config["router_jitter_noise"]
+        types = [_LAYER_TYPES[spec.layer_window(i) is None] for i in range(spec.num_layers)]
+        config.update(intermediate_size=spec.expert_ffn_hidden, sliding_window=spec.window,
+                      layer_types=types, attention_bias=spec.attention_bias,
+                      swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha,
+                      attention_dropout=0.0)  # fmt: skip
     return config
 
 
 def _check_family(spec: ModelSpec, model_type: str):
     """ValueError naming the first field of `spec` that `model_type`'s checkpoints cannot hold."""
     moe = model_type in MOE_FAMILIES
-    if spec.window is not None and model_type not in ("mistral", "mixtral", "qwen3_moe"):
+    windows = ("mistral", "mixtral", "qwen3_moe", "gpt_oss")
+    if spec.window is not None and model_type not in windows:
+        raise ValueError(f"spec.window={spec.window} needs a model_type of {windows}")
+    if spec.window_layers is not None and model_type != "gpt_oss":
         raise ValueError(
-            f"spec.window={spec.window} needs model_type 'mistral', 'mixtral' or 'qwen3_moe'"
+            f"spec.window_layers={spec.window_layers} (a window on some blocks only) needs "
+            "model_type='gpt_oss'"
+        )
+    gpt_oss = model_type == "gpt_oss"
+    for field in ("attention_sinks", "expert_bias"):
+        if getattr(spec, field) != gpt_oss:
+            raise ValueError(
+                f"spec.{field}={getattr(spec, field)!r} cannot be written as a {model_type} "
+                f"checkpoint (which needs {gpt_oss!r}; gpt_oss has them)"
+            )
+    if spec.attention_bias and not gpt_oss:
+        raise ValueError(
+            f"spec.attention_bias=True (q, k, v and o biases) cannot be written as a "
+            f"{model_type} checkpoint; model_type='gpt_oss' holds them"
         )
     if spec.clip_qkv is not None and model_type != "olmoe":
         raise ValueError(f"spec.clip_qkv={spec.clip_qkv} needs model_type='olmoe'")
@@ -378,7 +527,9 @@ def _check_family(spec: ModelSpec, model_type: str):
         moe_need["shared_expert_gate"] = (spec.shared_expert_gate, True)
     if model_type == "mixtral":
         moe_need["normalize_top_k"] = (spec.normalize_top_k, True)
-    if model_type in ("mixtral", "olmoe"):  # one expert width: intermediate_size
+    if model_type == "gpt_oss":
+        moe_need["normalize_top_k"] = (spec.normalize_top_k, True)
+    if model_type in ("mixtral", "olmoe", "gpt_oss"):  # one expert width: intermediate_size
         moe_need["expert_hidden"] = (spec.expert_ffn_hidden, spec.ffn_hidden)
         moe_need["moe_layers (every block)"] = (every_block, True)
         if model_type == "olmoe":

@@ -272,7 +272,7 @@ class Transformer(nnx.Module):
         # the Stack applies the remat policy per layer; the blocks themselves apply none
         block_options = options.replace(remat="none")
 
-        def make_block(moe):
+        def make_block(moe, windowed):
             def block(rngs):
                 return ParallelTransformerBlock(
                     F,
@@ -282,13 +282,17 @@ class Transformer(nnx.Module):
                     head_dim=spec.head_dim,
                     rope_theta=rope_theta,
                     rope_scaling=spec.rope_scaling,
-                    window=spec.causal_mask[0],
+                    window=spec.causal_mask[0] if windowed else None,
+                    sinks=spec.attention_sinks,
                     logit_softcap=spec.logit_softcap,
                     norm=spec.norm,
                     norm_eps=spec.norm_eps,
                     activation=spec.activation,
+                    swiglu_limit=spec.swiglu_limit,
+                    swiglu_alpha=spec.swiglu_alpha,
                     moe=moe_keywords(spec, capacity_factor) if moe else None,
                     use_bias=spec.use_bias,
+                    attention_bias=spec.attention_bias,
                     qkv_bias=spec.qkv_bias,
                     qk_norm=spec.qk_norm,
                     qk_norm_eps=spec.norm_eps,
@@ -302,14 +306,14 @@ class Transformer(nnx.Module):
 
         runs = [
             Stack(
-                make_block(moe),
-                count,
+                make_block(run.is_moe, run.windowed),
+                run.count,
                 options=options,
                 layer_axis=axes.PIPELINE if pipelined else None,
                 stage_layers=stage_layers,
                 rngs=rngs,
             )
-            for moe, count in block_runs(spec)
+            for run in block_runs(spec)
         ]
         # one kind of block: one Stack (one layer scan); mixed kinds: a Stack per run
         self.blocks = runs[0] if len(runs) == 1 else BlockRuns(runs)
@@ -473,11 +477,12 @@ def _check_experts(spec, mesh, expert_axis, pipelined):
     runs = block_runs(spec)
     if pipelined and len(runs) > 1:
         raise ValueError(
-            f"pipelined=True with blocks of mixed kinds (runs of (is_moe, count): {runs}, "
-            f"from moe_first_dense={spec.moe_first_dense}, moe_every={spec.moe_every}, "
-            f"dense_layers={spec.dense_layers}): a Pipeline runs one Stack of one kind of "
-            "block; pipeline a spec whose every block is a mixture of experts "
-            "(moe_first_dense=0, moe_every=1, dense_layers=()), or none"
+            f"pipelined=True with blocks of mixed kinds (runs: {runs}, from "
+            f"moe_first_dense={spec.moe_first_dense}, moe_every={spec.moe_every}, "
+            f"dense_layers={spec.dense_layers}, window_layers={spec.window_layers}): a "
+            "Pipeline runs one Stack of one kind of block; pipeline a spec whose every block "
+            "is a mixture of experts (moe_first_dense=0, moe_every=1, dense_layers=()), or "
+            "none, with one attention mask (window_layers=None)"
         )
 
 

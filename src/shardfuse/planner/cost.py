@@ -212,7 +212,7 @@ def elementwise_term(step: Step) -> Term:
     if padded:  # the routed experts' activation runs on their capacity-padded buffers
         moe_fraction = len(model.moe_layers) / model.num_layers
         width += (capacity - 1) * moe_fraction * model.top_k * model.expert_ffn_hidden
-    mlp_io = (3 if model.activation == "swiglu" else 2) * width / T
+    mlp_io = model.mlp_matrices * width / T  # gated: gate, up and their product
     traffic = (ELEMENTWISE_H_PASSES * model.hidden / token_split + mlp_io) * act
     if not a.flash_attention:
         traffic += model.heads / T * step.visible * SOFTMAX_PASSES * act

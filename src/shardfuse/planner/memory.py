@@ -82,7 +82,7 @@ def saved_elements_per_token(
     heads = model.heads / t
     kv_heads = max(model.kv_heads / t, 1.0)
     token_split = t if (a.sequence_parallel or a.residual_sharded) else 1
-    swiglu = model.activation == "swiglu"
+    swiglu = model.mlp_matrices == 3  # gated (swiglu, swiglu_clamped)
     # "none": what autodiff keeps, counted in shardfuse's layers with
     # `jax.ad_checkpoint.print_saved_residuals`: six h-sized tensors per token
     # (block input, norms' inputs and outputs, residual), q, k, v, the attention
