@@ -6,7 +6,7 @@ Single host (8 CPU devices):
 A mixture of experts, 8 experts over an expert axis of 4 (each step prints the
 load-balancing aux loss, the router z-loss and the expert load, max/mean tokens):
   python examples/train_lm.py --mesh expert=4,data=2 --experts 8 --top-k 2 \
-      [--shared-experts 1] [--capacity-factor 1.25] [--expert-hidden 64]
+      [--shared-experts 1] [--capacity-factor 1.25] [--expert-hidden 64] [--dispatch-chunks 2]
 
 Several processes (one per host on a cluster; here two local ones on loopback):
   python examples/launch_local.py --num-processes 2 --devices-per-process 4 -- \\
@@ -58,6 +58,13 @@ def make_parser():
         type=float,
         default=None,
         help="each expert's capacity (default: dropless); dropped tokens are counted",
+    )
+    p.add_argument(
+        "--dispatch-chunks",
+        type=positive_int,
+        default=1,
+        help="expert parallelism: dispatch the routed rows in this many chunks, overlapped "
+        "with the expert compute where collectives are asynchronous (GPU, TPU)",
     )
     p.add_argument("--aux-loss-coef", type=float, default=0.01, help="load-balancing loss")
     p.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss")
@@ -142,9 +149,15 @@ def setup(args):
     if args.experts:  # a mixture of experts in every block
         moe = dict(experts=args.experts, top_k=args.top_k, shared_experts=args.shared_experts,
                    expert_hidden=args.expert_hidden)  # fmt: skip
-    elif args.shared_experts or args.capacity_factor is not None or args.expert_hidden:
+    elif (
+        args.shared_experts
+        or args.capacity_factor is not None
+        or args.expert_hidden
+        or args.dispatch_chunks != 1
+    ):
         raise ValueError(
-            "--shared-experts, --expert-hidden and --capacity-factor need --experts > 0"
+            "--shared-experts, --expert-hidden, --capacity-factor and --dispatch-chunks need "
+            "--experts > 0"
         )
     model = ModelSpec.tiny(
         "train_lm",
@@ -179,6 +192,7 @@ def setup(args):
             schedule=args.schedule,
             virtual_stages=args.virtual_stages,
             capacity_factor=args.capacity_factor,
+            dispatch_chunks=args.dispatch_chunks,
             aux_loss_coef=args.aux_loss_coef,
             z_loss_coef=args.z_loss_coef,
         ),

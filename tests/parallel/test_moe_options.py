@@ -43,6 +43,9 @@ def test_valid_values_are_kept_and_replace_checks_again():
         (dict(aux_loss_coef=None), "aux_loss_coef=None"),
         (dict(z_loss_coef=-1e-3), "z_loss_coef=-0.001 must be a number >= 0"),
         (dict(z_loss_coef=math.nan), "z_loss_coef=nan"),
+        (dict(dispatch_chunks=0), "dispatch_chunks=0 must be an int >= 1"),
+        (dict(dispatch_chunks=2.0), "dispatch_chunks=2.0"),
+        (dict(dispatch_chunks=True), "dispatch_chunks=True"),
     ],
 )
 def test_bad_values_name_the_option(fields, match):
@@ -58,3 +61,20 @@ def test_layer_options_still_derive_with_moe_options_set():
 
 def test_docstring_examples_run():
     assert doctest.testmod(options_module).failed == 0
+
+
+def test_dispatch_chunks_reach_every_moe_layer():
+    """`RunOptions(dispatch_chunks=2)` -> `parallelize` -> the model's `ParallelMoE`s."""
+    import jax
+    from flax import nnx
+
+    import shardfuse as sf
+    from shardfuse.models import ModelSpec
+
+    spec = ModelSpec.tiny(num_layers=2, experts=4, top_k=2)
+    mesh = jax.make_mesh((4, 2), ("expert", "data"))
+    assert RunOptions().dispatch_chunks == 1
+    for chunks in (1, 3):
+        model = sf.parallel.parallelize(spec, RunOptions(dispatch_chunks=chunks), mesh).model
+        layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, sf.layers.ParallelMoE)]
+        assert layers and {layer.dispatch_chunks for layer in layers} == {chunks}

@@ -45,8 +45,11 @@ def block_runs(spec: ModelSpec) -> list[BlockRun]:
     return [BlockRun(*kind, len(list(run))) for kind, run in itertools.groupby(kinds)]
 
 
-def moe_keywords(spec: ModelSpec, capacity_factor: float | None = None) -> dict:
-    """The `ParallelMoE` keywords of the spec's MoE blocks (`ParallelTransformerBlock(moe=...)`).
+def moe_keywords(
+    spec: ModelSpec, capacity_factor: float | None = None, dispatch_chunks: int = 1
+) -> dict:
+    """The `ParallelMoE` keywords of the spec's MoE blocks (`ParallelTransformerBlock(moe=...)`),
+    with the run's `capacity_factor` and `dispatch_chunks` (`RunOptions`).
 
     Example:
       >>> from shardfuse.models import ModelSpec
@@ -69,6 +72,8 @@ def moe_keywords(spec: ModelSpec, capacity_factor: float | None = None) -> dict:
     )
     if spec.shared_experts:
         keywords["shared_hidden"] = spec.shared_experts * spec.shared_expert_ffn_hidden
+    if dispatch_chunks != 1:
+        keywords["dispatch_chunks"] = dispatch_chunks
     return keywords
 
 

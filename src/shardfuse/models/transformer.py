@@ -190,6 +190,7 @@ class Transformer(nnx.Module):
         ("zigzag", "contiguous" or "striped").
       capacity_factor: the MoE blocks' (`ParallelMoE`): None dropless, else each
         expert's capacity per device (`RunOptions.capacity_factor`).
+      dispatch_chunks: the MoE blocks' (`ParallelMoE`), `RunOptions.dispatch_chunks`.
       rngs: `nnx.Rngs`.
 
     Mixture of experts (`spec.experts > 0`): the blocks `spec.is_moe_layer` marks hold
@@ -241,6 +242,7 @@ class Transformer(nnx.Module):
         stage_layers=None,
         layout: str = "zigzag",
         capacity_factor: float | None = None,
+        dispatch_chunks: int = 1,
         rngs: nnx.Rngs,
     ):
         if not isinstance(spec, ModelSpec):
@@ -290,7 +292,7 @@ class Transformer(nnx.Module):
                     activation=spec.activation,
                     swiglu_limit=spec.swiglu_limit,
                     swiglu_alpha=spec.swiglu_alpha,
-                    moe=moe_keywords(spec, capacity_factor) if moe else None,
+                    moe=moe_keywords(spec, capacity_factor, dispatch_chunks) if moe else None,
                     use_bias=spec.use_bias,
                     attention_bias=spec.attention_bias,
                     qkv_bias=spec.qkv_bias,

@@ -55,6 +55,10 @@ class RunOptions:
         token computed; a number > 0: each expert takes at most
         `ceil(capacity_factor x tokens x top_k / experts)` tokens per batch shard,
         the rest dropped (counted and reported by the MoE layer, never silent).
+      dispatch_chunks: mixture of experts with expert parallelism: the routed rows in
+        this many chunks, each dispatched, computed and combined on its own so that
+        asynchronous collectives (GPU, TPU) overlap the expert compute
+        (`sf.layers.ParallelMoE`'s `dispatch_chunks`); default 1.
       aux_loss_coef: coefficient of the Switch load-balancing loss (Fedus et al.
         2021: `experts x sum_e f_e P_e`, f the fraction of routed tokens, P the mean
         router probability of expert e) added to the training loss; default 0.01
@@ -90,6 +94,7 @@ class RunOptions:
     layout: str = "zigzag"
     mesh_shape: dict | None = None
     capacity_factor: float | None = None
+    dispatch_chunks: int = 1
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
 
@@ -97,7 +102,9 @@ class RunOptions:
         self.layer_options()  # zero, remat, prefetch, sequence_parallel: the layers' checks
         check_schedule(self.schedule, 1, self.num_microbatches, self.virtual_stages)
         check_layout(self.layout)
-        check_moe_options(self.capacity_factor, self.aux_loss_coef, self.z_loss_coef)
+        check_moe_options(
+            self.capacity_factor, self.aux_loss_coef, self.z_loss_coef, self.dispatch_chunks
+        )
 
     def layer_options(self, mesh=None, **changes) -> LayerOptions:
         """The `sf.layers.LayerOptions` of this run's layers on `mesh`, with `changes`.
@@ -142,11 +149,11 @@ class RunOptions:
         return self.num_microbatches
 
 
-def check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef) -> None:
+def check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef, dispatch_chunks=1) -> None:
     """ValueError naming the option unless the mixture-of-experts options are valid.
 
     `capacity_factor`: None (dropless) or a finite number > 0; `aux_loss_coef`
-    and `z_loss_coef`: finite numbers >= 0.
+    and `z_loss_coef`: finite numbers >= 0; `dispatch_chunks`: an int >= 1.
 
     Example usage::
 
@@ -167,6 +174,10 @@ def check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef) -> None:
         raise ValueError(
             f"capacity_factor={capacity_factor!r} must be None (dropless) or a number > 0"
         )
+    if isinstance(dispatch_chunks, bool) or not isinstance(dispatch_chunks, int):
+        raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
+    if dispatch_chunks < 1:
+        raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
     for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
         if not (number(value) and value >= 0):
             raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns the loss off)")

@@ -191,8 +191,10 @@ def parallelize(spec: ModelSpec, plan_or_options, mesh, *, optimizer=None, rngs=
         layout=options.layout,
         **model_kwargs,
     )
-    if spec.is_moe:  # the MoE blocks' capacity (None: dropless)
+    if spec.is_moe:  # the MoE blocks' capacity (None: dropless) and dispatch chunks
         model_keywords.setdefault("capacity_factor", options.capacity_factor)
+        if options.dispatch_chunks != 1:
+            model_keywords.setdefault("dispatch_chunks", options.dispatch_chunks)
     if init is None:
         model = Transformer(spec, rngs=nnx.Rngs(0) if rngs is None else rngs, **model_keywords)
     else:
