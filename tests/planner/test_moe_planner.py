@@ -8,6 +8,7 @@ published-run check with the others).
 """
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -150,6 +151,47 @@ def test_expert_imbalance_and_the_capacity_factor_that_caps_it():
                                                     microbatch_size=8), global_batch=64,
                      seq_len=4096)  # fmt: skip
     assert not {"expert_parallel", "expert_imbalance"} & set(TERMS(no_ep))
+
+
+def test_an_eager_moe_layer_waits_on_the_host_per_layer_and_microbatch():
+    """`Assumptions.moe_host_s`: a fixed wait per MoE layer and microbatch, whatever the
+    tokens (`cost.moe_host`); the Megatron MoE presets set it, no other preset does; the
+    pipeline bubble charges it as stage work; dense models pay none."""
+    from shardfuse.planner.efficiency import MEGATRON_MOE_HOST_S
+
+    # the published pair it comes from: 17.6 s at 276 TFLOP/s without CUDA graphs, 320 with
+    # them, over (128 + 7 / 4) microbatch slots of 12 MoE layers
+    assert MEGATRON_MOE_HOST_S == pytest.approx(17.6 * (1 - 276 / 320) / (129.75 * 12))
+    assert MEGATRON_MOE_HOST_S == pytest.approx(1.55e-3, abs=0.01e-3)
+    for name in ("megatron-moe", "megatron-moe-overlap"):
+        assert Assumptions.preset(name).moe_host_s == MEGATRON_MOE_HOST_S
+    for name in ("shardfuse", "megatron-2022", "automodel", "maxtext", "llama3"):
+        assert Assumptions.preset(name).moe_host_s == 0
+    a = Assumptions(moe_host_s=2e-3)
+    p = _mixtral_ep8()
+    for seq_len in (1024, 4096):  # per microbatch and layer, not per token
+        e = estimate(MIXTRAL, NODE, p, global_batch=64, seq_len=seq_len, assumptions=a)
+        assert TERMS(e)["moe_host"].value == pytest.approx(8 * 32 * 2e-3)
+        assert e.step_time_s == pytest.approx(sum(t.value for t in e.time))
+    assert "moe_host" not in TERMS(estimate(MIXTRAL, NODE, p, global_batch=64, seq_len=4096))
+    dense = models.get("llama3-8b")
+    assert "moe_host" not in TERMS(estimate(dense, NODE, Parallelism.of(fsdp=8, zero=3,
+                                   num_microbatches=2), global_batch=16, seq_len=4096,
+                                   assumptions=a))  # fmt: skip
+    # a pipelined async stage: the bubble grows with it
+    run = next(r for r in RUNS if r.name == "Megatron Qwen3-235B MoE")
+    parallelism = parallelism_of(run)
+    cluster = hardware.cluster(run.device, nodes=run.nodes)
+    kw = dict(global_batch=run.global_batch, seq_len=run.seq_len)
+    with_host = estimate(run.model, cluster, parallelism, **kw, assumptions=run.assumptions())
+    eager_free = dataclasses.replace(run.assumptions(), moe_host_s=0.0)
+    without = estimate(run.model, cluster, parallelism, **kw, assumptions=eager_free)
+    host = TERMS(with_host)["moe_host"].value
+    assert host == pytest.approx(128 * 12 * MEGATRON_MOE_HOST_S)
+    assert TERMS(with_host)["pipeline_bubble"].value > TERMS(without)["pipeline_bubble"].value
+    assert with_host.step_time_s - without.step_time_s == pytest.approx(
+        (128 + 7 / 4) * 12 * MEGATRON_MOE_HOST_S, rel=0.02
+    )
 
 
 def test_grouped_matmul_efficiency_prices_the_routed_experts_only():

@@ -32,7 +32,9 @@ runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`). A capaci
 dense dispatch permutes nothing (its one-hot einsums are matmuls: two forward, three
 backward) and runs the experts' activation on the padded rows (`elementwise_term`).
 An async pipeline's last stage runs the head (logits, loss) beside its layers, or in the
-layer slot the split gives it (`Assumptions.loss_slot`): `pipeline_head`.
+layer slot the split gives it (`Assumptions.loss_slot`): `pipeline_head`. A system whose MoE
+layers run eager, host-bound (`Assumptions.moe_host_s`: Megatron-Core without CUDA graphs),
+adds a fixed wait per MoE layer and microbatch: `moe_host`.
 
 Step time = compute / (peak x efficiency) + memory-bound elementwise work
 (norms, residuals, activations, and the softmax of materialised scores when
@@ -341,6 +343,23 @@ def expert_imbalance(step: Step, all_to_all_s: float = 0.0) -> Term:
     )
 
 
+def moe_host(step: Step) -> Term:
+    """The GPU waiting on the host in every MoE layer: `m x` the MoE layers of the fullest
+    stage `x Assumptions.moe_host_s`, the host time per layer and microbatch (forward and
+    backward) that an eager MoE layer adds: its many small kernels launched one by one,
+    after the device-to-host copy of the token counts that drains the GPU's queue
+    (`efficiency.MEGATRON_MOE_HOST_S`, its sources). Per microbatch, not per token: the
+    kernels launched, not the rows, set it. A stage term (`pipeline_time.PIPELINED`): the
+    bubble charges it too."""
+    layers = moe_layers_of_stage(step)
+    host = step.m * layers * step.a.moe_host_s
+    return Term(
+        "moe_host", host,
+        f"{step.m} microbatches x {layers:g} MoE layers of the fullest stage x "
+        f"{step.a.moe_host_s * 1e3:.3g} ms of host work a layer (moe_host_s, eager MoE layers)",
+    )  # fmt: skip
+
+
 def offload(step: Step, per_token: dict, compute_s: float) -> Term:
     """remat="offload": the saved activations to the host and back, beside the compute."""
     a, L = step.a, step.model.num_layers
@@ -453,7 +472,8 @@ def estimate(
     one function of the step's `Step` (its sizes and rates, derived once):
     `compute_term`, `elementwise_term`, `tensor_parallel` (T > 1),
     `context_parallel` (C > 1), `expert_parallel` and `expert_imbalance` (a mixture
-    of experts over E > 1), `offload` (remat "offload"), `pipeline` (P > 1),
+    of experts over E > 1), `moe_host` (eager MoE layers, `Assumptions.moe_host_s`),
+    `offload` (remat "offload"), `pipeline` (P > 1),
     `data_parallel` (D x F x E > 1) and `optimizer_term`; the memory is
     `memory.memory_terms`.
 
@@ -497,6 +517,8 @@ def estimate(
     elif (model.moe_layers and a.expert_capacity_padded
           and parallelism.options.capacity_factor is not None):  # fmt: skip
         time.append(expert_imbalance(step))
+    if model.moe_layers and a.moe_host_s:
+        time.append(moe_host(step))
     if parallelism.options.remat == "offload":
         time.append(offload(step, per_token, compute.value))
     if step.P > 1:

@@ -67,6 +67,55 @@ CUDNN_ATTENTION = 0.52  # H100, forward and backward (module docstring)
 OVERLAP = {"tpu": 0.95, "cpu": 0.0}
 GPU_OVERLAP = 0.85
 
+# Megatron-Core's MoE layer on H100, eager (no CUDA graphs): the host time the GPU waits
+# for, per MoE layer and microbatch, forward and backward (`Assumptions.moe_host_s`).
+_QWEN3_EAGER_STEP_S = 17.6  # 276 TFLOP/s, no CUDA graphs
+_QWEN3_EAGER_TFLOPS, _QWEN3_GRAPHED_TFLOPS = 276, 320
+_QWEN3_MICROBATCHES, _QWEN3_STAGES, _QWEN3_VIRTUAL, _QWEN3_STAGE_LAYERS = 128, 8, 4, 12
+MEGATRON_MOE_HOST_S = (
+    _QWEN3_EAGER_STEP_S * (1 - _QWEN3_EAGER_TFLOPS / _QWEN3_GRAPHED_TFLOPS)
+    / ((_QWEN3_MICROBATCHES + (_QWEN3_STAGES - 1) / _QWEN3_VIRTUAL) * _QWEN3_STAGE_LAYERS)
+)  # fmt: skip
+"""Seconds a Megatron-Core MoE layer's host work adds per microbatch (forward and
+backward) on H100: 1.55e-3, what CUDA graphs of the layer's static part remove, from two
+published runs of one layout that differ in CUDA graphs.
+
+- Eager: NVIDIA Megatron-MoE-ModelZoo, best_practice/qwen3/readme.md, H100 table,
+  "Cross-node EP strategy", the "+1f1b overlap" row: Qwen3-235B, DeepEP, BF16, 256 H100s,
+  4096 tokens, TP 2, EP 32, PP 8, VPP 4, DP 16, MBS 1, GBS 2048 (GA 128), recompute
+  "norm, act": "17.6" s, "276" TFLOP/s; its command (examples/qwen3/run_235b.sh, "Inter-node
+  EP + 1F1B overlap solution") sets no CUDA graphs.
+- Graphed: the same repository's best_practice/qwen3/run_h100_235b.sh, "# H100 config, 320
+  TFLOPS": the same TP 2, PP 8, VPP 4, EP 32, 32 nodes, GBS 2048, `--recompute-modules
+  moe_act layernorm --moe-router-force-load-balancing`, DeepEP, A2A_OVERLAP=1, with
+  `--cuda-graph-impl transformer_engine --cuda-graph-scope moe_router moe_preprocess`;
+  NVIDIA, "Scalable Training of Mixture-of-Experts Models with Megatron Core"
+  (arXiv:2603.07685v2), Table 11 ("Qwen3-235B H100 256 4,096 BF16 320") and Table 20 ("TP2
+  PP8 CP1 EP32 VPP 4 MBS1 GBS2048"), Appendix B.2 (Qwen3-235B: "Dispatcher: ... DeepEP on
+  H100", "1F1B overlap: ... ON for GB200 and H100", "CUDA Graphs: attn, moe_router,
+  moe_preprocess"), force-balanced routing as the eager row.
+
+The same step's FLOPs at 320 instead of 276 TFLOP/s: `17.6 x (1 - 276 / 320)` = 2.42 s of
+the step; over the 128 microbatches and the interleaved bubble's `(P - 1) / v` = 7 / 4
+microbatch slots (how `pipeline_time` charges a per-microbatch stage term) and the 12 MoE
+layers of the fullest stage (94 layers and the embedding's and loss's slots on 8 stages):
+1.55 ms. What it is (arXiv:2603.07685 sec. 4.3.1, "Host Overhead": "Numerous small
+operations create kernel launch overhead, and the CPU cannot dispatch work fast enough to
+keep the GPU saturated", and "Dropless routing: Dynamic token counts require host-device
+synchronization to determine tensor shapes, placing the CPU on the critical path"; sec.
+4.3.6: "Each kernel launch incurs several microseconds of CPU-side cost", and partial CUDA
+graphs capture attention, router and EP preprocessing). A fixed cost per layer and
+microbatch: the kernels launched, not the tokens, set it.
+
+A lower bound of the eager layer's host cost (sec. 4.3.6: with partial graphs "the
+remaining CPU overhead is primarily confined to the region between token dispatch and
+combine", which stays in the 320 TFLOP/s run) and an upper bound of the graphs' effect
+alone (the two rows come from different Megatron commits: moe_dev f3e6c5 for the eager
+row). The eager row is itself a validation run (`published.RUNS`, "Megatron Qwen3-235B MoE
+overlap"): this figure is the measured difference of two published runs, not a fit of the
+planner's error.
+"""
+
 
 def _lookup(table, key, default):
     for prefix in sorted(table, key=len, reverse=True):

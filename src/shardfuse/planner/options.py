@@ -261,6 +261,13 @@ class Assumptions:
         (Megatron's `--account-for-loss-in-pipeline-split`; Llama 3's last stage one layer
         short): an async pipeline's last stage runs the head in place of that layer
         (`cost.pipeline_head`). False (default): the head runs beside the stage's layers.
+      moe_host_s: seconds the GPU waits on the host per mixture-of-experts block and
+        microbatch, forward and backward together: a system whose MoE layer launches its
+        many small kernels one by one from Python, after a device-to-host copy of the
+        token counts that drains the GPU's queue (Megatron-Core without CUDA graphs over
+        the layer), leaves the GPU idle while the host catches up, whatever the tokens
+        (`cost.moe_host`). 0 (default): no such wait (shardfuse's jitted step; XLA).
+        Preset "megatron-moe": `efficiency.MEGATRON_MOE_HOST_S` (its sources there).
       ep_overlap: the dispatch and combine all-to-alls hide behind the expert
         compute (chunked, as the collective matmuls hide theirs); False
         (default): exposed.
@@ -314,6 +321,7 @@ class Assumptions:
     attention_efficiency: float | None = None
     recompute_moe: bool = False
     loss_slot: bool = False
+    moe_host_s: float = 0.0
 
     def __post_init__(self):
         if self.compute_efficiency is not None and not 0 < self.compute_efficiency <= 1:
@@ -333,6 +341,8 @@ class Assumptions:
             )
         if not self.expert_imbalance >= 1:
             raise ValueError(f"expert_imbalance={self.expert_imbalance!r} must be >= 1")
+        if not self.moe_host_s >= 0:
+            raise ValueError(f"moe_host_s={self.moe_host_s!r} must be >= 0")
         if not 0 < self.grouped_matmul_efficiency <= 1:
             raise ValueError(
                 f"grouped_matmul_efficiency={self.grouped_matmul_efficiency!r} must be in (0, 1]"
@@ -458,13 +468,17 @@ class Assumptions:
         not DeepEP) is `ep_node_dedup=False` on the run. Attention: Transformer Engine's
         cuDNN fused attention (TE prefers it to FlashAttention on Hopper:
         `get_attention_backend`, "Disabling FlashAttention to give FusedAttention preference
-        on Hopper+ for performance reasons"), at `efficiency.CUDNN_ATTENTION`.
+        on Hopper+ for performance reasons"), at `efficiency.CUDNN_ATTENTION`. Its MoE layers
+        run eager (the runs set no CUDA graphs): the host's launches and the token counts'
+        device-to-host sync cost `efficiency.MEGATRON_MOE_HOST_S` per MoE layer and
+        microbatch (`moe_host_s`), whatever the dispatcher.
         """
-        from shardfuse.planner.efficiency import CUDNN_ATTENTION
+        from shardfuse.planner.efficiency import CUDNN_ATTENTION, MEGATRON_MOE_HOST_S
 
         return dataclasses.replace(
             cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,
             dp_overlap=1.0, ep_node_dedup=True, attention_efficiency=CUDNN_ATTENTION,
+            moe_host_s=MEGATRON_MOE_HOST_S,
         )  # fmt: skip
 
     @classmethod

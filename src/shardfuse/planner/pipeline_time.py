@@ -34,6 +34,7 @@ PIPELINED = (
     "offload",
     "expert_parallel",
     "expert_imbalance",
+    "moe_host",
 )
 
 
