@@ -20,17 +20,9 @@ import pytest
 from flax import nnx
 
 import shardfuse as sf
+from tests.jaxprs import sub_jaxprs
 
 _CHUNK = re.compile(r"moe_chunk_(\d+)/(dispatch|experts|combine)")
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                yield item.jaxpr
-            elif hasattr(item, "eqns"):
-                yield item
 
 
 def analyse(jaxpr, prefix="", inherited=None, found=None):
@@ -50,7 +42,7 @@ def analyse(jaxpr, prefix="", inherited=None, found=None):
         tags = _CHUNK.findall(scope)
         chunk, kind = (int(tags[-1][0]), tags[-1][1]) if tags else (None, None)
         direction = "backward" if "transpose" in scope else "forward"
-        subs = list(_sub_jaxprs(eqn))
+        subs = list(sub_jaxprs(eqn))
         for sub in subs:
             ancestors = ancestors | analyse(sub, scope, inputs, found)
         if kind == "experts" and eqn.primitive.name == "ffi_call":

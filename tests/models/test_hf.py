@@ -98,6 +98,17 @@ def tokens(batch=8, length=12, seed=0):
     return np.random.default_rng(seed).integers(0, SIZES["vocab_size"], (batch, length))
 
 
+def assert_greedy_generation_matches(model, reference, seed=1, new_tokens=32):
+    """`sf.generate`'s greedy tokens equal `transformers`' `generate(do_sample=False)`."""
+    prompt = tokens(batch=2, length=5, seed=seed)
+    with torch.no_grad():
+        want = reference.generate(torch.tensor(prompt), max_new_tokens=new_tokens,
+                                  do_sample=False, min_new_tokens=new_tokens,
+                                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+    got = generation.generate(model, prompt, new_tokens)
+    np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
+
+
 def hf_logits(model, toks):
     with torch.no_grad():
         return model(torch.tensor(toks)).logits.float().numpy()
@@ -122,12 +133,7 @@ def test_logits_match_transformers(checkpoints, family, mesh_name):
 def test_greedy_generation_matches_transformers(checkpoints, family, mesh_name):
     path, reference = checkpoints[family]
     model, _ = load(path, mesh_name, AxisType.Auto)
-    prompt = tokens(batch=2, length=5, seed=1)
-    with torch.no_grad():
-        want = reference.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False,
-                                  min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    got = generation.generate(model, prompt, 32)
-    np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
+    assert_greedy_generation_matches(model, reference)
 
 
 def test_each_decode_step_compiles_once(checkpoints):

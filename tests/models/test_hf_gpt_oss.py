@@ -25,11 +25,11 @@ from jax.sharding import AxisType
 
 import shardfuse as sf
 from shardfuse.layers.attention import apply_sinks, rope_frequencies
-from shardfuse.models import generation, hf, mxfp4
+from shardfuse.models import hf, mxfp4
 from shardfuse.models.block_runs import block_runs
-from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
-from tests.models.test_hf import hf_logits
-from tests.models.test_hf_moe import MESHES, _check_reads, _copy, _state
+from shardfuse.models.safetensors import write_safetensors
+from tests.models.test_hf import assert_greedy_generation_matches, hf_logits
+from tests.models.test_hf_moe import MESHES, _check_reads, _copy, _state, assert_export_round_trips
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -164,33 +164,14 @@ def test_logits_match_transformers(checkpoints, mesh_name):
 def test_greedy_generation_matches_transformers(checkpoints, mesh_name):
     path, reference = checkpoint(checkpoints, mesh_name)
     model, _ = load(path, mesh_name, AxisType.Auto)
-    prompt = tokens(batch=2, length=5, seed=1)
-    with torch.no_grad():
-        want = reference.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False,
-                                  min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    got = generation.generate(model, prompt, 32)
-    np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
+    assert_greedy_generation_matches(model, reference)
 
 
 def test_export_is_the_same_tensors_and_transformers_loads_it(checkpoints, tmp_path):
     path, reference = checkpoints["alternating"]
-    model, mesh = load(path, "expert2_model4")
-    out = hf.save_hf(model, tmp_path / "out")
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "gpt_oss"
+    model, again, config = assert_export_round_trips(path, reference, tmp_path, "gpt_oss")
     assert config["layer_types"] == reference.config.layer_types
-    original, ours = SafetensorsDir(path), SafetensorsDir(out)
-    assert ours.names() == original.names()
-    for name in original.names():  # bitwise: our parameters hold the checkpoint's bits
-        assert np.array_equal(ours.read(name), original.read(name)), name
-    again = hf.load_hf(out, mesh=mesh)
-    pairs = zip(hf._params(_state(model)), hf._params(_state(again)), strict=True)
-    for (p, a), (_, b) in pairs:
-        assert np.array_equal(np.asarray(a[...]), np.asarray(b[...])), p
     assert again.spec == model.spec.replace(name="out")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    toks = tokens(batch=2)
-    np.testing.assert_array_equal(hf_logits(loaded, toks), hf_logits(reference, toks))
 
 
 @pytest.mark.parametrize(

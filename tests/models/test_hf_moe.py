@@ -18,9 +18,13 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
-from shardfuse.models import generation, hf, hf_reads
+from shardfuse.models import hf, hf_reads
 from shardfuse.models.safetensors import SafetensorsDir, write_safetensors
-from tests.models.test_hf import hf_logits, tokens  # the dense families' helpers (vocab 128)
+from tests.models.test_hf import (
+    assert_greedy_generation_matches,
+    hf_logits,
+    tokens,
+)  # the dense families' helpers (vocab 128)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -185,12 +189,14 @@ def test_olmoe_clip_qkv_clamps(checkpoints, tmp_path):
     assert np.abs(ours - hf_logits(reference, toks)).max() > 1e-2
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_export_is_the_same_tensors_and_transformers_loads_it(checkpoints, tmp_path, family):
-    path, reference = checkpoints[family]
+def assert_export_round_trips(path, reference, tmp_path, family):
+    """`save_hf` of the checkpoint loaded on expert 2 x model 4 writes its tensors
+    bitwise, `load_hf` of the export gives the same parameters, and `transformers` loads
+    it to the same logits. Returns `(model, again, config)`."""
     model, mesh = load(path, "expert2_model4")
     out = hf.save_hf(model, tmp_path / "out")
-    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family
     original, ours = SafetensorsDir(path), SafetensorsDir(out)
     assert ours.names() == original.names()
     for name in original.names():  # bitwise: our parameters hold the checkpoint's bits
@@ -202,6 +208,13 @@ def test_export_is_the_same_tensors_and_transformers_loads_it(checkpoints, tmp_p
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     toks = tokens(batch=2)
     np.testing.assert_array_equal(hf_logits(loaded, toks), hf_logits(reference, toks))
+    return model, again, config
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_is_the_same_tensors_and_transformers_loads_it(checkpoints, tmp_path, family):
+    path, reference = checkpoints[family]
+    assert_export_round_trips(path, reference, tmp_path, family)
 
 
 def _copy(path, directory, tensors=None, **changes):
@@ -260,12 +273,7 @@ def test_each_device_reads_its_shard_of_each_expert_parameter(checkpoints, mesh_
 def test_greedy_generation_matches_transformers(checkpoints, family, mesh_name):
     path, reference = checkpoint(checkpoints, family, mesh_name)
     model, _ = load(path, mesh_name, AxisType.Auto)
-    prompt = tokens(batch=2, length=5, seed=1)
-    with torch.no_grad():
-        want = reference.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False,
-                                  min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    got = generation.generate(model, prompt, 32)
-    np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
+    assert_greedy_generation_matches(model, reference)
 
 
 @pytest.mark.slow
@@ -315,12 +323,7 @@ def test_flat_qk_norm_with_the_kv_kernel_replicated(checkpoints, what):
         ours = np.asarray(model(jnp.asarray(toks, jnp.int32)))
         np.testing.assert_allclose(ours, hf_logits(reference, toks), atol=1e-4, rtol=0)
         return
-    prompt = tokens(batch=2, length=5, seed=2)
-    with torch.no_grad():
-        want = reference.generate(torch.tensor(prompt), max_new_tokens=32, do_sample=False,
-                                  min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    got = generation.generate(model, prompt, 32)
-    np.testing.assert_array_equal(np.asarray(got), want[:, 5:].numpy())
+    assert_greedy_generation_matches(model, reference, seed=2)
 
 
 def test_mixed_spec_round_trips_through_the_config():

@@ -11,18 +11,10 @@ import jax
 import pytest
 
 from tests.collectives.collective_matmul.common import Case
+from tests.jaxprs import sub_jaxprs
 
 _STEP = re.compile(r"ring_step_(\d+)")
 _FORBIDDEN = {"all_gather", "all_gather_invariant", "reduce_scatter", "psum", "all_to_all"}
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-                yield item.jaxpr
-            elif hasattr(item, "eqns"):
-                yield item
 
 
 def _step(eqn, prefix):
@@ -55,7 +47,7 @@ def analyse(jaxpr, prefix="", inherited=None):
         if name == "ppermute" and step is not None:
             ancestors = ancestors | {step}
         scope = prefix + "/" + str(eqn.source_info.name_stack)
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             sub_counts, sub_violations, sub_ancestors = analyse(sub, scope, inputs)
             for key, value in sub_counts.items():
                 counts[key] = counts.get(key, 0) + value

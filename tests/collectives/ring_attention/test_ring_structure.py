@@ -15,6 +15,7 @@ import shardfuse as sf
 from shardfuse.collectives.ring_attention.api import ring_attention
 from shardfuse.kernels.attention import native_cpu
 from tests.collectives.ring_attention.ring_cases import ring_mesh
+from tests.jaxprs import sub_jaxprs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,16 +34,6 @@ COLLECTIVES = {
 }
 
 
-def _sub_jaxprs(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _sub_jaxprs(item)
-
-
 def collectives_in(jaxpr):
     """`[(primitive name, [(shape, dtype) of each operand])]` over the jaxpr and every sub-jaxpr."""
     found = []
@@ -50,9 +41,8 @@ def collectives_in(jaxpr):
         name = eqn.primitive.name
         if name in COLLECTIVES or "all_gather" in name or "all_to_all" in name:
             found.append((name, [(tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars]))
-        for param in eqn.params.values():
-            for sub in _sub_jaxprs(param):
-                found += collectives_in(sub)
+        for sub in sub_jaxprs(eqn):
+            found += collectives_in(sub)
     return found
 
 

@@ -16,18 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import shardfuse as sf
 from tests.collectives.ring_attention.test_ring_structure import collectives_in
+from tests.jaxprs import sub_jaxprs
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _sub_jaxprs(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _sub_jaxprs(item)
 
 
 def _axes_of(jaxpr, primitive):
@@ -37,9 +28,8 @@ def _axes_of(jaxpr, primitive):
         if eqn.primitive.name == primitive:
             axes = eqn.params.get("axis_name", eqn.params.get("axes"))
             found.append(tuple(axes) if isinstance(axes, (tuple, list)) else (axes,))
-        for param in eqn.params.values():
-            for sub in _sub_jaxprs(param):
-                found += _axes_of(sub, primitive)
+        for sub in sub_jaxprs(eqn):
+            found += _axes_of(sub, primitive)
     return found
 
 
