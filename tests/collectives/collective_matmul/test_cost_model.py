@@ -11,7 +11,7 @@ from shardfuse.collectives.collective_matmul import cost_model
 from shardfuse.collectives.collective_matmul.cost_model import PRESETS, Hardware, ring_cost
 from shardfuse.models import MODELS
 from tests.collectives.collective_matmul.common import Case
-from tests.collectives.collective_matmul.test_structure import _sub_jaxprs
+from tests.jaxprs import sub_jaxprs
 
 M, C, F = 8192, 4096, 14336
 
@@ -104,7 +104,7 @@ def _ppermute_bytes(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "ppermute":
             total += sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars)
-        for sub in _sub_jaxprs(eqn):
+        for sub in sub_jaxprs(eqn):
             total += _ppermute_bytes(sub)
     return total
 

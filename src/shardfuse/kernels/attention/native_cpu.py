@@ -93,6 +93,15 @@ def default_threads() -> int:
     return max(1, cores // max(1, jax.local_device_count("cpu")))
 
 
+def extension_module():
+    """The loaded `shardfuse._native` extension (the attention and grouped matmul kernels').
+
+    Raises:
+      NotImplementedError: it is not built here (the message says why).
+    """
+    return _extension()
+
+
 def build_info() -> dict:
     """What the extension was compiled for, `{}` without it.
 

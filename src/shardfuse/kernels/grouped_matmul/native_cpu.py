@@ -72,7 +72,7 @@ def executed_macs() -> int:
       >>> native_cpu.executed_macs() - before  # rows 0-2 (3 of 6) x 3 columns x depth 4
       36
     """
-    module = extension._extension()
+    module = extension.extension_module()
     if not hasattr(module, "grouped_matmul_macs"):
         raise NotImplementedError("the native extension predates grouped_matmul_macs; rebuild it")
     return int(module.grouped_matmul_macs())
