@@ -122,27 +122,25 @@ def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None,
     ep = lax.axis_size(axis_name)
     A, F = rows.shape
     dest, pos, counts, starts = _routing(experts, num_experts, ep)
-    recv_counts = _exchange(counts, axis_name)
-    plan = dict(dest=dest, pos=pos, counts=counts, starts=starts, recv_counts=recv_counts)
+    plan = dict(dest=dest, pos=pos, counts=counts, starts=starts)
     if implementation == "dense":
         with jax.named_scope("expert_dispatch_dense"):
-            if _ids_fit(num_experts, rows.dtype):  # the ids ride in the rows' all-to-all
-                pad = jnp.full((ep, A, F), pad_value, rows.dtype)
-                pad = jnp.concatenate([pad, _id_columns(jnp.full((ep, A), num_experts), pad)], -1)
+            fold = _ids_fit(num_experts, rows.dtype)  # the ids ride in the rows' all-to-all
+            payload, send = rows, jnp.full((ep, A, F), pad_value, rows.dtype)
+            if fold:
                 payload = jnp.concatenate([rows, _id_columns(experts, rows)], -1)
-                send = pad.at[dest, pos].set(payload, mode="drop")
-                received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F + 2]
-                received_ids = _read_ids(received[..., F:])
-                received = received[..., :F]
+                padding = _id_columns(jnp.full((ep, A), num_experts), send)
+                send = jnp.concatenate([send, padding], -1)
+            send = send.at[dest, pos].set(payload, mode="drop")
+            received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F (+ 2)]
+            if fold:
+                received_ids, received = _read_ids(received[..., F:]), received[..., :F]
             else:
-                send = (
-                    jnp.full((ep, A, F), pad_value, rows.dtype).at[dest, pos].set(rows, mode="drop")
-                )
                 ids = jnp.full((ep, A), num_experts, jnp.int32)
                 ids = ids.at[dest, pos].set(experts, mode="drop")
-                received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F]
                 received_ids = lax.all_to_all(ids, axis_name, 0, 0, tiled=True)
         return received.reshape(ep * A, F), received_ids.reshape(ep * A), plan
+    recv_counts = plan["recv_counts"] = _exchange(counts, axis_name)
     me = lax.axis_index(axis_name)
     plan["recv_starts"] = _exchange(starts, axis_name)
     with jax.named_scope("expert_dispatch_ragged"):

@@ -195,6 +195,21 @@ def expert_rows(bias, row_experts, offset=None):
     return jnp.where(held[:, None], bias[jnp.clip(index, 0, local - 1)], 0).astype(bias.dtype)
 
 
+def check_dispatch_chunks(dispatch_chunks) -> None:
+    """ValueError naming `dispatch_chunks` unless it is an int >= 1 (`ParallelMoE`'s and
+    `RunOptions`' option).
+
+    Example:
+      >>> check_dispatch_chunks(0)
+      Traceback (most recent call last):
+      ...
+      ValueError: dispatch_chunks=0 must be an int >= 1
+    """
+    ok = isinstance(dispatch_chunks, int) and not isinstance(dispatch_chunks, bool)
+    if not ok or dispatch_chunks < 1:
+        raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
+
+
 def routed_experts(rows, row_experts, sizes, gate_up, down, *, act, offset=None,
                    gate_up_bias=None, down_bias=None, add_down_bias=True, implementation=None,
                    precision=None):  # fmt: skip
@@ -366,10 +381,7 @@ class ParallelMoE(nnx.Module):
             raise ValueError(f"expert_bias={expert_bias!r} must be True or False")
         if dispatch_implementation is not None:
             expert_dispatch.check_implementation(dispatch_implementation)
-        if isinstance(dispatch_chunks, bool) or not isinstance(dispatch_chunks, int):
-            raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
-        if dispatch_chunks < 1:
-            raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
+        check_dispatch_chunks(dispatch_chunks)
         options = options_lib.configure(self, options, sequence_parallel=False)
         mesh = self.mesh
         fsdp_lib.check_kernel("features", features, mesh, self.zero)
@@ -667,6 +679,7 @@ __all__ = [
     "STATS",
     "MoEStats",
     "ParallelMoE",
+    "check_dispatch_chunks",
     "expert_kernel_init",
     "moe_aux_loss",
     "moe_stats",

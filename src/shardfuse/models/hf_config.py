@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from shardfuse.model_spec import ModelSpec, rope_scaling_parameters
+from shardfuse.model_spec import SWIGLU_ALPHA, SWIGLU_LIMIT, ModelSpec, rope_scaling_parameters
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -40,8 +40,8 @@ GPT_OSS_DEFAULTS = dict(
     num_experts_per_tok=4,
     head_dim=64,
     attention_bias=True,
-    swiglu_alpha=1.702,
-    swiglu_limit=7.0,
+    swiglu_alpha=SWIGLU_ALPHA,
+    swiglu_limit=SWIGLU_LIMIT,
 )  # fmt: skip
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}

@@ -30,6 +30,7 @@ import warnings
 
 from shardfuse._keywords import renamed_keywords
 from shardfuse.collectives.ring_attention.layouts import check_layout
+from shardfuse.layers.moe import check_dispatch_chunks
 from shardfuse.layers.options import LayerOptions
 from shardfuse.parallel.pipeline.schedule import check_schedule
 
@@ -174,10 +175,7 @@ def check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef, dispatch_chun
         raise ValueError(
             f"capacity_factor={capacity_factor!r} must be None (dropless) or a number > 0"
         )
-    if isinstance(dispatch_chunks, bool) or not isinstance(dispatch_chunks, int):
-        raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
-    if dispatch_chunks < 1:
-        raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
+    check_dispatch_chunks(dispatch_chunks)
     for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
         if not (number(value) and value >= 0):
             raise ValueError(f"{name}={value!r} must be a number >= 0 (0 turns the loss off)")
