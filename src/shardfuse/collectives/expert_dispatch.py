@@ -62,11 +62,22 @@ def check_implementation(implementation) -> str:
 def _routing(experts, num_experts: int, ep: int):
     """Destination, position in its chunk, per-destination counts and starts of each row."""
     per_device = num_experts // ep
-    dest = experts // per_device  # [A]; the sentinel E gives ep (dropped)
-    counts = jnp.zeros((ep,), jnp.int32).at[dest].add(1, mode="drop")
-    starts = jnp.cumsum(counts) - counts
-    pos = jnp.arange(experts.shape[0], dtype=jnp.int32) - starts[jnp.minimum(dest, ep - 1)]
+    dest = experts // per_device  # [A], sorted; the sentinel E gives ep (dropped)
+    # Rows bound for the devices before each device, and up to it: one compare-and-count
+    # fusion each (a scatter-add and a cumsum, which XLA:CPU runs as several ops, before).
+    devices = jnp.arange(ep, dtype=dest.dtype)[:, None]
+    starts = jnp.sum(dest[None, :] < devices, axis=1, dtype=jnp.int32)
+    counts = jnp.sum(dest[None, :] <= devices, axis=1, dtype=jnp.int32) - starts
+    pos = jnp.arange(experts.shape[0], dtype=jnp.int32) - take_rows(
+        starts, jnp.minimum(dest, ep - 1)
+    )
     return dest, pos, counts, starts
+
+
+def take_rows(x, index):
+    """`x[index]` for indices known to be in bounds: a bare gather (no wrapping of
+    negative indices, no clamping: each an op of its own on XLA:CPU)."""
+    return x.at[index].get(mode="promise_in_bounds", wrap_negative_indices=False)
 
 
 # The dense dispatch sends each row's expert id as two extra columns of the rows' own
@@ -126,19 +137,23 @@ def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None,
     if implementation == "dense":
         with jax.named_scope("expert_dispatch_dense"):
             fold = _ids_fit(num_experts, rows.dtype)  # the ids ride in the rows' all-to-all
-            payload, send = rows, jnp.full((ep, A, F), pad_value, rows.dtype)
+            # Row i goes to flat row `dest * A + pos` of the [EP * A] send buffer (unique
+            # positions; a dropped row's lies past the end and is dropped).
+            flat = plan["flat"] = dest * A + pos
+            payload, send = rows, jnp.full((ep * A, F), pad_value, rows.dtype)
             if fold:
                 payload = jnp.concatenate([rows, _id_columns(experts, rows)], -1)
-                padding = _id_columns(jnp.full((ep, A), num_experts), send)
+                padding = _id_columns(jnp.full((ep * A,), num_experts), send)
                 send = jnp.concatenate([send, padding], -1)
-            send = send.at[dest, pos].set(payload, mode="drop")
+            send = send.at[flat].set(payload, mode="drop", unique_indices=True)
+            send = send.reshape(ep, A, -1)
             received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F (+ 2)]
             if fold:
                 received_ids, received = _read_ids(received[..., F:]), received[..., :F]
             else:
-                ids = jnp.full((ep, A), num_experts, jnp.int32)
-                ids = ids.at[dest, pos].set(experts, mode="drop")
-                received_ids = lax.all_to_all(ids, axis_name, 0, 0, tiled=True)
+                ids = jnp.full((ep * A,), num_experts, jnp.int32)
+                ids = ids.at[flat].set(experts, mode="drop", unique_indices=True)
+                received_ids = lax.all_to_all(ids.reshape(ep, A), axis_name, 0, 0, tiled=True)
         return received.reshape(ep * A, F), received_ids.reshape(ep * A), plan
     recv_counts = plan["recv_counts"] = _exchange(counts, axis_name)
     me = lax.axis_index(axis_name)
@@ -172,12 +187,11 @@ def combine(results, plan: dict, *, axis_name, implementation=None):
     ep = lax.axis_size(axis_name)
     A = plan["dest"].shape[0]
     F = results.shape[-1]
-    dest, pos = plan["dest"], plan["pos"]
     if implementation == "dense":
         with jax.named_scope("expert_combine_dense"):
             back = lax.all_to_all(results.reshape(ep, A, F), axis_name, 0, 0, tiled=True)
-            valid = dest < ep
-            rows = back[jnp.minimum(dest, ep - 1), jnp.clip(pos, 0, A - 1)]
+            valid = plan["dest"] < ep
+            rows = take_rows(back.reshape(ep * A, F), jnp.where(valid, plan["flat"], 0))
         return jnp.where(valid[:, None], rows, jnp.zeros((), results.dtype))
     with jax.named_scope("expert_combine_ragged"):
         in_offsets = jnp.arange(ep, dtype=jnp.int32) * A
@@ -192,4 +206,5 @@ __all__ = [
     "combine",
     "default_implementation",
     "dispatch",
+    "take_rows",
 ]

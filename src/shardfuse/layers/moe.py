@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives import expert_dispatch
+from shardfuse.collectives.expert_dispatch import take_rows
 from shardfuse.kernels.grouped_matmul.api import grouped_matmul
 from shardfuse.kernels.vma import match_varying
 from shardfuse.layers import _sharding
@@ -173,14 +174,16 @@ def sort_slots(experts, num_experts: int, capacity_factor: float | None = None):
         keep = jnp.zeros((n * k,), bool).at[order].set(rank < capacity)
         slot_experts = jnp.where(keep, slot_experts, E)
     order = jnp.argsort(slot_experts, stable=True)
-    return order, slot_experts[order]
+    return order, take_rows(slot_experts, order)
 
 
 def combine_slots(y_sorted, order, weights):
     """The routed outputs `y_sorted` `[n x k, F]` (in `sort_slots`' order) back to their
     tokens, weighted by `weights` `[n, k]` and summed: float32 `[n, F]`."""
     n, k = weights.shape
-    y_slots = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(k, n, -1)
+    y_slots = (
+        jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).reshape(k, n, -1)
+    )
     return jnp.einsum("NK,KNF->NF", weights, y_slots.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)  # fmt: skip
 
@@ -535,13 +538,16 @@ class ParallelMoE(nnx.Module):
             )
             received = checkpoint_name(received, "moe_dispatch")
         with jax.named_scope("experts"):
-            local_order = jnp.argsort(received_e, stable=True)
-            local_e = received_e[local_order]
-            xs = jnp.where((local_e < E)[:, None], received[local_order], 0)
-            sizes = jnp.zeros((E,), jnp.int32).at[local_e].add(1, mode="drop")
-            offset = lax.axis_index(self.expert_axis) * (E // ep)
-            ys = self._experts(xs, local_e, sizes, offset, gate_up, down, gate_up_bias, down_bias)
-            ys = jnp.zeros_like(ys).at[local_order].set(ys)  # back to the receive order
+            # Each row's expert among this device's E / EP (the padding's E - offset is past
+            # them): the grouped matmuls then take this shard's sizes with no group offset.
+            local = received_e - lax.axis_index(self.expert_axis) * (E // ep)
+            local_order = jnp.argsort(local, stable=True)
+            local_e = take_rows(local, local_order)
+            xs = jnp.where((local_e < E // ep)[:, None], take_rows(received, local_order), 0)
+            sizes = jnp.zeros((E // ep,), jnp.int32).at[local_e].add(1, mode="drop")
+            ys = self._experts(xs, local_e, sizes, None, gate_up, down, gate_up_bias, down_bias)
+            # Back to the receive order (a permutation: unique indices, a plain scatter).
+            ys = jnp.zeros_like(ys).at[local_order].set(ys, unique_indices=True)
         with jax.named_scope("combine"):
             y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
             return checkpoint_name(y_sorted, "moe_combine")
@@ -562,7 +568,7 @@ class ParallelMoE(nnx.Module):
         logits = router_lib.router_logits(xf, router, router_bias)  # [n, E] float32
         experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
         order, sorted_e = sort_slots(experts, E, self.capacity_factor)
-        rows = xf[order % n]  # [A, F]: slot a is token a % n (slot-major)
+        rows = take_rows(xf, order % n)  # [A, F]: slot a is token a % n (slot-major)
         ep = self._ep()
         if ep > 1:
             # Chunks of consecutive sorted slots (each still sorted, the dropped rows in
