@@ -17,9 +17,9 @@ from shardfuse.planner.published import MOE_RUNS, predict
 from tests.planner.test_validation import MISSES, MOE_MISSES, TOLERANCE
 
 ROUTINGS = {"dropless", "forced balanced", "dropping"}
-# Issue 45 asks for 80% of the MoE runs within 15%; the model holds 10 of 16 (62.5%). The
+# Issue 45 asks for 80% of the MoE runs within 15%; the model holds 11 of 16 (69%). The
 # floor below is what holds today, not the issue's target: the misses are MOE_MISSES.
-HELD_FLOOR = 10 / 16
+HELD_FLOOR = 11 / 16
 
 
 def _system(run):

@@ -43,12 +43,6 @@ MOE_MISSES = {
     "dropless rows differ by 24% (295 / 237 TFLOP/s), 0.087 s a microbatch: the benchmark's "
     "router load (about 1.6 x the mean on the busiest device), of which no measurement is "
     "published; the forced row holds at -8%",
-    "MaxText Mixtral 8x22B v6e dropped": "+15.2% (step time): capacity-padded dense dispatch: "
-    "the experts at 1.25x the routed rows and the one-hot dispatch and combine einsums (2 s k "
-    "c h FLOPs a token, block and einsum: two forward, three backward, a sixth of the layer's "
-    "matmuls), priced at the stated TPU matmul efficiency 0.70; XLA's large matmuls on TPU "
-    "run faster (the v5e 32B miss, the same way; the Mixtral 8x7B dropped runs hold at "
-    "+12% and +4%)",
     "MaxText Llama4 Maverick v5p": "-33% (step time): 128 experts of top 1 under tensor 4; "
     "the model gives 15.8 s of compute (megablox's tiles visited once per group: 1024 rows "
     "an expert, 0.67) and hides 5.8 s of collectives at 0.95 (tensor-parallel all-gathers "

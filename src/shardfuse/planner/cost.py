@@ -30,7 +30,9 @@ matmuls, all-to-alls and permutation once more; a grouped matmul whose row tiles
 are visited once per group (`Assumptions.grouped_matmul_row_tile`, megablox)
 runs at its tile visits' efficiency (`Step.grouped_matmul_efficiency`). A capacity-padded
 dense dispatch permutes nothing (its one-hot einsums are matmuls: two forward, three
-backward) and runs the experts' activation on the padded rows (`elementwise_term`).
+backward), runs the experts' activation on the padded rows (`elementwise_term`), and its
+experts are equal-sized batched einsums, not ragged grouped matmuls (no
+`grouped_matmul_efficiency`: `Step.grouped_matmul_efficiency`).
 An async pipeline's last stage runs the head (logits, loss) beside its layers, or in the
 layer slot the split gives it (`Assumptions.loss_slot`): `pipeline_head`. A system whose MoE
 layers run eager, host-bound (`Assumptions.moe_host_s`: Megatron-Core without CUDA graphs),

@@ -252,6 +252,14 @@ class Step:
         experts (`experts / E`) of `expert_rows` rows each, `(G M / tile) / (G M / tile + G -
         1)`.
 
+        1 where every expert is padded to its capacity (`Assumptions.expert_capacity_padded`
+        with a `capacity_factor`): the experts are then plain batched einsums over static
+        `[experts, batch, capacity, hidden]` buffers (MaxText's `dense_matmul`, layers/
+        linears.py: "EBCM,EMH -> EBCH" up, "EBCH,EHM -> EBCM" down), every group the same
+        size, no ragged group boundary or partial tile for the stated figure to stand for;
+        the padding itself is priced by `cost.expert_imbalance` and small matmuls by
+        `expert_roofline`.
+
         Example:
           >>> from shardfuse import hardware
           >>> from shardfuse.model_spec import ModelSpec
@@ -265,6 +273,9 @@ class Step:
           >>> step.expert_rows, round(step.grouped_matmul_efficiency, 3)  # 64 tiles, 191 visits
           (256.0, 0.335)
         """
+        if (self.a.expert_capacity_padded and self.model.moe_layers
+                and self.parallelism.options.capacity_factor is not None):  # fmt: skip
+            return 1.0
         tile = self.a.grouped_matmul_row_tile
         if not tile or not self.model.moe_layers:
             return self.a.grouped_matmul_efficiency
