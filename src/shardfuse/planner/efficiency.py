@@ -117,6 +117,30 @@ planner's error.
 """
 
 
+# The most loaded device's routed work over the mean, in dropless routing over an expert
+# axis (`Assumptions.expert_imbalance`): measured, not fitted.
+_FEPLB_IDLE_FRACTION = 0.186  # GLM-5 MoE layers, 128 experts, EP 8, H100s
+EXPERT_IMBALANCE = 1 / (1 - _FEPLB_IDLE_FRACTION)
+"""The most loaded device's share of a dropless MoE layer's routed work over the mean: 1.23.
+
+Source: Qi, Liu and Zhao 2026, "FEPLB: Exploiting Copy Engines for Nearly Free MoE Load
+Balancing in Distributed Training" (arXiv:2604.19654), sec. 1 and Fig. 1(b): on GLM-5's MoE
+layers (128 routed experts, no auxiliary loss, EP = 8, H100s) the per-micro-batch load
+imbalance "wastes 18.6% of GPU time per MoE layer on average" (the figure as the paper's
+stored technical review, zzz0906.github.io 2026-04-24 and 04-29, quotes it; the paper's
+body is not stored here). A synchronous layer lasts as long as its most loaded device, so
+the average device idles `1 - mean / max` of it: `max / mean = 1 / (1 - 0.186)` = 1.229.
+A lower bound of the routed work's own ratio where the layer time holds load-independent
+parts too. A trained router balanced over the batch, not the micro-batch (GLM-5 without an
+auxiliary loss; Qwen3's global-batch balancing loss is the same regime), on real text; not
+one of `published.RUNS` and not fitted to any of them. Per-expert max / mean changes by at
+most 5% from EP 4 to 32 on real text (Ma et al. 2026, "Diagnosing Overhead in Dispatch
+Operations", arXiv:2605.20982, abstract): taken for every expert-axis size. It replaces the
+stated 1.15 of the planner before (no source: "inside the 1.1-1.25 that auxiliary-loss-
+balanced routers leave at scale").
+"""
+
+
 def _lookup(table, key, default):
     for prefix in sorted(table, key=len, reverse=True):
         if key.startswith(prefix):

@@ -25,6 +25,7 @@ from shardfuse.flops import REMAT_POLICIES as REMAT_POLICIES  # remat changes th
 from shardfuse.layers.fsdp import ZERO_STAGES as ZERO_STAGES  # their one home
 from shardfuse.parallel.options import RunOptions
 from shardfuse.parallel.pipeline.schedule import SCHEDULES as SCHEDULES  # their one home
+from shardfuse.planner.efficiency import EXPERT_IMBALANCE
 
 # The expert axis (issue 44): `axes.EXPERT` where the axes module declares it; until then
 # the planner places it where the issue does, between fsdp and sequence. Merge note: with
@@ -225,9 +226,9 @@ class Assumptions:
       expert_imbalance: mixture of experts over an expert axis > 1: the most loaded
         device's routed tokens over the mean, which every device waits for (the
         routed experts' compute is charged this factor; a `capacity_factor` caps
-        it). STATED, not measured: 1.15 by default, inside the 1.1-1.25 that
-        auxiliary-loss-balanced routers leave at scale (a trained router's load;
-        an untrained one is worse).
+        it). Measured: `efficiency.EXPERT_IMBALANCE` (1.229) by default, a trained
+        router's per-micro-batch load over EP 8 (FEPLB, arXiv:2604.19654: GLM-5, 128
+        experts, H100s; its sources there); an untrained one may be worse.
       grouped_matmul_efficiency: the routed experts' grouped matmuls reach this
         fraction of the dense matmul efficiency (ragged groups, partial tiles at
         group boundaries, smaller matmuls per expert). STATED: 0.85 by default
@@ -312,7 +313,7 @@ class Assumptions:
     donate: bool = True
     offload_gb_per_s: float = 50.0
     reserved_fraction: float = 0.1
-    expert_imbalance: float = 1.15
+    expert_imbalance: float = EXPERT_IMBALANCE
     grouped_matmul_efficiency: float = 0.85
     ep_overlap: bool = False
     ep_node_dedup: bool = False
