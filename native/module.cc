@@ -5,12 +5,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
+#include <climits>
 #include <exception>
 #include <string>
 #include <utility>
 
 #include "attention.h"
 #include "grouped_matmul.h"
+#include "moe_experts.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -187,6 +190,75 @@ ffi::Error GroupedMatmulTransposed(ffi::AnyBuffer x, ffi::AnyBuffer y,
   });
 }
 
+
+// rows [R, F], ids [R], gate_up [G, F, 2H], down [G, H, F], all of one type (float32 or
+// bfloat16), and the H they imply; an error for anything else.
+ffi::Error check_experts(const ffi::AnyBuffer& rows, const ffi::Buffer<ffi::S32>& ids,
+                         const ffi::AnyBuffer& gate_up, const ffi::AnyBuffer& down, int64_t* H) {
+  auto rd = rows.dimensions(), id = ids.dimensions();
+  auto gd = gate_up.dimensions(), dd = down.dimensions();
+  if (rd.size() != 2 || id.size() != 1 || gd.size() != 3 || dd.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "rows, ids, gate_up and down must be [R, F], [R], [G, F, 2H] and [G, H, F]");
+  if (!is_f32_or_bf16(rows) || gate_up.element_type() != rows.element_type() ||
+      down.element_type() != rows.element_type())
+    return ffi::Error::InvalidArgument("rows, gate_up and down must be all float32 or bfloat16");
+  *H = dd[1];
+  if (id[0] != rd[0] || gd[1] != rd[1] || gd[2] != 2 * *H || dd[0] != gd[0] || dd[2] != rd[1])
+    return ffi::Error::InvalidArgument("shapes do not fit rows [R, F] through experts [G, F, 2H], "
+                                       "[G, H, F]");
+  if (gd[0] > INT32_MAX) return ffi::Error::InvalidArgument("too many experts");
+  return ffi::Error::Success();
+}
+
+bool same_shape_and_type(const ffi::AnyBuffer& x, const ffi::AnyBuffer& like) {
+  auto a = x.dimensions(), b = like.dimensions();
+  return x.element_type() == like.element_type() && a.size() == b.size() &&
+         std::equal(a.begin(), a.end(), b.begin());
+}
+
+ffi::Error MoeExpertsForward(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer gate_up,
+                             ffi::AnyBuffer down, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::AnyBuffer> h) {
+  int64_t H = 0;
+  ffi::Error error = check_experts(rows, ids, gate_up, down, &H);
+  if (error.failure()) return error;
+  const int64_t R = rows.dimensions()[0], F = rows.dimensions()[1];
+  auto hd = h->dimensions();
+  if (!same_shape_and_type(*y, rows) || h->element_type() != rows.element_type() ||
+      hd.size() != 2 || hd[0] != R || hd[1] != 2 * H)
+    return ffi::Error::InvalidArgument("y and h must be [R, F] and [R, 2H] of the rows' type");
+  return guarded([&] {
+    moe_experts_forward(R, F, H, static_cast<int>(gate_up.dimensions()[0]), ids.typed_data(),
+                        rows.untyped_data(), gate_up.untyped_data(), down.untyped_data(),
+                        rows.element_type() == ffi::BF16, y->untyped_data(), h->untyped_data());
+  });
+}
+
+ffi::Error MoeExpertsBackward(ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> ids,
+                              ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::AnyBuffer h,
+                              ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> d_rows,
+                              ffi::Result<ffi::AnyBuffer> d_gate_up,
+                              ffi::Result<ffi::AnyBuffer> d_down) {
+  int64_t H = 0;
+  ffi::Error error = check_experts(rows, ids, gate_up, down, &H);
+  if (error.failure()) return error;
+  const int64_t R = rows.dimensions()[0], F = rows.dimensions()[1];
+  auto hd = h.dimensions();
+  if (h.element_type() != rows.element_type() || hd.size() != 2 || hd[0] != R || hd[1] != 2 * H ||
+      !same_shape_and_type(dy, rows) || !same_shape_and_type(*d_rows, rows) ||
+      !same_shape_and_type(*d_gate_up, gate_up) || !same_shape_and_type(*d_down, down))
+    return ffi::Error::InvalidArgument(
+        "h, dy and the gradients must match the forward's shapes and the rows' type");
+  return guarded([&] {
+    moe_experts_backward(R, F, H, static_cast<int>(gate_up.dimensions()[0]), ids.typed_data(),
+                         rows.untyped_data(), gate_up.untyped_data(), down.untyped_data(),
+                         h.untyped_data(), dy.untyped_data(), rows.element_type() == ffi::BF16,
+                         d_rows->untyped_data(), d_gate_up->untyped_data(),
+                         d_down->untyped_data());
+  });
+}
+
 }  // namespace
 }  // namespace shardfuse
 
@@ -206,6 +278,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseGroupedMatmulTransposed,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseMoeExpertsForward, shardfuse::MoeExpertsForward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardfuseMoeExpertsBackward, shardfuse::MoeExpertsBackward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
 #define SHARDFUSE_ATTRS(binding)                 \
@@ -256,6 +349,8 @@ PyObject* registrations(PyObject*, PyObject*) {
       {"shardfuse_grouped_matmul", reinterpret_cast<void*>(&ShardfuseGroupedMatmul)},
       {"shardfuse_grouped_matmul_transposed",
        reinterpret_cast<void*>(&ShardfuseGroupedMatmulTransposed)},
+      {"shardfuse_moe_experts_forward", reinterpret_cast<void*>(&ShardfuseMoeExpertsForward)},
+      {"shardfuse_moe_experts_backward", reinterpret_cast<void*>(&ShardfuseMoeExpertsBackward)},
   };
   PyObject* dict = PyDict_New();
   if (!dict) return nullptr;

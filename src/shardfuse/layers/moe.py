@@ -14,7 +14,9 @@ scaling), weighted by the router, plus optional shared experts every token uses
 3. the local experts as two grouped matmuls over the sorted rows (`sf.grouped_matmul`
    with `group_offset`: the first local expert), expert tensor parallelism over the
    `model` axis inside each expert (`expert_hidden` split, partial sums reduced once
-   per token with the shared experts');
+   per token with the shared experts'); on the CPU, SwiGLU experts without biases run
+   fused (`native_cpu.swiglu_experts`: the receive side's sort, both grouped matmuls, the
+   activation and the unsort as one C++ custom call each way);
 4. unsort, and combine each token's k results with its router weights.
 
 Checkpoint names (for remat policies): "moe_dispatch" (the received rows), "moe_up",
@@ -57,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardfuse.collectives import expert_dispatch
 from shardfuse.collectives.expert_dispatch import take_rows
+from shardfuse.kernels.grouped_matmul import native_cpu as native_cpu_gmm
 from shardfuse.kernels.grouped_matmul.api import grouped_matmul
 from shardfuse.kernels.vma import match_varying
 from shardfuse.layers import _sharding
@@ -215,14 +218,32 @@ def check_dispatch_chunks(dispatch_chunks) -> None:
 
 def routed_experts(rows, row_experts, sizes, gate_up, down, *, act, offset=None,
                    gate_up_bias=None, down_bias=None, add_down_bias=True, implementation=None,
-                   precision=None):  # fmt: skip
+                   precision=None, activation=None):  # fmt: skip
     """The routed experts on `rows [R, F]` sorted by expert (`row_experts [R]`, `sizes
-    [E]`): `act(rows @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]` per row as
-    two grouped matmuls over this shard's experts (`offset ...`; other rows are zero).
+    [E]` their counts): `act(rows @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]`
+    per row as two grouped matmuls over this shard's experts (`offset ...`; other rows are
+    zero).
 
     `[R, F]`, partial over `model` where the kernels' hidden dimension is split over it:
     then `add_down_bias` is True on one model shard only (the bias is added once).
+
+    Where `activation` is "swiglu" (what `act` computes), there are no biases and the
+    native CPU kernels run these operands (`implementation` None or "native_cpu";
+    `native_cpu.swiglu_experts_supported`), the whole is one fused custom call each way
+    (`native_cpu.swiglu_experts`: the same result, the same multiply-adds, a few XLA ops
+    instead of some thirty).
     """
+    fused = (
+        activation == "swiglu"
+        and gate_up_bias is None
+        and down_bias is None
+        and implementation in (None, "native_cpu")
+        and native_cpu_gmm.swiglu_experts_supported(rows, gate_up, down)
+    )
+    if fused:
+        ids = row_experts - (0 if offset is None else offset)
+        y = native_cpu_gmm.swiglu_experts(rows, ids, gate_up, down)
+        return checkpoint_name(y, "moe_down")
     gmm = dict(group_offset=offset, implementation=implementation, precision=precision)
     h = grouped_matmul(rows, gate_up, sizes, **gmm)  # [R, 2H/m]
     if gate_up_bias is not None:
@@ -526,6 +547,7 @@ class ParallelMoE(nnx.Module):
             rows, row_experts, sizes, gate_up, down, act=self.activate, offset=offset,
             gate_up_bias=gate_up_bias, down_bias=down_bias, add_down_bias=first_model_shard,
             implementation=self.grouped_matmul_implementation, precision=self.precision,
+            activation=self.activation,
         )  # fmt: skip
 
     def _expert_parallel(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):

@@ -166,7 +166,7 @@ def _moe(spec, tp, ep, p, h):
     d = moe_lib.routed_experts(
         rows, sorted_e, sizes, cast("gate_up"), cast("moe_down"), act=act, offset=offset,
         gate_up_bias=cast("gate_up_b"), down_bias=cast("moe_down_b"),
-        add_down_bias=lax.axis_index(MODEL) == 0 if tp > 1 else True,
+        add_down_bias=lax.axis_index(MODEL) == 0 if tp > 1 else True, activation=spec.activation,
     )  # fmt: skip
     y = moe_lib.combine_slots(d, order, weights)
     if ep > 1:

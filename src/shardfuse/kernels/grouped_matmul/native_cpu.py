@@ -18,11 +18,17 @@ precision (any `precision` is met or exceeded); operands on one device or
 inside `shard_map`. Anything else (float16, another platform, a build without
 the extension, operands XLA partitions outside `shard_map`) raises
 NotImplementedError, so that dispatch falls back to `xla`.
+
+Also here: `swiglu_experts`, a mixture-of-experts layer's routed SwiGLU experts fused
+(`native/moe_experts.cc`: the rows' sort by expert, both grouped matmuls on the kernels
+above, the activation and the unsort in one custom call forward and one backward), which
+`sf.layers.ParallelMoE` runs on the CPU where its experts have no biases.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from shardfuse.kernels import vma
 from shardfuse.kernels.attention import native_cpu as extension
@@ -110,3 +116,108 @@ def grouped_matmul(config: base.GroupedMatmulConfig, lhs, rhs, sizes, start):
     """The native CPU kernels on validated inputs; differentiable (`base.differentiable`)."""
     _check(lhs, rhs, out_dtype=config.out_dtype)  # refuse before tracing: dispatch falls back
     return _grouped_matmul(config, lhs, rhs, sizes, start)
+
+
+# --- the fused routed SwiGLU experts (native/moe_experts.cc) --------------------------------
+
+_EXPERTS_FORWARD = "shardfuse_moe_experts_forward"
+_EXPERTS_BACKWARD = "shardfuse_moe_experts_backward"
+
+
+def swiglu_experts_supported(rows, gate_up, down) -> bool:
+    """Whether `swiglu_experts` runs these operands here: the CPU backend with an extension
+    that has the fused kernels, rows `[R, F]` and experts `[G, F, 2H]`, `[G, H, F]` all float32
+    or all bfloat16, on one device or inside `shard_map` (callers fall back otherwise)."""
+    try:
+        _check(rows, gate_up, down, out_dtype=rows.dtype)
+        if _EXPERTS_FORWARD not in extension.extension_module().registrations():
+            return False
+    except NotImplementedError:
+        return False
+    shapes = rows.ndim == 2 and gate_up.ndim == 3 and down.ndim == 3
+    return (
+        shapes
+        and rows.dtype == gate_up.dtype == down.dtype
+        and gate_up.shape[1] == rows.shape[1] == down.shape[2]
+        and gate_up.shape[2] == 2 * down.shape[1]
+        and gate_up.shape[0] == down.shape[0]
+    )
+
+
+@jax.custom_vjp
+def _swiglu_experts(rows, ids, gate_up, down):
+    return _experts_forward(rows, ids, gate_up, down)[0]
+
+
+def _experts_forward(rows, ids, gate_up, down):
+    R, H = rows.shape[0], down.shape[1]
+    out_types = (
+        vma.ffi_result(rows.shape, rows.dtype, rows),
+        vma.ffi_result((R, 2 * H), rows.dtype, rows),
+    )
+    call = jax.ffi.ffi_call(_EXPERTS_FORWARD, out_types, vmap_method="sequential")
+    return call(rows, ids, gate_up, down)
+
+
+def _swiglu_experts_fwd(rows, ids, gate_up, down):
+    y, h = _experts_forward(rows, ids, gate_up, down)
+    # The up projection (the backward's residual): named as the unfused path names it, so
+    # that remat policies saving "moe_up" keep it.
+    h = checkpoint_name(h, "moe_up")
+    return y, (rows, ids, gate_up, down, h)
+
+
+def _swiglu_experts_bwd(residuals, dy):
+    rows, ids, gate_up, down, h = residuals
+    out_types = tuple(vma.ffi_result(x.shape, x.dtype, rows) for x in (rows, gate_up, down))
+    call = jax.ffi.ffi_call(_EXPERTS_BACKWARD, out_types, vmap_method="sequential")
+    d_rows, d_gate_up, d_down = call(rows, ids, gate_up, down, h, dy.astype(rows.dtype))
+    return d_rows, None, d_gate_up, d_down
+
+
+_swiglu_experts.defvjp(_swiglu_experts_fwd, _swiglu_experts_bwd)
+
+
+def swiglu_experts(rows, ids, gate_up, down):
+    """The routed SwiGLU experts on unsorted rows in one custom call each way (forward and
+    backward): `y[r] = (silu(gate) * up)(rows[r] @ gate_up[ids[r]]) @ down[ids[r]]`, zero
+    for a row whose id is outside `[0, G)` (another shard's expert, or a dropped or padding
+    slot).
+
+    The C++ kernels sort the rows by expert (a stable counting sort), run the grouped
+    matmuls and the activation between them, and scatter the results back; the backward
+    recomputes the sort and the activation from the saved up projection `h [R, 2H]` (named
+    "moe_up" for remat policies). What XLA would run as some thirty ops a layer (the sort,
+    gathers, scatters, the activation and their transposes) is two custom calls. The same
+    multiply-adds as the unfused grouped matmuls (`executed_macs` counts them).
+
+    Args:
+      rows: `[R, F]` float32 or bfloat16.
+      ids: `[R]` int32, each row's expert among this shard's G.
+      gate_up: `[G, F, 2H]`, interleaved `(gate_0, up_0, gate_1, ...)` columns (the layers'
+        "swiglu"), of the rows' dtype.
+      down: `[G, H, F]`, of the rows' dtype.
+
+    Returns:
+      `[R, F]` in the rows' dtype; differentiable in rows, gate_up and down.
+
+    Raises:
+      NotImplementedError: `swiglu_experts_supported` is False for these operands.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from shardfuse.kernels.grouped_matmul import native_cpu
+      >>> rows = jnp.ones((3, 4))
+      >>> gate_up, down = jnp.ones((2, 4, 6)), jnp.ones((2, 3, 4))
+      >>> y = native_cpu.swiglu_experts(rows, jnp.array([1, 5, 0]), gate_up, down)
+      >>> y[:, 0].round(2).tolist()  # 3 x silu(4) x 4; row 1's expert is not held: 0
+      [47.14, 0.0, 47.14]
+    """
+    if not swiglu_experts_supported(rows, gate_up, down):
+        raise NotImplementedError(
+            "swiglu_experts runs float32 or bfloat16 rows [R, F] and experts [G, F, 2H], "
+            "[G, H, F] of one dtype, on the CPU, per device, with the native extension"
+        )
+    ids = ids.astype(jnp.int32)
+    rows, ids, gate_up, down = vma.match_varying(rows, ids, gate_up, down)
+    return _swiglu_experts(rows, ids, gate_up, down)
