@@ -181,12 +181,13 @@ def sort_slots(experts, num_experts: int, capacity_factor: float | None = None):
 
 
 def combine_slots(y_sorted, order, weights):
-    """The routed outputs `y_sorted` `[n x k, F]` (in `sort_slots`' order) back to their
-    tokens, weighted by `weights` `[n, k]` and summed: float32 `[n, F]`."""
+    """The routed outputs `y_sorted` `[n x k, F]` (in `sort_slots`' order; slot order where
+    `order` is None) back to their tokens, weighted by `weights` `[n, k]` and summed:
+    float32 `[n, F]`."""
     n, k = weights.shape
-    y_slots = (
-        jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).reshape(k, n, -1)
-    )
+    if order is not None:
+        y_sorted = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
+    y_slots = y_sorted.reshape(k, n, -1)
     return jnp.einsum("NK,KNF->NF", weights, y_slots.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)  # fmt: skip
 
@@ -216,6 +217,21 @@ def check_dispatch_chunks(dispatch_chunks) -> None:
         raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an int >= 1")
 
 
+def fused_experts(activation, implementation, rows, gate_up, down, gate_up_bias=None,
+                  down_bias=None) -> bool:  # fmt: skip
+    """Whether `routed_experts` runs these experts as the fused CPU kernels
+    (`native_cpu.swiglu_experts`): "swiglu" experts without biases, `implementation` None
+    or "native_cpu", operands the kernels run (`native_cpu.swiglu_experts_supported`). The
+    fused kernels take the rows in any order (they sort by expert themselves)."""
+    return (
+        activation == "swiglu"
+        and gate_up_bias is None
+        and down_bias is None
+        and implementation in (None, "native_cpu")
+        and native_cpu_gmm.swiglu_experts_supported(rows, gate_up, down)
+    )
+
+
 def routed_experts(rows, row_experts, sizes, gate_up, down, *, act, offset=None,
                    gate_up_bias=None, down_bias=None, add_down_bias=True, implementation=None,
                    precision=None, activation=None):  # fmt: skip
@@ -233,14 +249,7 @@ def routed_experts(rows, row_experts, sizes, gate_up, down, *, act, offset=None,
     (`native_cpu.swiglu_experts`: the same result, the same multiply-adds, a few XLA ops
     instead of some thirty).
     """
-    fused = (
-        activation == "swiglu"
-        and gate_up_bias is None
-        and down_bias is None
-        and implementation in (None, "native_cpu")
-        and native_cpu_gmm.swiglu_experts_supported(rows, gate_up, down)
-    )
-    if fused:
+    if fused_experts(activation, implementation, rows, gate_up, down, gate_up_bias, down_bias):
         ids = row_experts - (0 if offset is None else offset)
         y = native_cpu_gmm.swiglu_experts(rows, ids, gate_up, down)
         return checkpoint_name(y, "moe_down")
@@ -552,7 +561,7 @@ class ParallelMoE(nnx.Module):
 
     def _expert_parallel(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):
         """Rows sorted by expert -> their experts' devices -> SwiGLU -> back: `[A, F]`."""
-        E, ep = self.num_experts, self._ep()
+        E = self.num_experts
         plan_args = dict(axis_name=self.expert_axis, implementation=self.dispatch_implementation)
         with jax.named_scope("dispatch"):
             received, received_e, plan = expert_dispatch.dispatch(
@@ -560,19 +569,33 @@ class ParallelMoE(nnx.Module):
             )
             received = checkpoint_name(received, "moe_dispatch")
         with jax.named_scope("experts"):
-            # Each row's expert among this device's E / EP (the padding's E - offset is past
-            # them): the grouped matmuls then take this shard's sizes with no group offset.
-            local = received_e - lax.axis_index(self.expert_axis) * (E // ep)
-            local_order = jnp.argsort(local, stable=True)
-            local_e = take_rows(local, local_order)
-            xs = jnp.where((local_e < E // ep)[:, None], take_rows(received, local_order), 0)
-            sizes = jnp.zeros((E // ep,), jnp.int32).at[local_e].add(1, mode="drop")
-            ys = self._experts(xs, local_e, sizes, None, gate_up, down, gate_up_bias, down_bias)
-            # Back to the receive order (a permutation: unique indices, a plain scatter).
-            ys = jnp.zeros_like(ys).at[local_order].set(ys, unique_indices=True)
+            ys = self._received_experts(received, received_e, gate_up, down, gate_up_bias,
+                                        down_bias)  # fmt: skip
         with jax.named_scope("combine"):
             y_sorted = expert_dispatch.combine(ys, plan, **plan_args)  # [A, F]
             return checkpoint_name(y_sorted, "moe_combine")
+
+    def _received_experts(self, received, received_e, gate_up, down, gate_up_bias, down_bias):
+        """This device's experts on the receive buffer, results in the receive order."""
+        E, ep = self.num_experts, self._ep()
+        # Each row's expert among this device's E / EP (the padding's E - offset is past
+        # them): the grouped matmuls then take this shard's sizes with no group offset.
+        local = received_e - lax.axis_index(self.expert_axis) * (E // ep)
+        if self._fused_experts(received, gate_up, down, gate_up_bias, down_bias):
+            # The fused kernels sort by expert themselves and skip the padding rows.
+            return self._experts(received, local, None, None, gate_up, down, None, None)
+        local_order = jnp.argsort(local, stable=True)
+        local_e = take_rows(local, local_order)
+        xs = jnp.where((local_e < E // ep)[:, None], take_rows(received, local_order), 0)
+        sizes = jnp.zeros((E // ep,), jnp.int32).at[local_e].add(1, mode="drop")
+        ys = self._experts(xs, local_e, sizes, None, gate_up, down, gate_up_bias, down_bias)
+        # Back to the receive order (a permutation: unique indices, a plain scatter).
+        return jnp.zeros_like(ys).at[local_order].set(ys, unique_indices=True)
+
+    def _fused_experts(self, rows, gate_up, down, gate_up_bias, down_bias) -> bool:
+        """Whether `routed_experts` runs these experts fused (`fused_experts`)."""
+        return fused_experts(self.activation, self.grouped_matmul_implementation, rows,
+                             gate_up, down, gate_up_bias, down_bias)  # fmt: skip
 
     def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate,
               router_bias=None, gate_up_bias=None, down_bias=None):  # fmt: skip
@@ -589,10 +612,22 @@ class ParallelMoE(nnx.Module):
         xf = x.reshape(n, F)
         logits = router_lib.router_logits(xf, router, router_bias)  # [n, E] float32
         experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
-        order, sorted_e = sort_slots(experts, E, self.capacity_factor)
-        rows = take_rows(xf, order % n)  # [A, F]: slot a is token a % n (slot-major)
         ep = self._ep()
-        if ep > 1:
+        unsorted = (
+            ep == 1
+            and self.capacity_factor is None
+            and self._fused_experts(xf, gate_up, down, gate_up_bias, down_bias)
+        )
+        if unsorted:
+            # The fused kernels sort by expert themselves: the slots stay in slot order.
+            order, sorted_e = None, experts.T.reshape(-1)
+            rows = jnp.tile(xf, (self.top_k, 1))  # [A, F]: slot a is token a % n
+        else:
+            order, sorted_e = sort_slots(experts, E, self.capacity_factor)
+            rows = take_rows(xf, order % n)  # [A, F]: slot a is token a % n (slot-major)
+        if unsorted:
+            y_sorted = self._experts(rows, sorted_e, None, None, gate_up, down, None, None)
+        elif ep > 1:
             # Chunks of consecutive sorted slots (each still sorted, the dropped rows in
             # the last): dispatched, computed and combined independently.
             bounds = np.linspace(0, rows.shape[0], self.dispatch_chunks + 1).astype(int)
