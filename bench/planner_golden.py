@@ -15,7 +15,8 @@ A change that must not change any result leaves that file byte-identical:
 
 `--quick` runs the few cheap problems whose results tests/planner/test_golden.py checks
 against tests/planner/golden_plans.json (`--quick tests/planner/golden_plans.json`
-regenerates that file, from code whose results are known good).
+regenerates that file, from code whose results are known good: it was written by the
+search before its speed-ups, commit 0366ee4).
 """
 
 import argparse
@@ -32,7 +33,7 @@ from shardfuse import hardware, models  # noqa: E402
 from shardfuse.planner import Assumptions, PlanningError, plan, published, search  # noqa: E402
 
 TABLE1 = {run.model: run for run in published.NARAYANAN_2021_TABLE1}
-QUICK_PUBLISHED = ("gpt-1.7b",)
+QUICK_PUBLISHED = ("gpt-1.7b", "gpt-39b", "gpt-145b")  # the paper's pins only
 GENERATED_DRAWS = 12
 
 
@@ -121,10 +122,15 @@ def moe_problems():
 
 
 def quick_problems():
-    yield from published_problems(QUICK_PUBLISHED)
-    yield from moe_problems()
-    yield from search_problems(4, seeds=(0,))
-    yield from hypothesis_problems(4, 64)
+    """A few cheap problems (no hypothesis: pytest cannot fix the hash seed its draws need)."""
+    from tests.planner.test_search_generated import PALM_ON_TWO_PODS
+
+    for name, model, cluster, kwargs in published_problems(QUICK_PUBLISHED):
+        if name.endswith("/paper"):
+            yield name, model, cluster, kwargs
+    yield "published/palm-540b-two-pods", *PALM_ON_TWO_PODS
+    yield from (problem for problem in moe_problems() if problem[0] == "moe/mixtral")
+    yield from (p for p in search_problems(4, seeds=(0,)) if p[0] in ("search/0/1", "search/0/3"))
 
 
 QUICK_EXHAUSTIVE = ("search/0/1",)
