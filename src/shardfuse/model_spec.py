@@ -682,8 +682,7 @@ class ModelSpec:
           >>> models.get("mixtral-8x7b").routed_expert_params(active=False) == 8 * 3 * 4096 * 14336
           True
         """
-        per = (self.top_k if active else self.experts) * self.expert_params()
-        return self._mean(per * len(self.moe_layers))
+        return self._block_means[("routed_experts", bool(active))]
 
     def mlp_width(self) -> float:
         """Hidden units of the MLP a token runs through, the mean over the blocks.
@@ -731,7 +730,7 @@ class ModelSpec:
         """
         if layer is not None:
             return self.attention_matmul_params() + self.mlp_matmul_params(layer, active=active)
-        return self.attention_matmul_params() + self._mean(self._mlp_total(active))
+        return self._block_means[("matmul", bool(active))]
 
     def _mlp_total(self, active: bool) -> int:
         """The MLP matmul weights of all the blocks (the search asks for them often: no loop)."""
@@ -772,12 +771,28 @@ class ModelSpec:
           >>> models.get("llama3-8b").layer_params()
           218112000
         """
-        extras = self._layer_extras()
         if layer is None:
-            extras += self._mean(len(self.moe_layers) * self._expert_biases(active))
-        elif self.is_moe_layer(layer):
+            return self._block_means[("layer", bool(active))]
+        extras = self._layer_extras()
+        if self.is_moe_layer(layer):
             extras += self._expert_biases(active)
         return self.layer_matmul_params(layer, active=active) + extras
+
+    @functools.cached_property
+    def _block_means(self) -> dict:
+        """The means over the blocks of `routed_expert_params`, `layer_matmul_params` and
+        `layer_params`, by `(count, active)`: the planner's cost model reads them for every
+        candidate of a search, and a spec is frozen, so they are computed once."""
+        means = {}
+        for active in (False, True):  # `active` is read for its truth only
+            routed = (self.top_k if active else self.experts) * self.expert_params()
+            means["routed_experts", active] = self._mean(routed * len(self.moe_layers))
+            matmul = self.attention_matmul_params() + self._mean(self._mlp_total(active))
+            means["matmul", active] = matmul
+            extras = self._layer_extras()
+            extras += self._mean(len(self.moe_layers) * self._expert_biases(active))
+            means["layer", active] = matmul + extras
+        return means
 
     def embedding_params(self) -> int:
         """Input embedding, output projection (once when tied), positions, the final norm."""

@@ -25,6 +25,7 @@ attribute) for one release.
 """
 
 import dataclasses
+import functools
 import math
 import warnings
 
@@ -100,12 +101,11 @@ class RunOptions:
     z_loss_coef: float = 0.0
 
     def __post_init__(self):
-        self.layer_options()  # zero, remat, prefetch, sequence_parallel: the layers' checks
-        check_schedule(self.schedule, 1, self.num_microbatches, self.virtual_stages)
-        check_layout(self.layout)
-        check_moe_options(
-            self.capacity_factor, self.aux_loss_coef, self.z_loss_coef, self.dispatch_chunks
-        )
+        choices = tuple(getattr(self, name) for name in _CHECKED)
+        if all(type(value) in _SCALARS for value in choices):
+            _check_scalar_choices(*choices)  # each distinct value checked once
+        else:
+            _check_choices(*choices)
 
     def layer_options(self, mesh=None, **changes) -> LayerOptions:
         """The `sf.layers.LayerOptions` of this run's layers on `mesh`, with `changes`.
@@ -148,6 +148,31 @@ class RunOptions:
             stacklevel=2,
         )
         return self.num_microbatches
+
+
+# The fields `RunOptions.__post_init__` checks, in `_check_choices`' order; `mesh_shape` is
+# `parallelize`'s to check against its mesh.
+_CHECKED = (
+    "zero", "remat", "prefetch", "sequence_parallel", "num_microbatches", "schedule",
+    "virtual_stages", "layout", "capacity_factor", "aux_loss_coef", "z_loss_coef",
+    "dispatch_chunks",
+)  # fmt: skip
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _check_choices(zero, remat, prefetch, sequence_parallel, num_microbatches, schedule,
+                   virtual_stages, layout, capacity_factor, aux_loss_coef, z_loss_coef,
+                   dispatch_chunks) -> None:  # fmt: skip
+    """ValueError or TypeError, from the options that own it, unless every choice is valid."""
+    LayerOptions(zero=zero, remat=remat, prefetch=prefetch, sequence_parallel=sequence_parallel)
+    check_schedule(schedule, 1, num_microbatches, virtual_stages)
+    check_layout(layout)
+    check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef, dispatch_chunks)
+
+
+# A pure function of scalars, keyed by their types too (`typed`: True is not 1): the planner
+# builds the same few options tens of thousands of times a search. Errors are not cached.
+_check_scalar_choices = functools.lru_cache(maxsize=8192, typed=True)(_check_choices)
 
 
 def check_moe_options(capacity_factor, aux_loss_coef, z_loss_coef, dispatch_chunks=1) -> None:

@@ -504,9 +504,54 @@ def estimate(
     """
     step = Step.of(model, cluster, parallelism, global_batch=global_batch, seq_len=seq_len,
                    assumptions=assumptions)  # fmt: skip
-    a, s = step.a, step.s
-    per_token = saved_elements_per_token(model, parallelism, a, s)
+    return step_estimate(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """The memory half of an estimate (`step_memory`), which `step_estimate` completes.
+
+    Attributes:
+      per_token: `memory.saved_elements_per_token` of the step.
+      params_dev: `memory.params_per_device` of the step.
+      terms: the memory `Term`s (`memory.memory_terms`); `memory_bytes` their sum.
+      memory_limit_bytes: what fits: `(1 - reserved_fraction) * HBM`.
+    """
+
+    per_token: dict
+    params_dev: float
+    terms: tuple[Term, ...]
+    memory_bytes: float
+    memory_limit_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        """`memory_bytes <= memory_limit_bytes` (as `Estimate.fits`)."""
+        return self.memory_bytes <= self.memory_limit_bytes
+
+
+def step_memory(step: Step) -> StepMemory:
+    """The memory terms of `step`: what decides whether it fits, before any time term (the
+    search drops what does not fit without pricing its time)."""
+    model, parallelism, a = step.model, step.parallelism, step.a
+    per_token = saved_elements_per_token(model, parallelism, a, step.s)
     params_dev = params_per_device(model, parallelism, a)
+    memory = memory_terms(model, parallelism, a, params_dev, per_token, step.mb_tokens,
+                          step.layers_dev, step.s)  # fmt: skip
+    return StepMemory(
+        per_token=per_token,
+        params_dev=params_dev,
+        terms=tuple(memory),
+        memory_bytes=sum(t.value for t in memory),
+        memory_limit_bytes=step.cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction),
+    )
+
+
+def step_estimate(step: Step, memory: StepMemory | None = None) -> Estimate:
+    """`estimate` of a `Step`; `memory`: its `step_memory`, when already computed."""
+    model, parallelism, a = step.model, step.parallelism, step.a
+    memory = memory or step_memory(step)
+    per_token, params_dev = memory.per_token, memory.params_dev
     compute = compute_term(step)
     time = [compute, elementwise_term(step)]
     if step.T > 1:
@@ -529,20 +574,18 @@ def estimate(
         time += data_parallel(step, params_dev, compute.value)
     time.append(optimizer_term(step, params_dev))
     step_time = sum(t.value for t in time)
-    memory = memory_terms(model, parallelism, a, params_dev, per_token, step.mb_tokens,
-                          step.layers_dev, s)  # fmt: skip
-    model_flops = flops.model_flops(model, seq_len=s, batch=step.B)
+    model_flops = flops.model_flops(model, seq_len=step.s, batch=step.B)
     n = step.n
     return Estimate(
         model_flops=model_flops,
         hardware_flops=step.hardware_flops,
         time=tuple(time),
-        memory=tuple(memory),
+        memory=memory.terms,
         step_time_s=step_time,
-        memory_bytes=sum(t.value for t in memory),
+        memory_bytes=memory.memory_bytes,
         mfu=flops.mfu(
             model_flops, step_time_s=step_time, devices=n, peak_flops_per_s=step.peak_flops
         ),  # fmt: skip
         tflops_per_device=step.hardware_flops / n / step_time / 1e12,
-        memory_limit_bytes=cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction),
+        memory_limit_bytes=memory.memory_limit_bytes,
     )

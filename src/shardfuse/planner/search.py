@@ -20,6 +20,7 @@ from shardfuse.hardware import Cluster
 from shardfuse.hardware import cluster as make_cluster
 from shardfuse.model_spec import ModelSpec
 from shardfuse.model_spec import get as get_model
+from shardfuse.parallel.options import RunOptions
 from shardfuse.parallel.pipeline.schedule import closed_form_bubble
 from shardfuse.planner.choices import (
     REMAT_ORDER,
@@ -28,7 +29,7 @@ from shardfuse.planner.choices import (
     mesh_shapes,
 )
 from shardfuse.planner.constraints import parallelism_constraints
-from shardfuse.planner.cost import compute_term, estimate
+from shardfuse.planner.cost import compute_term, estimate, step_estimate, step_memory
 from shardfuse.planner.memory import state_bytes
 from shardfuse.planner.options import MESH_AXES, Assumptions, Parallelism, check_positive_int
 from shardfuse.planner.plans import Plan
@@ -173,7 +174,8 @@ class _Search:
         self.global_batch, self.seq_len = global_batch, seq_len
         self.kwargs = dict(global_batch=global_batch, seq_len=seq_len, assumptions=a)
         self.limit = cluster.device.hbm_gb * 1e9 * (1 - a.reserved_fraction)
-        self.found, self.smallest, self.shapes = [], None, 0
+        self.found, self.shapes = [], 0
+        self.smallest = None  # (memory bytes, Parallelism) of the least memory estimated
         self.rejected = []  # (what, rule) of pinned candidates that break a rule
         self.best_times = []  # a max-heap (negated) of the top_k step times so far
         self.compute_s = {
@@ -215,14 +217,13 @@ class _Search:
                 self.model, Parallelism(P, D, F, C, T, expert=E).replace(zero=z), self.a
             )
             if states > self.limit:  # parameters, gradients and optimizer alone do not fit
-                if self.smallest is None or states < self.smallest[0].memory_bytes:
+                if self.smallest is None or states < self.smallest[0]:
                     probe = Parallelism(P, D, F, C, T, expert=E).replace(
                         zero=z, remat=c.remats[-1], num_microbatches=per_replica
                     )
                     # only a probe the rules accept is estimated (the schedule checks its m)
                     if not parallelism_constraints(self.model, probe, **self.sizes_only()):
-                        self.smallest = (estimate(self.model, self.cluster, probe, **self.kwargs),
-                                         probe)  # fmt: skip
+                        self.smallest = (self.memory(probe).memory_bytes, probe)
                 continue
             for prefetch in c.prefetches:
                 fitted = set()  # microbatch sizes at which a cheaper policy already fits
@@ -235,10 +236,9 @@ class _Search:
                         # is a lower bound on the step time
                         if self.cannot_win(policy, c.schedules, P, m, self.max_v):
                             continue
-                        base = Parallelism(P, D, F, C, T, microbatch_size=mb, expert=E,
-                                           cp_strategy=cps[0]).replace(
-                            zero=z, remat=policy, num_microbatches=m, prefetch=prefetch,
-                        )  # fmt: skip
+                        options = RunOptions(zero=z, remat=policy, prefetch=prefetch,
+                                             num_microbatches=m)  # fmt: skip
+                        base = Parallelism(P, D, F, C, T, options, mb, cps[0], expert=E)
                         if self.candidate(base, cps):
                             # later policies recompute more: never faster at this size
                             fitted.add(mb)
@@ -254,13 +254,13 @@ class _Search:
         if broken:
             self.rejected += [(base.mesh_shape, rule) for rule in broken]
             return False
-        first = estimate(model, self.cluster, base, **self.kwargs)
-        if self.smallest is None or first.memory_bytes < self.smallest[0].memory_bytes:
-            self.smallest = (first, base)
-        if not first.fits:
+        memory, first = self.estimate_if_fits(base)
+        if self.smallest is None or memory < self.smallest[0]:
+            self.smallest = (memory, base)
+        if first is None:
             return False
         strategies = [base.replace(cp_strategy=s) for s in cps]
-        best_cp = _best(model, self.cluster, self.kwargs, strategies, known=(base, first))
+        best_cp = self.best(strategies, known=(base, first))
         candidates = [best_cp]
         if base.pipeline > 1:
             candidates = [(None, p) for p in _schedules(model, best_cp[1], c.schedules, c.virtuals)]
@@ -277,13 +277,39 @@ class _Search:
                 self.rejected += [(parallelism.mesh_shape, rule) for rule in broken]
                 continue
             else:
-                e = estimate(model, self.cluster, parallelism, **self.kwargs)
-            if e.fits:
+                e = self.estimate_if_fits(parallelism)[1]
+            if e is not None:
                 self.found.append((_rank(e, parallelism), parallelism, e))
                 heapq.heappush(self.best_times, -e.step_time_s)
                 if len(self.best_times) > self.top_k:
                     heapq.heappop(self.best_times)
         return True
+
+    def memory(self, parallelism: Parallelism):
+        """The memory half of `parallelism`'s estimate (`cost.step_memory`)."""
+        return step_memory(Step.of(self.model, self.cluster, parallelism, **self.kwargs))
+
+    def estimate_if_fits(self, parallelism: Parallelism):
+        """`(memory bytes, estimate)` of `parallelism`; the estimate (`cost.estimate`'s) None
+        where it does not fit: its time is not priced."""
+        step = Step.of(self.model, self.cluster, parallelism, **self.kwargs)
+        memory = step_memory(step)
+        return memory.memory_bytes, step_estimate(step, memory) if memory.fits else None
+
+    def best(self, parallelisms, known=None):
+        """The fastest fitting `(estimate, parallelism)` of `parallelisms`; `known`: one
+        estimated (and fitting)."""
+        best = None
+        for parallelism in parallelisms:
+            if parallelism_constraints(self.model, parallelism, **self.kwargs):
+                continue
+            if known is not None and parallelism == known[0]:
+                e = known[1]
+            else:
+                e = self.estimate_if_fits(parallelism)[1]
+            if e is not None and (best is None or e.step_time_s < best[0].step_time_s):
+                best = (e, parallelism)
+        return best
 
     def sizes_only(self) -> dict:
         return dict(global_batch=self.global_batch, seq_len=self.seq_len, assumptions=self.a)
@@ -291,9 +317,12 @@ class _Search:
     def plans(self) -> list:
         """The `top_k` plans found, best first; PlanningError when none."""
         if not self.found:
-            c = self.choices
+            c, smallest = self.choices, self.smallest
+            if smallest is not None:  # the least memory, estimated in full for the message
+                smallest = (estimate(self.model, self.cluster, smallest[1], **self.kwargs),
+                            smallest[1])  # fmt: skip
             raise PlanningError(_no_fit_message(
-                self.model, self.cluster, self.global_batch, self.seq_len, self.smallest,
+                self.model, self.cluster, self.global_batch, self.seq_len, smallest,
                 self.shapes, c.remats, c.zeros, self.rejected,
             ))  # fmt: skip
         self.found.sort(key=lambda item: item[0])
@@ -334,21 +363,6 @@ def compute_seconds(model, cluster, policy, *, global_batch, seq_len, assumption
     if step.expert_flops:  # a lower bound: the routed experts at their best roofline (1)
         seconds -= step.expert_s * (1 - step.expert_roofline)
     return seconds * global_batch / cluster.num_devices
-
-
-def _best(model, cluster, kwargs, parallelisms, known=None):
-    """The fastest fitting `(estimate, parallelism)` of `parallelisms`; `known`: one estimated."""
-    best = None
-    for parallelism in parallelisms:
-        if parallelism_constraints(model, parallelism, **kwargs):
-            continue
-        if known is not None and parallelism == known[0]:
-            e = known[1]
-        else:
-            e = estimate(model, cluster, parallelism, **kwargs)
-        if e.fits and (best is None or e.step_time_s < best[0].step_time_s):
-            best = (e, parallelism)
-    return best
 
 
 def _least_bubble(schedules, P, m, max_v) -> float:

@@ -9,6 +9,7 @@ fullest pipeline stage. Notation: `cost`'s module docstring.
 """
 
 import dataclasses
+import functools
 
 from shardfuse import flops
 from shardfuse.hardware import Cluster
@@ -98,7 +99,7 @@ class Step:
                 f"the cluster {cluster.num_devices}"
             )
         options = parallelism.options
-        B, s, L = global_batch, seq_len, model.num_layers
+        B, s = global_batch, seq_len
         peak_flops = flops.peak_flops_per_s(cluster.device, a.compute_dtype)
         efficiency = a.efficiency_for(cluster.device)
         rate = peak_flops * efficiency
@@ -108,50 +109,10 @@ class Step:
                 a.attention_efficiency or attention_efficiency(cluster.device)
             )
         tokens = B * s
-        hardware_flops = flops.hardware_flops(
-            model, seq_len=s, batch=B, remat=options.remat, causal_skip=a.causal_skip,
-            prefetch=options.prefetch,
+        hardware_flops, attention_flops, expert_flops = _step_flops_once(
+            model, B, s, options.remat, options.prefetch, options.capacity_factor,
+            a.causal_skip, a.recompute_moe, a.expert_capacity_padded,
         )  # fmt: skip
-        # Attention cores run as flash-attention kernels (their own efficiency) or, without
-        # flash attention, as batched matmuls; recomputed once more under "full",
-        # "selective" and "offload" remat (with the prefetch: in the rerun forward of
-        # every layer but the last, and in every layer for the policy inside it).
-        reruns = 1 if options.remat in ("full", "selective", "offload") else 0
-        attention_hw = flops.layer_attention_flops(model, s, causal_skip=a.causal_skip)
-        attention_flops = (flops.TRAINING_OVER_FORWARD + reruns) * tokens * L * attention_hw
-        if options.prefetch:
-            inside = L if options.remat in ("selective", "offload") else 0
-            rerun_layers = L - 1 + inside
-            attention_flops = (
-                (flops.TRAINING_OVER_FORWARD * L + rerun_layers) * tokens * (attention_hw)
-            )
-        # The routed experts' grouped matmuls: forward, backward (2 x), and the forward once
-        # more where the backward reruns it ("full"; the prefetch: every layer but the last).
-        # `Assumptions.recompute_moe` reruns the MoE blocks' forward under any other policy.
-        expert_passes = flops.TRAINING_OVER_FORWARD * L
-        if options.prefetch:
-            expert_passes += L - 1
-        elif options.remat == "full":
-            expert_passes += L
-        elif a.recompute_moe and model.moe_layers:
-            expert_passes += L
-            hardware_flops += L * tokens * flops.expert_matmul_flops(model)
-        expert_flops = expert_passes * tokens * flops.expert_matmul_flops(model)
-        capacity = options.capacity_factor
-        if a.expert_capacity_padded and capacity is not None and model.moe_layers:
-            # The dense dispatch and combine: one-hot einsums of each sequence's `s` tokens
-            # into (and out of) `experts x capacity` slots, `capacity = s k c / experts`:
-            # `2 s k c h` FLOPs per token, MoE block and einsum, as matmuls. The forward
-            # runs both (and again where the backward reruns it); the backward three, not
-            # four: the dispatch mask is boolean (MaxText's `dense_matmul`: `dispatch_mask =
-            # combine_mask.astype(bool)`), so only the tokens' cotangent goes back through
-            # the dispatch, while the combine's float mask (the router's weights) takes
-            # one besides the expert outputs'.
-            moe_blocks = len(model.moe_layers) / L
-            einsum = 2 * s * model.top_k * capacity * model.hidden
-            dispatch_passes = expert_passes - (flops.TRAINING_OVER_FORWARD - 1) * L
-            einsums = 2 * dispatch_passes + DENSE_DISPATCH_BACKWARD_EINSUMS * L
-            hardware_flops += einsums * moe_blocks * tokens * einsum
         return cls(
             model=model,
             cluster=cluster,
@@ -297,3 +258,67 @@ class Step:
             flops.TRAINING_OVER_FORWARD * self.tokens * model.num_layers * attention_hw
             / self.n / self.attention_rate
         )  # fmt: skip
+
+
+def _step_flops(model, B, s, remat, prefetch, capacity, causal_skip, recompute_moe,
+                expert_capacity_padded) -> tuple[float, float, float]:  # fmt: skip
+    """`(hardware_flops, attention_flops, expert_flops)` of `Step.of` (its attributes):
+    the same for every mesh of a search, computed once per remat policy and prefetch
+    (`_step_flops_once`)."""
+    L, tokens = model.num_layers, B * s
+    hardware_flops = flops.hardware_flops(
+        model, seq_len=s, batch=B, remat=remat, causal_skip=causal_skip, prefetch=prefetch
+    )
+    # Attention cores run as flash-attention kernels (their own efficiency) or, without
+    # flash attention, as batched matmuls; recomputed once more under "full",
+    # "selective" and "offload" remat (with the prefetch: in the rerun forward of
+    # every layer but the last, and in every layer for the policy inside it).
+    reruns = 1 if remat in ("full", "selective", "offload") else 0
+    attention_hw = flops.layer_attention_flops(model, s, causal_skip=causal_skip)
+    attention_flops = (flops.TRAINING_OVER_FORWARD + reruns) * tokens * L * attention_hw
+    if prefetch:
+        inside = L if remat in ("selective", "offload") else 0
+        rerun_layers = L - 1 + inside
+        attention_flops = (flops.TRAINING_OVER_FORWARD * L + rerun_layers) * tokens * (attention_hw)
+    # The routed experts' grouped matmuls: forward, backward (2 x), and the forward once
+    # more where the backward reruns it ("full"; the prefetch: every layer but the last).
+    # `Assumptions.recompute_moe` reruns the MoE blocks' forward under any other policy.
+    expert_passes = flops.TRAINING_OVER_FORWARD * L
+    if prefetch:
+        expert_passes += L - 1
+    elif remat == "full":
+        expert_passes += L
+    elif recompute_moe and model.moe_layers:
+        expert_passes += L
+        hardware_flops += L * tokens * flops.expert_matmul_flops(model)
+    expert_flops = expert_passes * tokens * flops.expert_matmul_flops(model)
+    if expert_capacity_padded and capacity is not None and model.moe_layers:
+        # The dense dispatch and combine: one-hot einsums of each sequence's `s` tokens
+        # into (and out of) `experts x capacity` slots, `capacity = s k c / experts`:
+        # `2 s k c h` FLOPs per token, MoE block and einsum, as matmuls. The forward
+        # runs both (and again where the backward reruns it); the backward three, not
+        # four: the dispatch mask is boolean (MaxText's `dense_matmul`: `dispatch_mask =
+        # combine_mask.astype(bool)`), so only the tokens' cotangent goes back through
+        # the dispatch, while the combine's float mask (the router's weights) takes
+        # one besides the expert outputs'.
+        moe_blocks = len(model.moe_layers) / L
+        einsum = 2 * s * model.top_k * capacity * model.hidden
+        dispatch_passes = expert_passes - (flops.TRAINING_OVER_FORWARD - 1) * L
+        einsums = 2 * dispatch_passes + DENSE_DISPATCH_BACKWARD_EINSUMS * L
+        hardware_flops += einsums * moe_blocks * tokens * einsum
+    return hardware_flops, attention_flops, expert_flops
+
+
+# A pure function of hashable values (a frozen `ModelSpec` and scalars; `typed`: True is not
+# 1), asked for by every candidate of a search with the same few arguments.
+_cached_step_flops = functools.lru_cache(maxsize=1024, typed=True)(_step_flops)
+
+
+def _step_flops_once(*args) -> tuple[float, float, float]:
+    """`_step_flops(*args)`, computed once per distinct `args` (a spec holding an unhashable
+    value: every time)."""
+    try:
+        hash(args)
+    except TypeError:
+        return _step_flops(*args)
+    return _cached_step_flops(*args)
