@@ -16,7 +16,7 @@ A change that must not change any result leaves that file byte-identical:
 `--quick` runs the few cheap problems whose results tests/planner/test_golden.py checks
 against tests/planner/golden_plans.json (`--quick tests/planner/golden_plans.json`
 regenerates that file, from code whose results are known good: it was written by the
-search before its speed-ups, commit 0366ee4).
+search before its speed-ups, commit c9c66e3).
 """
 
 import argparse

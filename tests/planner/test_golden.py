@@ -5,7 +5,8 @@ runs' pinned parallelisms, a problem no plan respects, a mixture of experts, two
 problems, one of them also with the branch and bound off) and records every returned
 plan's `Parallelism` and `Estimate` (every term, value and formula) or the
 `PlanningError`'s message. tests/planner/golden_plans.json holds what the search wrote
-before its speed-ups (commit 0366ee4); the search must still write exactly that. The
+before its speed-ups (commit c9c66e3: 0366ee4 with the MoE cost terms of bcc9f35 and
+c9c66e3, which change what the search returns); the search must still write exactly that. The
 script's full run (every published run, more generated problems) is the wider check.
 """
 
