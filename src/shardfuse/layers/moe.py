@@ -597,6 +597,27 @@ class ParallelMoE(nnx.Module):
         return fused_experts(self.activation, self.grouped_matmul_implementation, rows,
                              gate_up, down, gate_up_bias, down_bias)  # fmt: skip
 
+    def _sorted_experts(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):
+        """The experts on the slots' rows sorted by expert (`sort_slots`), results in that
+        order: through the expert axis where there is one."""
+        E = self.num_experts
+        if self._ep() > 1:
+            # Chunks of consecutive sorted slots (each still sorted, the dropped rows in
+            # the last): dispatched, computed and combined independently.
+            bounds = np.linspace(0, rows.shape[0], self.dispatch_chunks + 1).astype(int)
+            chunks = []
+            for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                if hi > lo:
+                    with jax.named_scope(f"moe_chunk_{c}"):
+                        chunks.append(
+                            self._expert_parallel(
+                                rows[lo:hi], sorted_e[lo:hi], gate_up, down, gate_up_bias, down_bias
+                            )
+                        )
+            return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
+        sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
+        return self._experts(rows, sorted_e, sizes, None, gate_up, down, gate_up_bias, down_bias)
+
     def local(self, x, router, bias, gate_up, down, shared_up, shared_down, shared_gate,
               router_bias=None, gate_up_bias=None, down_bias=None):  # fmt: skip
         """Per shard: `(y, stats)` for this device's tokens `x [b, t, F]`."""
@@ -612,9 +633,8 @@ class ParallelMoE(nnx.Module):
         xf = x.reshape(n, F)
         logits = router_lib.router_logits(xf, router, router_bias)  # [n, E] float32
         experts, weights, probs = router_lib.route(self.routing_config, logits, bias)
-        ep = self._ep()
         unsorted = (
-            ep == 1
+            self._ep() == 1
             and self.capacity_factor is None
             and self._fused_experts(xf, gate_up, down, gate_up_bias, down_bias)
         )
@@ -622,29 +642,11 @@ class ParallelMoE(nnx.Module):
             # The fused kernels sort by expert themselves: the slots stay in slot order.
             order, sorted_e = None, experts.T.reshape(-1)
             rows = jnp.tile(xf, (self.top_k, 1))  # [A, F]: slot a is token a % n
+            y_sorted = self._experts(rows, sorted_e, None, None, gate_up, down, None, None)
         else:
             order, sorted_e = sort_slots(experts, E, self.capacity_factor)
             rows = take_rows(xf, order % n)  # [A, F]: slot a is token a % n (slot-major)
-        if unsorted:
-            y_sorted = self._experts(rows, sorted_e, None, None, gate_up, down, None, None)
-        elif ep > 1:
-            # Chunks of consecutive sorted slots (each still sorted, the dropped rows in
-            # the last): dispatched, computed and combined independently.
-            bounds = np.linspace(0, rows.shape[0], self.dispatch_chunks + 1).astype(int)
-            chunks = []
-            for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-                if hi > lo:
-                    with jax.named_scope(f"moe_chunk_{c}"):
-                        chunks.append(
-                            self._expert_parallel(
-                                rows[lo:hi], sorted_e[lo:hi], gate_up, down, gate_up_bias, down_bias
-                            )
-                        )
-            y_sorted = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
-        else:
-            sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
-            y_sorted = self._experts(rows, sorted_e, sizes, None, gate_up, down, gate_up_bias,
-                                     down_bias)  # fmt: skip
+            y_sorted = self._sorted_experts(rows, sorted_e, gate_up, down, gate_up_bias, down_bias)
         y = combine_slots(y_sorted, order, weights)
         if shared_up is not None:
             y = y + shared_experts(xf, shared_up, shared_down, shared_gate, self.precision,
