@@ -66,15 +66,14 @@ void gather_rows(const void* src, const SortedRows& s, size_t row_bytes, void* d
   });
 }
 
-// dst[perm[i]] = src[i]; dst's other rows (of R) zero.
-void scatter_rows(const void* src, const SortedRows& s, int64_t R, size_t row_bytes, void* dst) {
+// dst[perm[i]] = src[i]; dst's other rows (of R: those whose id is outside [0, G)) zero.
+void scatter_rows(const void* src, const SortedRows& s, int64_t R, int G, const int32_t* ids,
+                  size_t row_bytes, void* dst) {
   const char* in = static_cast<const char*>(src);
   char* out = static_cast<char*>(dst);
-  std::vector<char> computed(R, 0);
-  for (int64_t i = 0; i < s.count; ++i) computed[s.perm[i]] = 1;
   for_rows(R, static_cast<int64_t>(row_bytes / 4), [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r)
-      if (!computed[r]) std::memset(out + r * row_bytes, 0, row_bytes);
+      if (ids[r] < 0 || ids[r] >= G) std::memset(out + r * row_bytes, 0, row_bytes);
   });
   for_rows(s.count, static_cast<int64_t>(row_bytes / 4), [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i)
@@ -138,7 +137,7 @@ void moe_experts_forward(int64_t R, int64_t F, int64_t H, int G, const int32_t* 
   std::memset(static_cast<char*>(h) + M * 2 * H * es, 0, (R - M) * 2 * H * es);
   swiglu(h, M, H, bf16, a.data());
   grouped_matmul(M, H, F, G, s.sizes.data(), 0, a.data(), down, bf16, false, ys.data(), bf16);
-  scatter_rows(ys.data(), s, R, F * es, y);
+  scatter_rows(ys.data(), s, R, G, ids, F * es, y);
 }
 
 void moe_experts_backward(int64_t R, int64_t F, int64_t H, int G, const int32_t* ids,
@@ -163,7 +162,7 @@ void moe_experts_backward(int64_t R, int64_t F, int64_t H, int G, const int32_t*
   // d rows = dh @ gate_up[e]^T, back to the rows' order (reusing the gathered rows' buffer).
   grouped_matmul(M, 2 * H, F, G, s.sizes.data(), 0, dh.data(), gate_up, bf16, true, xs.data(),
                  bf16);
-  scatter_rows(xs.data(), s, R, F * es, d_rows);
+  scatter_rows(xs.data(), s, R, G, ids, F * es, d_rows);
 }
 
 }  // namespace shardfuse

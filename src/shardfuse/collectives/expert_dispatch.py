@@ -133,7 +133,7 @@ def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None,
     ep = lax.axis_size(axis_name)
     A, F = rows.shape
     dest, pos, counts, starts = _routing(experts, num_experts, ep)
-    plan = dict(dest=dest, pos=pos, counts=counts, starts=starts)
+    plan = dict(dest=dest, counts=counts, starts=starts)
     if implementation == "dense":
         with jax.named_scope("expert_dispatch_dense"):
             fold = _ids_fit(num_experts, rows.dtype)  # the ids ride in the rows' all-to-all

@@ -25,6 +25,8 @@ above, the activation and the unsort in one custom call forward and one backward
 `sf.layers.ParallelMoE` runs on the CPU where its experts have no biases.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,15 +126,21 @@ _EXPERTS_FORWARD = "shardfuse_moe_experts_forward"
 _EXPERTS_BACKWARD = "shardfuse_moe_experts_backward"
 
 
+@functools.cache
+def _has_fused_experts() -> bool:
+    """Whether the loaded extension has the fused experts' kernels (an older build has not)."""
+    return _EXPERTS_FORWARD in extension.extension_module().registrations()
+
+
 def swiglu_experts_supported(rows, gate_up, down) -> bool:
     """Whether `swiglu_experts` runs these operands here: the CPU backend with an extension
     that has the fused kernels, rows `[R, F]` and experts `[G, F, 2H]`, `[G, H, F]` all float32
     or all bfloat16, on one device or inside `shard_map` (callers fall back otherwise)."""
     try:
         _check(rows, gate_up, down, out_dtype=rows.dtype)
-        if _EXPERTS_FORWARD not in extension.extension_module().registrations():
-            return False
     except NotImplementedError:
+        return False
+    if not _has_fused_experts():
         return False
     shapes = rows.ndim == 2 and gate_up.ndim == 3 and down.ndim == 3
     return (
