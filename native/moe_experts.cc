@@ -81,42 +81,94 @@ void scatter_rows(const void* src, const SortedRows& s, int64_t R, int G, const 
   });
 }
 
-inline float load_at(const void* p, int64_t i, bool bf16) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+// The row's gate and up columns (interleaved in h's row of 2H), widened to float32.
+void split_row(const void* h, int64_t row, int64_t H, bool bf16, float* g, float* u) {
+  const int64_t base = row * 2 * H;
+  if (bf16) {
+    const uint16_t* p = static_cast<const uint16_t*>(h) + base;
+    for (int64_t j = 0; j < H; ++j) {
+      g[j] = bf16_to_f32(p[2 * j]);
+      u[j] = bf16_to_f32(p[2 * j + 1]);
+    }
+  } else {
+    const float* p = static_cast<const float*>(h) + base;
+    for (int64_t j = 0; j < H; ++j) {
+      g[j] = p[2 * j];
+      u[j] = p[2 * j + 1];
+    }
+  }
 }
 
-inline void store_at(void* p, int64_t i, float v, bool bf16) {
-  if (bf16)
-    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-  else
-    static_cast<float*>(p)[i] = v;
+// dst[offset + i] = src[i] for i < n (rounded to bfloat16 if bf16).
+void store_floats(const float* src, int64_t n, void* dst, int64_t offset, bool bf16) {
+  if (bf16) {
+    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+  } else {
+    std::memcpy(static_cast<float*>(dst) + offset, src, size_t(n) * 4);
+  }
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// sigmoid(g) lane by lane: 1 / (1 + exp(-g)) (vexp clamps -g at 88, so that g < -88 gives
+// about 6e-39 where the exact value is smaller still).
+inline Vec vsigmoid(Vec g) { return splat(1.0f) / (splat(1.0f) + vexp(-g)); }
+
+// fn(j, n) over [0, H) a vector at a time: lanes [j, j + n), n == kLanes but at the tail.
+template <typename Fn>
+inline void for_lanes(int64_t H, Fn&& fn) {
+  int64_t j = 0;
+  for (; j + kLanes <= H; j += kLanes) fn(j, kLanes);
+  if (j < H) fn(j, static_cast<int>(H - j));
+}
+
+// Loads n <= kLanes floats of p (the rest zero).
+inline Vec load_n(const float* p, int n) {
+  if (n == kLanes) return load(p);
+  float tmp[kLanes] = {};
+  std::memcpy(tmp, p, size_t(n) * 4);
+  return load(tmp);
+}
+
+inline void store_n(float* p, Vec x, int n) {
+  if (n == kLanes) return store(p, x);
+  float tmp[kLanes];
+  store(tmp, x);
+  std::memcpy(p, tmp, size_t(n) * 4);
+}
 
 // a [M, H] = silu(gate) * up of h [M, 2H] (interleaved columns), in float32, stored as h's type.
 void swiglu(const void* h, int64_t M, int64_t H, bool bf16, void* a) {
   for_rows(M, 2 * H, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r)
-      for (int64_t j = 0; j < H; ++j) {
-        const float g = load_at(h, r * 2 * H + 2 * j, bf16);
-        const float u = load_at(h, r * 2 * H + 2 * j + 1, bf16);
-        store_at(a, r * H + j, g * sigmoid(g) * u, bf16);
-      }
+    std::vector<float> g(H), u(H), out(H);
+    for (int64_t r = first; r < last; ++r) {
+      split_row(h, r, H, bf16, g.data(), u.data());
+      for_lanes(H, [&](int64_t j, int n) {
+        const Vec gv = load_n(&g[j], n);
+        store_n(&out[j], gv * vsigmoid(gv) * load_n(&u[j], n), n);
+      });
+      store_floats(out.data(), H, a, r * H, bf16);
+    }
   });
 }
 
 // dh [M, 2H] (h's type) from da [M, H] (float32): d gate = da u silu'(gate), d up = da silu(gate).
 void swiglu_backward(const void* h, const float* da, int64_t M, int64_t H, bool bf16, void* dh) {
   for_rows(M, 2 * H, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r)
-      for (int64_t j = 0; j < H; ++j) {
-        const float g = load_at(h, r * 2 * H + 2 * j, bf16);
-        const float u = load_at(h, r * 2 * H + 2 * j + 1, bf16);
-        const float s = sigmoid(g), d = da[r * H + j];
-        store_at(dh, r * 2 * H + 2 * j, d * u * s * (1.0f + g * (1.0f - s)), bf16);
-        store_at(dh, r * 2 * H + 2 * j + 1, d * g * s, bf16);
+    std::vector<float> g(H), u(H), d(2 * H);
+    for (int64_t r = first; r < last; ++r) {
+      split_row(h, r, H, bf16, g.data(), u.data());
+      for_lanes(H, [&](int64_t j, int n) {
+        const Vec gv = load_n(&g[j], n), uv = load_n(&u[j], n), dv = load_n(da + r * H + j, n);
+        const Vec s = vsigmoid(gv);
+        store_n(&g[j], dv * uv * s * (splat(1.0f) + gv * (splat(1.0f) - s)), n);  // d gate
+        store_n(&u[j], dv * gv * s, n);                                          // d up
+      });
+      for (int64_t j = 0; j < H; ++j) {  // interleaved again
+        d[2 * j] = g[j];
+        d[2 * j + 1] = u[j];
       }
+      store_floats(d.data(), 2 * H, dh, r * 2 * H, bf16);
+    }
   });
 }
 
