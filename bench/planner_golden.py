@@ -16,7 +16,11 @@ A change that must not change any result leaves that file byte-identical:
 `--quick` runs the few cheap problems whose results tests/planner/test_golden.py checks
 against tests/planner/golden_plans.json (`--quick tests/planner/golden_plans.json`
 regenerates that file, from code whose results are known good: it was written by the
-search before its speed-ups, commit c9c66e3).
+search before its speed-ups, commit c9c66e3, and rewritten once since, when shardfuse's own
+MoE dispatch over expert x model came to be priced as the layer runs it, every model rank
+dispatching all of its tokens (`Assumptions.moe_sequence_sharded`): the Mixtral problem's
+expert x model plans gave way to pipelined ones, and every plan's `Assumptions` shows the
+new field).
 """
 
 import argparse

@@ -10,6 +10,7 @@ published-run check with the others).
 import argparse
 import dataclasses
 import json
+import re
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from shardfuse.planner import (
     Parallelism,
     PlanningError,
     cli,
+    cost,
     estimate,
     parallelism_constraints,
     plan,
@@ -97,6 +99,35 @@ def test_all_to_all_bytes_are_the_issues_formula():
     hidden = estimate(MIXTRAL, NODE, parallelism, global_batch=64, seq_len=4096,
                       assumptions=Assumptions(ep_overlap=True))  # fmt: skip
     assert TERMS(hidden)["expert_parallel"].value < term.value
+
+
+def test_the_priced_dispatch_is_the_compiled_layers():
+    """Over expert x model with sequence parallelism, shardfuse's ParallelMoE gathers the
+    sequence over `model` before routing, so each model rank dispatches all of its data
+    shard's tokens: the compiled dispatch's rows per destination are the planner's tokens x k
+    (Megatron's preset, dispatching from the sequence shards, prices half of them)."""
+    import jax
+    from flax import nnx
+
+    import shardfuse as sf
+    from tests.layers.test_moe_structure import _compiled
+
+    D, E, T, k, F, s = 2, 2, 2, 2, 16, 8
+    mesh = jax.make_mesh((D, E, T), ("data", "expert", "model"))
+    moe = sf.layers.ParallelMoE(F, 8, num_experts=4, top_k=k, sequence_parallel=True,
+                                mesh=mesh, rngs=nnx.Rngs(0))  # fmt: skip
+    x = jax.random.normal(jax.random.key(0), (D * E, s, F))  # one sequence per replica
+    text = _compiled(moe, x, grad=False).as_text()
+    dispatch = [line for line in text.splitlines() if " all-to-all(" in line]
+    rows = {int(m) for line in dispatch for m in re.findall(r"f32\[1,(\d+),\d+\]", line)}
+    cluster = hardware.cluster("h100", nodes=1)
+    parallelism = Parallelism.of(data=D, expert=E, model=T, microbatch_size=1)
+    step = Step.of(models.ModelSpec.tiny(experts=4, top_k=k), cluster, parallelism,
+                   global_batch=D * E, seq_len=s)  # fmt: skip
+    assert rows == {cost.moe_tokens(step) * k} == {s * k}
+    megatron = Step.of(step.model, cluster, parallelism, global_batch=D * E, seq_len=s,
+                       assumptions=Assumptions.preset("megatron-moe"))  # fmt: skip
+    assert cost.moe_tokens(megatron) == s / T
 
 
 def test_an_expert_group_across_nodes_sends_the_rest_over_the_network():

@@ -227,8 +227,9 @@ def elementwise_term(step: Step) -> Term:
     if model.moe_layers and not padded:
         moe_fraction = len(model.moe_layers) / model.num_layers
         moe_passes = 3 + (1 if step.reruns_moe else 0)
+        moe_split = a.moe_token_split(T)
         traffic += (
-            (moe_fraction * moe_permute_h_passes(model.top_k) * model.hidden / token_split * act)
+            (moe_fraction * moe_permute_h_passes(model.top_k) * model.hidden / moe_split * act)
             * moe_passes
             / passes
         )
@@ -293,10 +294,16 @@ def axis_in_node(cluster: Cluster, parallelism: Parallelism, axis: str) -> int:
     return max(1, min(sizes[axis], per_node // stride))
 
 
+def moe_tokens(step: Step) -> float:
+    """Tokens one device routes and dispatches per MoE block and microbatch: the
+    microbatch's `mb_tokens`, over `model` only where the dispatch starts from the
+    sequence-parallel shards (`Assumptions.moe_token_split`)."""
+    return step.mb_tokens / step.a.moe_token_split(step.T)
+
+
 def expert_parallel(step: Step) -> Term:
     """The dispatch and combine all-to-alls over `expert` (`comm.expert_parallel_term`)."""
     model, a, cluster = step.model, step.a, step.cluster
-    token_split = step.T if a.sequence_parallel else 1
     intra = ring_bandwidth(cluster.intra_link.gb_per_s, cluster.intra_link.egress_gb_per_s,
                            bidirectional=True)  # fmt: skip
     inter = ring_bandwidth(cluster.inter_link.gb_per_s, cluster.inter_link.egress_gb_per_s,
@@ -305,7 +312,7 @@ def expert_parallel(step: Step) -> Term:
              (inter, cluster.inter_link.latency_us * 1e-6, cluster.inter_link.name))  # fmt: skip
     term, _ = expert_parallel_term(
         E=step.E, in_node=axis_in_node(cluster, step.parallelism, "expert"),
-        tokens=step.mb_tokens / token_split, model=model, act=a.activation_bytes,
+        tokens=moe_tokens(step), model=model, act=a.activation_bytes,
         moe_layer_microbatches=step.m * moe_layers_of_stage(step),
         reruns_forward=step.reruns_moe, links=links, expert_s=step.expert_s, a=a,
         overlap=step.overlap,

@@ -96,7 +96,7 @@ def saved_elements_per_token(
     scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key * seq_len
     # A mixture of experts keeps the dispatched copies of its tokens (the grouped matmul's
     # input, `top_k` rows of h per token) and the experts' outputs before the combine.
-    dispatched = model.top_k * h / token_split * len(model.moe_layers) / model.num_layers
+    dispatched = model.top_k * h / a.moe_token_split(t) * len(model.moe_layers) / model.num_layers
     full = residual + qkv + out + mlp
     if a.saved_activations == "korthikanti":
         # Megatron-LM's layers (Korthikanti et al. 2022, sec. 4.1, in elements of

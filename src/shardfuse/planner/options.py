@@ -276,6 +276,13 @@ class Assumptions:
         remote node that holds one of its experts, which forwards it over the node's
         own links (DeepSeek-V3's dispatch, DeepEP); False (default, shardfuse's
         all-to-all): every routed copy crosses the network.
+      moe_sequence_sharded: with sequence parallelism each `model` rank routes,
+        dispatches and keeps only its own `1 / model` of the tokens in a mixture-of-experts
+        block (Megatron-Core at expert tensor parallelism 1: its dispatcher starts from the
+        sequence-parallel shards). False (default, shardfuse's `ParallelMoE`): the block
+        first gathers the sequence over `model` (which splits each expert's hidden
+        dimension), so every model rank routes, dispatches and keeps all of its data
+        shard's tokens (`moe_token_split`).
       reserved_fraction: HBM kept free for the runtime, fragmentation and
         workspace; a plan must fit in `(1 - reserved_fraction) * HBM`.
 
@@ -317,6 +324,7 @@ class Assumptions:
     grouped_matmul_efficiency: float = 0.85
     ep_overlap: bool = False
     ep_node_dedup: bool = False
+    moe_sequence_sharded: bool = False
     expert_capacity_padded: bool = False
     grouped_matmul_row_tile: int | None = None
     attention_efficiency: float | None = None
@@ -362,6 +370,20 @@ class Assumptions:
         from shardfuse.planner.efficiency import overlap_fraction
 
         return overlap_fraction(device) if self.overlap is None else self.overlap
+
+    def moe_token_split(self, model: int) -> int:
+        """What divides a device's tokens in its mixture-of-experts blocks (their routed
+        copies, dispatch and saved rows) over a `model` axis of size `model`: `model` where
+        the dispatch starts from the sequence-parallel shards (`sequence_parallel` and
+        `moe_sequence_sharded`), else 1 (shardfuse: every model rank holds them all).
+
+        Example:
+          >>> from shardfuse.planner.options import Assumptions
+          >>> megatron = Assumptions.preset("megatron-moe")
+          >>> Assumptions().moe_token_split(4), megatron.moe_token_split(4)
+          (1, 4)
+        """
+        return model if self.sequence_parallel and self.moe_sequence_sharded else 1
 
     def to_dict(self, device=None) -> dict:
         """Every field (JSON-ready); with `device`, the efficiency and overlap resolved for it."""
@@ -463,7 +485,8 @@ class Assumptions:
         overlapped, an async interleaved pipeline keeping its activations), with
         Transformer Engine's flash attention (causal blocks skipped), the gradient
         reduction overlapped with the backward pass (`--overlap-grad-reduce`), DeepEP's
-        dispatch (`ep_node_dedup`: a token crosses the network once per remote node), and
+        dispatch (`ep_node_dedup`: a token crosses the network once per remote node) from
+        the sequence-parallel shards (`moe_sequence_sharded`, expert tensor parallelism 1), and
         the expert all-to-alls exposed (`ep_overlap=False`; their "1F1B overlap" run,
         preset "megatron-moe-overlap", sets it). Its "A2A" dispatcher (Megatron's all-to-all,
         not DeepEP) is `ep_node_dedup=False` on the run. Attention: Transformer Engine's
@@ -479,7 +502,7 @@ class Assumptions:
         return dataclasses.replace(
             cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,
             dp_overlap=1.0, ep_node_dedup=True, attention_efficiency=CUDNN_ATTENTION,
-            moe_host_s=MEGATRON_MOE_HOST_S,
+            moe_host_s=MEGATRON_MOE_HOST_S, moe_sequence_sharded=True,
         )  # fmt: skip
 
     @classmethod

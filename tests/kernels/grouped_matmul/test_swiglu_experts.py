@@ -102,8 +102,9 @@ def test_saturated_gates_stay_finite_and_equal_the_oracle():
     for name, a, b in zip(("y", "d_rows", "d_gate_up", "d_down"), got, want, strict=True):
         a, b = np.asarray(a), np.asarray(b)
         assert np.isfinite(a).all(), name
-        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, np.abs(b).max()), rtol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            a, b, atol=1e-5 * max(1.0, np.abs(b).max()), rtol=1e-5, err_msg=name
+        )
 
 
 def test_work_is_the_active_work_and_the_backward_reuses_the_residual():
