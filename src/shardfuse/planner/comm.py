@@ -164,7 +164,7 @@ def expert_parallel_term(*, E, in_node, tokens, model, act, moe_layer_microbatch
 
     Args:
       E: the expert axis size; in_node: its members within one node.
-      tokens: tokens of one device per microbatch (after sequence parallelism).
+      tokens: tokens one device routes per microbatch (`cost.moe_tokens`).
       model: the `ModelSpec` (top_k, experts, hidden).
       act: bytes per activation element.
       moe_layer_microbatches: MoE blocks of the fullest stage x microbatches.
