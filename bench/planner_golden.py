@@ -20,7 +20,8 @@ search before its speed-ups, commit c9c66e3, and rewritten once since, when shar
 MoE dispatch over expert x model came to be priced as the layer runs it, every model rank
 dispatching all of its tokens (`Assumptions.moe_sequence_sharded`): the Mixtral problem's
 expert x model plans gave way to pipelined ones, and every plan's `Assumptions` shows the
-new field).
+new field; then once more for `Assumptions.ep_static_receive`, a field in every plan's
+`Assumptions` and no plan changed).
 """
 
 import argparse

@@ -56,6 +56,25 @@ def collective_buffers(model_size: int) -> float:
     return 3 + 10 / model_size if model_size > 1 else 0.0
 
 
+def receive_factor(parallelism: Parallelism, a: Assumptions) -> int:
+    """The expert-parallel receive buffers' rows over the routed rows they serve: `E` (the
+    expert axis) where they are static (`Assumptions.ep_static_receive`: shardfuse, in
+    JAX, sizes them for the worst case, a device receiving every routed row of its group,
+    dropless), else 1 (sized by the routing; also without an expert axis, and for a
+    capacity-padded dense dispatch, whose buffers are its capacity).
+
+    Example:
+      >>> from shardfuse.planner.memory import receive_factor
+      >>> from shardfuse.planner.options import Assumptions, Parallelism
+      >>> p = Parallelism.of(expert=8)
+      >>> receive_factor(p, Assumptions()), receive_factor(p, Assumptions.preset("megatron-moe"))
+      (8, 1)
+    """
+    E = parallelism.expert
+    padded = a.expert_capacity_padded and parallelism.options.capacity_factor is not None
+    return E if E > 1 and a.ep_static_receive and not padded else 1
+
+
 def saved_elements_per_token(
     model: ModelSpec, parallelism: Parallelism, a: Assumptions, seq_len: int = 1
 ) -> dict:
@@ -96,7 +115,20 @@ def saved_elements_per_token(
     scores = 0.0 if a.flash_attention else heads * a.attention_scores_bytes_per_key * seq_len
     # A mixture of experts keeps the dispatched copies of its tokens (the grouped matmul's
     # input, `top_k` rows of h per token) and the experts' outputs before the combine.
-    dispatched = model.top_k * h / a.moe_token_split(t) * len(model.moe_layers) / model.num_layers
+    moe_fraction = len(model.moe_layers) / model.num_layers
+    dispatched = model.top_k * h / a.moe_token_split(t) * moe_fraction
+    kept_rows = 2.0
+    receive = receive_factor(parallelism, a) if model.moe_layers else 1
+    if receive > 1:
+        # Static receive buffers of `E x` the routed rows (`receive_factor`): the experts'
+        # part of the MLP and the routed rows are kept over all of them, the rows three
+        # times (received, in expert order, masked to this device's experts) and the mask
+        # (one byte an element), as `print_saved_residuals` counts shardfuse's layer.
+        routed = model.top_k * model.expert_ffn_hidden * moe_fraction
+        mlp += (receive - 1) * (6 if swiglu else 2) * routed / t
+        up += (receive - 1) * (2 if swiglu else 1) * routed / t
+        dispatched *= receive
+        kept_rows = 3 + 1 / a.activation_bytes
     full = residual + qkv + out + mlp
     if a.saved_activations == "korthikanti":
         # Megatron-LM's layers (Korthikanti et al. 2022, sec. 4.1, in elements of
@@ -106,7 +138,7 @@ def saved_elements_per_token(
         # and output ("24 sbh / t" for a GELU MLP of 4h). "selective" recomputes the
         # attention core only: all of it but the scores.
         full = (4 * h + 2 * h / a.activation_bytes) / token_split + qkv + heads * d + up + f / t
-    full += 2 * dispatched
+    full += kept_rows * dispatched
     # The ZeRO-3 layer prefetch keeps each layer's input only, as "full" does (the policy
     # applies inside the layer's rerun, in its backward working set).
     policy = "full" if parallelism.options.prefetch else parallelism.options.remat

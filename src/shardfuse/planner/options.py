@@ -283,6 +283,11 @@ class Assumptions:
         first gathers the sequence over `model` (which splits each expert's hidden
         dimension), so every model rank routes, dispatches and keeps all of its data
         shard's tokens (`moe_token_split`).
+      ep_static_receive: the expert-parallel receive buffers are sized for the worst
+        case, `expert x` the routed rows a device sends (any device may receive every
+        routed row of its group, dropless: shardfuse's `ParallelMoE`, whose shapes are
+        static), and the backward keeps them (`memory.receive_factor`). False: sized by
+        the routing (PyTorch's dynamic shapes: Megatron-Core, AutoModel).
       reserved_fraction: HBM kept free for the runtime, fragmentation and
         workspace; a plan must fit in `(1 - reserved_fraction) * HBM`.
 
@@ -325,6 +330,7 @@ class Assumptions:
     ep_overlap: bool = False
     ep_node_dedup: bool = False
     moe_sequence_sharded: bool = False
+    ep_static_receive: bool = True
     expert_capacity_padded: bool = False
     grouped_matmul_row_tile: int | None = None
     attention_efficiency: float | None = None
@@ -502,7 +508,7 @@ class Assumptions:
         return dataclasses.replace(
             cls.megatron_2022(), name="megatron-moe", flash_attention=True, causal_skip=True,
             dp_overlap=1.0, ep_node_dedup=True, attention_efficiency=CUDNN_ATTENTION,
-            moe_host_s=MEGATRON_MOE_HOST_S, moe_sequence_sharded=True,
+            moe_host_s=MEGATRON_MOE_HOST_S, moe_sequence_sharded=True, ep_static_receive=False,
         )  # fmt: skip
 
     @classmethod
@@ -516,6 +522,7 @@ class Assumptions:
 
         return dataclasses.replace(
             cls(), name="automodel", ep_node_dedup=True, saved_activations="korthikanti",
+            ep_static_receive=False,
             pipeline_executor="async", pipeline_recompute=False,
             attention_efficiency=CUDNN_ATTENTION,
         )  # fmt: skip
