@@ -18,29 +18,6 @@ namespace {
 
 std::atomic<int64_t> g_macs{0};
 
-// dst[i] = float(src[offset + i]) for i < n. Plain loops, which the compiler vectorises: a
-// memcpy call per 64-byte panel row cost more than the copy.
-inline void load_row(const void* src, size_t offset, int64_t n, bool bf16, float* dst) {
-  if (bf16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-  } else {
-    const float* s = static_cast<const float*>(src) + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-  }
-}
-
-// dst[offset + i] = src[i] (rounded to bfloat16 if bf16) for i < n.
-inline void store_row(const float* src, int64_t n, void* dst, size_t offset, bool bf16) {
-  if (bf16) {
-    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
-  } else {
-    float* d = static_cast<float*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] = src[i];
-  }
-}
-
 // kLanes floats from src[index...] (float32, or bfloat16 widened: its bits are the float's top
 // half).
 inline Vec load_vec(const void* src, size_t index, bool bf16) {

@@ -99,16 +99,6 @@ void split_row(const void* h, int64_t row, int64_t H, bool bf16, float* g, float
   }
 }
 
-// dst[offset + i] = src[i] for i < n (rounded to bfloat16 if bf16).
-void store_floats(const float* src, int64_t n, void* dst, int64_t offset, bool bf16) {
-  if (bf16) {
-    uint16_t* d = static_cast<uint16_t*>(dst) + offset;
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
-  } else {
-    std::memcpy(static_cast<float*>(dst) + offset, src, size_t(n) * 4);
-  }
-}
-
 // sigmoid(g) lane by lane: 1 / (1 + exp(-g)) (vexp clamps -g at 88, so that g < -88 gives
 // about 6e-39 where the exact value is smaller still).
 inline Vec vsigmoid(Vec g) { return splat(1.0f) / (splat(1.0f) + vexp(-g)); }
@@ -146,7 +136,7 @@ void swiglu(const void* h, int64_t M, int64_t H, bool bf16, void* a) {
         const Vec gv = load_n(&g[j], n);
         store_n(&out[j], gv * vsigmoid(gv) * load_n(&u[j], n), n);
       });
-      store_floats(out.data(), H, a, r * H, bf16);
+      store_row(out.data(), H, a, r * H, bf16);
     }
   });
 }
@@ -167,7 +157,7 @@ void swiglu_backward(const void* h, const float* da, int64_t M, int64_t H, bool 
         d[2 * j] = g[j];
         d[2 * j + 1] = u[j];
       }
-      store_floats(d.data(), 2 * H, dh, r * 2 * H, bf16);
+      store_row(d.data(), 2 * H, dh, r * 2 * H, bf16);
     }
   });
 }
