@@ -43,8 +43,10 @@ def analyse(jaxpr, prefix="", inherited=None, found=None):
         chunk, kind = (int(tags[-1][0]), tags[-1][1]) if tags else (None, None)
         direction = "backward" if "transpose" in scope else "forward"
         subs = list(sub_jaxprs(eqn))
+        # a cond's branches take its operands after the branch index
+        sub_inputs = inputs[1:] if eqn.primitive.name == "cond" else inputs
         for sub in subs:
-            ancestors = ancestors | analyse(sub, scope, inputs, found)
+            ancestors = ancestors | analyse(sub, scope, sub_inputs, found)
         if kind == "experts" and eqn.primitive.name == "ffi_call":
             found.append(("experts", chunk, direction, ancestors))
         if eqn.primitive.name == "all_to_all" and kind is not None:

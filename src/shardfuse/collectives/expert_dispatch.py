@@ -31,6 +31,13 @@ Two implementations, identical results:
 
 Neither ever builds a tokens x experts x F or tokens x experts x capacity x F tensor:
 the buffers are `EP x A x F` with `A = tokens x k`.
+
+The dense dispatch also takes a smaller `chunk` per destination (`dense_chunk`: twice a
+destination's balanced share, `ceil(2 x A / EP)`, where that is below `A`): its buffers
+and traffic are then `EP x chunk` rows, `min(EP, 2)` times the ragged bytes instead of
+`EP` times. A row past its destination's chunk is not sent; `overflows` says whether any
+would be, and the caller (`sf.layers.ParallelMoE`) then runs the full-size dispatch
+instead (the same result: dropless either way).
 """
 
 import jax
@@ -74,6 +81,30 @@ def _routing(experts, num_experts: int, ep: int):
     return dest, pos, counts, starts
 
 
+# The dense dispatch's capped chunk: this many times a destination's balanced share.
+DENSE_CHUNK_FACTOR = 2
+
+
+def dense_chunk(rows: int, ep: int) -> int:
+    """The dense dispatch's rows per destination for `rows` routed rows a device over an
+    expert axis of `ep`: `min(rows, ceil(DENSE_CHUNK_FACTOR x rows / ep))`, twice a
+    destination's share on balanced routing (all `rows` where `ep <= 2`).
+
+    Example:
+      >>> dense_chunk(128, 4), dense_chunk(128, 2), dense_chunk(5, 8)
+      (64, 128, 2)
+    """
+    return min(rows, -(-DENSE_CHUNK_FACTOR * rows // ep))
+
+
+def overflows(experts, *, num_experts: int, ep: int, chunk: int):
+    """int32 1 if some destination device would get more than `chunk` of the rows whose
+    sorted experts are `experts` `[A]` (as `dispatch` takes them), else 0. Per device: the
+    caller agrees on it over the expert axis before choosing the dispatch's size."""
+    counts = _routing(experts, num_experts, ep)[2]
+    return (jnp.max(counts) > chunk).astype(jnp.int32)
+
+
 def take_rows(x, index):
     """`x[index]` for indices known to be in bounds: a bare gather (no wrapping of
     negative indices, no clamping: each an op of its own on XLA:CPU)."""
@@ -112,7 +143,8 @@ def _exchange(values, axis_name):
     return lax.all_to_all(values[:, None], axis_name, 0, 0, tiled=True)[:, 0]
 
 
-def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None, pad_value=0.0):
+def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None, pad_value=0.0,
+             chunk: int | None = None):  # fmt: skip
     """Sends each routed row to the device holding its expert.
 
     Args:
@@ -123,38 +155,48 @@ def dispatch(rows, experts, *, num_experts: int, axis_name, implementation=None,
       implementation: "ragged", "dense" or None (`default_implementation`).
       pad_value: the value of the receive buffer's unused rows ("dense": of the send
         buffer's too); the tests poison it with NaN.
+      chunk: "dense" only: rows per destination (None: `A`, every row fits); a row past
+        its destination's first `chunk` is not sent (`overflows` says whether any is).
 
     Returns:
-      `(received [EP * A, F], received_experts [EP * A] int32, plan)`: chunk s
-      (`[s * A, (s + 1) * A)`) holds device s's rows for this device, sorted by expert,
-      then padding whose expert is `E`; `plan` is `combine`'s.
+      `(received [EP * C, F], received_experts [EP * C] int32, plan)` with `C = chunk`
+      (`A` where None): chunk s (`[s * C, (s + 1) * C)`) holds device s's rows for this
+      device, sorted by expert, then padding whose expert is `E`; `plan` is `combine`'s.
     """
     implementation = check_implementation(implementation)
     ep = lax.axis_size(axis_name)
     A, F = rows.shape
     dest, pos, counts, starts = _routing(experts, num_experts, ep)
     plan = dict(dest=dest, counts=counts, starts=starts)
+    if chunk is not None and implementation != "dense":
+        raise ValueError(f"chunk={chunk!r} needs implementation='dense' (got {implementation!r})")
     if implementation == "dense":
+        C = A if chunk is None else int(chunk)
         with jax.named_scope("expert_dispatch_dense"):
             fold = _ids_fit(num_experts, rows.dtype)  # the ids ride in the rows' all-to-all
-            # Row i goes to flat row `dest * A + pos` of the [EP * A] send buffer (unique
-            # positions; a dropped row's lies past the end and is dropped).
-            flat = plan["flat"] = dest * A + pos
-            payload, send = rows, jnp.full((ep * A, F), pad_value, rows.dtype)
+            # Row i goes to flat row `dest * C + pos` of the [EP * C] send buffer (unique
+            # positions; a dropped row's, or one past its chunk, lies past the end and is
+            # dropped).
+            flat = dest * C + pos
+            if C < A:  # every row that is not sent at a unique place past the end
+                unsent = (pos >= C) | (dest >= ep)
+                flat = jnp.where(unsent, ep * C + jnp.arange(A, dtype=flat.dtype), flat)
+            plan.update(flat=flat, chunk=C)
+            payload, send = rows, jnp.full((ep * C, F), pad_value, rows.dtype)
             if fold:
                 payload = jnp.concatenate([rows, _id_columns(experts, rows)], -1)
-                padding = _id_columns(jnp.full((ep * A,), num_experts), send)
+                padding = _id_columns(jnp.full((ep * C,), num_experts), send)
                 send = jnp.concatenate([send, padding], -1)
             send = send.at[flat].set(payload, mode="drop", unique_indices=True)
-            send = send.reshape(ep, A, -1)
-            received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, A, F (+ 2)]
+            send = send.reshape(ep, C, -1)
+            received = lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [EP, C, F (+ 2)]
             if fold:
                 received_ids, received = _read_ids(received[..., F:]), received[..., :F]
             else:
-                ids = jnp.full((ep * A,), num_experts, jnp.int32)
+                ids = jnp.full((ep * C,), num_experts, jnp.int32)
                 ids = ids.at[flat].set(experts, mode="drop", unique_indices=True)
-                received_ids = lax.all_to_all(ids.reshape(ep, A), axis_name, 0, 0, tiled=True)
-        return received.reshape(ep * A, F), received_ids.reshape(ep * A), plan
+                received_ids = lax.all_to_all(ids.reshape(ep, C), axis_name, 0, 0, tiled=True)
+        return received.reshape(ep * C, F), received_ids.reshape(ep * C), plan
     recv_counts = plan["recv_counts"] = _exchange(counts, axis_name)
     me = lax.axis_index(axis_name)
     plan["recv_starts"] = _exchange(starts, axis_name)
@@ -175,7 +217,7 @@ def combine(results, plan: dict, *, axis_name, implementation=None):
     """Sends each received row's result back to where `dispatch` took the row from.
 
     Args:
-      results: `[EP * A, F]`, a result per row of `dispatch`'s receive buffer (those of
+      results: `[EP * C, F]`, a result per row of `dispatch`'s receive buffer (those of
         padding rows are never read).
       plan: `dispatch`'s plan.
       axis_name, implementation: as `dispatch` was given.
@@ -188,10 +230,11 @@ def combine(results, plan: dict, *, axis_name, implementation=None):
     A = plan["dest"].shape[0]
     F = results.shape[-1]
     if implementation == "dense":
+        C = plan["chunk"]
         with jax.named_scope("expert_combine_dense"):
-            back = lax.all_to_all(results.reshape(ep, A, F), axis_name, 0, 0, tiled=True)
-            valid = plan["dest"] < ep
-            rows = take_rows(back.reshape(ep * A, F), jnp.where(valid, plan["flat"], 0))
+            back = lax.all_to_all(results.reshape(ep, C, F), axis_name, 0, 0, tiled=True)
+            valid = plan["flat"] < ep * C  # not dropped, and inside its chunk
+            rows = take_rows(back.reshape(ep * C, F), jnp.where(valid, plan["flat"], 0))
         return jnp.where(valid[:, None], rows, jnp.zeros((), results.dtype))
     with jax.named_scope("expert_combine_ragged"):
         in_offsets = jnp.arange(ep, dtype=jnp.int32) * A
@@ -201,10 +244,30 @@ def combine(results, plan: dict, *, axis_name, implementation=None):
         )  # fmt: skip
 
 
+def combine_transpose(values, plan: dict, *, axis_name):
+    """The transpose of the dense `combine`: `values` `[A, F]`, one per dispatched row, to
+    the receive buffer's layout `[EP * C, F]` on the rows' expert devices (zeros at the
+    padding and for dropped rows): how the combine's cotangent reaches the experts, one
+    all-to-all, for callers that write their own VJP."""
+    ep = lax.axis_size(axis_name)
+    C, F = plan["chunk"], values.shape[-1]
+    flat = plan["flat"]
+    with jax.named_scope("expert_combine_dense_transpose"):
+        valid = (flat < ep * C)[:, None]
+        send = jnp.zeros((ep * C, F), values.dtype)
+        send = send.at[flat].set(jnp.where(valid, values, 0), mode="drop", unique_indices=True)
+        received = lax.all_to_all(send.reshape(ep, C, F), axis_name, 0, 0, tiled=True)
+    return received.reshape(ep * C, F)
+
+
 __all__ = [
+    "DENSE_CHUNK_FACTOR",
     "IMPLEMENTATIONS",
     "combine",
+    "combine_transpose",
+    "dense_chunk",
     "default_implementation",
     "dispatch",
+    "overflows",
     "take_rows",
 ]

@@ -265,6 +265,130 @@ def routed_experts(rows, row_experts, sizes, gate_up, down, *, act, offset=None,
     return checkpoint_name(y, "moe_down")
 
 
+def _capped_forward(rows, sorted_e, gate_up, down, *, num_experts, axis_name, chunk):
+    """The dense dispatch of `chunk` rows a destination, the fused SwiGLU experts on the
+    receive buffer and the combine: `(y [A, F], residuals)`."""
+    ep = lax.axis_size(axis_name)
+    with jax.named_scope("dispatch"):
+        received, received_e, plan = expert_dispatch.dispatch(
+            rows, sorted_e, num_experts=num_experts, axis_name=axis_name,
+            implementation="dense", chunk=chunk,
+        )  # fmt: skip
+    with jax.named_scope("experts"):
+        local = received_e - lax.axis_index(axis_name) * (num_experts // ep)
+        y_received, h = native_cpu_gmm.swiglu_experts_forward(received, local, gate_up, down)
+    with jax.named_scope("combine"):
+        y = expert_dispatch.combine(y_received, plan, axis_name=axis_name, implementation="dense")
+    return y, (received, local, h, plan["flat"], plan["dest"])
+
+
+def _capped_backward(saved, gate_up, down, dy, *, axis_name, chunk):
+    """`_capped_forward`'s VJP from its residuals: `(d_rows, d_gate_up, d_down)`, the
+    combine's transpose and the dispatch's (each one all-to-all) around the fused
+    experts' backward."""
+    received, local, h, flat, dest = saved
+    plan = dict(flat=flat, dest=dest, chunk=chunk)
+    with jax.named_scope("combine"):  # the scopes of what each part transposes
+        dy_received = expert_dispatch.combine_transpose(dy, plan, axis_name=axis_name)
+    with jax.named_scope("experts"):
+        d_received, d_gate_up, d_down = native_cpu_gmm.swiglu_experts_backward(
+            received, local, gate_up, down, h, dy_received
+        )
+    with jax.named_scope("dispatch"):
+        d_rows = expert_dispatch.combine(d_received, plan, axis_name=axis_name,
+                                         implementation="dense")  # fmt: skip
+    return d_rows, d_gate_up, d_down
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def capped_expert_parallel(rows, sorted_e, gate_up, down, overflow, num_experts, axis_name,
+                           chunk):  # fmt: skip
+    """Routed rows through their experts' devices and back on the CPU (per shard, inside
+    `shard_map`): the dense dispatch of `chunk` rows a destination
+    (`expert_dispatch.dense_chunk`), the fused SwiGLU experts
+    (`native_cpu.swiglu_experts_forward`) and the combine, forward and backward; where
+    `overflow` (int32, the same on every device of the expert axis) is nonzero, some
+    destination gets more rows than `chunk`, and the full-size dispatch runs instead, its
+    backward recomputing its forward. The same result either way (dropless).
+
+    The receive buffers, the experts' saved up projection and the four all-to-alls hold
+    and move `EP x chunk` rows instead of `EP x A`: half of them at `EP = 4`. A custom VJP
+    around `lax.cond` so that the backward keeps only the capped path's residuals (JAX's
+    own VJP of a `cond` keeps both branches', zeros for the branch not taken).
+
+    Args:
+      rows: `[A, F]` this device's routed rows sorted by expert (`sort_slots`).
+      sorted_e: `[A]` int32 their experts, `num_experts` for a dropped row.
+      gate_up, down: this device's experts `[E / EP, F, 2H]`, `[E / EP, H, F]`.
+      overflow: int32 scalar, nonzero where the capped dispatch would leave rows behind.
+      num_experts: E.
+      axis_name: the expert axis, of size EP.
+      chunk: rows per destination of the capped dispatch.
+
+    Returns:
+      `[A, F]`: each row's expert output (zero for dropped rows).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from shardfuse.collectives import expert_dispatch
+      >>> mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+      >>> rows, e = jnp.ones((4 * 8, 4)), jnp.tile(jnp.arange(8, dtype=jnp.int32), 4)
+      >>> def f(rows, e, gate_up, down):
+      ...     chunk = expert_dispatch.dense_chunk(8, 4)  # 4 rows a destination, of 8
+      ...     over = expert_dispatch.overflows(e, num_experts=8, ep=4, chunk=chunk)
+      ...     return capped_expert_parallel(rows, e, gate_up, down, over, 8, "expert", chunk)
+      >>> y = jax.shard_map(f, mesh=mesh, in_specs=(P("expert"), P("expert"), P("expert"),
+      ...                   P("expert")), out_specs=P("expert"))(
+      ...     rows, e, jnp.ones((8, 4, 6)), jnp.ones((8, 3, 4)))
+      >>> float(y[0, 0])  # 3 x silu(4) x 4
+      47.14...
+    """
+    return _capped_expert_parallel_fwd(
+        rows, sorted_e, gate_up, down, overflow, num_experts, axis_name, chunk
+    )[0]
+
+
+def _capped_expert_parallel_fwd(rows, sorted_e, gate_up, down, overflow, num_experts,
+                                axis_name, chunk):  # fmt: skip
+    kw = dict(num_experts=num_experts, axis_name=axis_name)
+    n = lax.axis_size(axis_name) * chunk
+
+    def capped():
+        return _capped_forward(rows, sorted_e, gate_up, down, chunk=chunk, **kw)
+
+    def full():  # its residuals are not kept: the backward recomputes them
+        y, (received, local, h, flat, dest) = _capped_forward(
+            rows, sorted_e, gate_up, down, chunk=rows.shape[0], **kw
+        )
+        return y, (received[:n], local[:n], h[:n], flat, dest)
+
+    y, (received, local, h, flat, dest) = lax.cond(overflow > 0, full, capped)
+    # Named as the unfused path names them, for remat policies.
+    saved = (checkpoint_name(received, "moe_dispatch"), local, checkpoint_name(h, "moe_up"),
+             flat, dest)  # fmt: skip
+    return y, (rows, sorted_e, gate_up, down, overflow, saved)
+
+
+def _capped_expert_parallel_bwd(num_experts, axis_name, chunk, residuals, dy):
+    rows, sorted_e, gate_up, down, overflow, saved = residuals
+
+    def capped():
+        return _capped_backward(saved, gate_up, down, dy, axis_name=axis_name, chunk=chunk)
+
+    def full():
+        A = rows.shape[0]
+        _, again = _capped_forward(rows, sorted_e, gate_up, down, num_experts=num_experts,
+                                   axis_name=axis_name, chunk=A)  # fmt: skip
+        return _capped_backward(again, gate_up, down, dy, axis_name=axis_name, chunk=A)
+
+    d_rows, d_gate_up, d_down = lax.cond(overflow > 0, full, capped)
+    return d_rows, None, d_gate_up, d_down, None
+
+
+capped_expert_parallel.defvjp(_capped_expert_parallel_fwd, _capped_expert_parallel_bwd)
+
+
 def shared_experts(x, up, down, gate, precision, act=None):
     """The shared experts' gated activation `act` (None: SwiGLU) on `x` `[n, F]`,
     sigmoid-gated where `gate` is given: float32 `[n, F]` (partial over `model` where the
@@ -559,9 +683,18 @@ class ParallelMoE(nnx.Module):
             activation=self.activation,
         )  # fmt: skip
 
-    def _expert_parallel(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):
-        """Rows sorted by expert -> their experts' devices -> SwiGLU -> back: `[A, F]`."""
+    def _expert_parallel(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias,
+                         overflow=None):  # fmt: skip
+        """Rows sorted by expert -> their experts' devices -> SwiGLU -> back: `[A, F]`;
+        the capped dense dispatch (`capped_expert_parallel`) where `overflow` is given
+        (`_local_overflow`, agreed over the expert axis) and caps these rows."""
         E = self.num_experts
+        chunk = expert_dispatch.dense_chunk(rows.shape[0], self._ep())
+        if overflow is not None and chunk < rows.shape[0]:
+            rows, gate_up, down = match_varying(rows, gate_up, down)
+            y_sorted = capped_expert_parallel(rows, sorted_e, gate_up, down, overflow, E,
+                                              self.expert_axis, chunk)  # fmt: skip
+            return checkpoint_name(y_sorted, "moe_combine")
         plan_args = dict(axis_name=self.expert_axis, implementation=self.dispatch_implementation)
         with jax.named_scope("dispatch"):
             received, received_e, plan = expert_dispatch.dispatch(
@@ -597,23 +730,44 @@ class ParallelMoE(nnx.Module):
         return fused_experts(self.activation, self.grouped_matmul_implementation, rows,
                              gate_up, down, gate_up_bias, down_bias)  # fmt: skip
 
-    def _sorted_experts(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):
+    def _chunk_bounds(self, A: int) -> list:
+        """`dispatch_chunks` chunks of `A` consecutive sorted slots: `[(lo, hi), ...]`."""
+        bounds = np.linspace(0, A, self.dispatch_chunks + 1).astype(int)
+        return [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+    def _local_overflow(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias):
+        """Where the expert-parallel segments run the capped dense dispatch (the CPU's
+        dispatch, the fused experts, a chunk `expert_dispatch.dense_chunk` below the rows):
+        int32 1 if one of this device's chunks would leave rows behind, else 0 (`_stats`
+        sums it over the token axes); None elsewhere."""
+        ep, E = self._ep(), self.num_experts
+        if ep == 1 or self.dispatch_implementation != "dense":
+            return None
+        if not self._fused_experts(rows, gate_up, down, gate_up_bias, down_bias):
+            return None
+        flags = [
+            expert_dispatch.overflows(sorted_e[lo:hi], num_experts=E, ep=ep,
+                                      chunk=expert_dispatch.dense_chunk(hi - lo, ep))
+            for lo, hi in self._chunk_bounds(rows.shape[0])
+            if expert_dispatch.dense_chunk(hi - lo, ep) < hi - lo
+        ]  # fmt: skip
+        return functools.reduce(jnp.maximum, flags) if flags else None
+
+    def _sorted_experts(self, rows, sorted_e, gate_up, down, gate_up_bias, down_bias,
+                        overflow=None):  # fmt: skip
         """The experts on the slots' rows sorted by expert (`sort_slots`), results in that
         order: through the expert axis where there is one."""
         E = self.num_experts
         if self._ep() > 1:
             # Chunks of consecutive sorted slots (each still sorted, the dropped rows in
             # the last): dispatched, computed and combined independently.
-            bounds = np.linspace(0, rows.shape[0], self.dispatch_chunks + 1).astype(int)
             chunks = []
-            for c, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-                if hi > lo:
-                    with jax.named_scope(f"moe_chunk_{c}"):
-                        chunks.append(
-                            self._expert_parallel(
-                                rows[lo:hi], sorted_e[lo:hi], gate_up, down, gate_up_bias, down_bias
-                            )
-                        )
+            for c, (lo, hi) in enumerate(self._chunk_bounds(rows.shape[0])):
+                with jax.named_scope(f"moe_chunk_{c}"):
+                    chunks.append(
+                        self._expert_parallel(rows[lo:hi], sorted_e[lo:hi], gate_up, down,
+                                              gate_up_bias, down_bias, overflow)  # fmt: skip
+                    )
             return chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks)
         sizes = jnp.zeros((E,), jnp.int32).at[sorted_e].add(1, mode="drop")
         return self._experts(rows, sorted_e, sizes, None, gate_up, down, gate_up_bias, down_bias)
@@ -638,15 +792,23 @@ class ParallelMoE(nnx.Module):
             and self.capacity_factor is None
             and self._fused_experts(xf, gate_up, down, gate_up_bias, down_bias)
         )
+        overflow = None
         if unsorted:
             # The fused kernels sort by expert themselves: the slots stay in slot order.
             order, sorted_e = None, experts.T.reshape(-1)
             rows = jnp.tile(xf, (self.top_k, 1))  # [A, F]: slot a is token a % n
-            y_sorted = self._experts(rows, sorted_e, None, None, gate_up, down, None, None)
         else:
             order, sorted_e = sort_slots(experts, E, self.capacity_factor)
             rows = take_rows(xf, order % n)  # [A, F]: slot a is token a % n (slot-major)
-            y_sorted = self._sorted_experts(rows, sorted_e, gate_up, down, gate_up_bias, down_bias)
+            overflow = self._local_overflow(rows, sorted_e, gate_up, down, gate_up_bias,
+                                            down_bias)  # fmt: skip
+        # The statistics' all-reduce comes first: it also agrees on `overflow`.
+        stats, overflow = self._stats(logits, experts, probs, sorted_e, n, overflow)
+        if unsorted:
+            y_sorted = self._experts(rows, sorted_e, None, None, gate_up, down, None, None)
+        else:
+            y_sorted = self._sorted_experts(rows, sorted_e, gate_up, down, gate_up_bias,
+                                            down_bias, overflow)  # fmt: skip
         y = combine_slots(y_sorted, order, weights)
         if shared_up is not None:
             y = y + shared_experts(xf, shared_up, shared_down, shared_gate, self.precision,
@@ -656,11 +818,12 @@ class ParallelMoE(nnx.Module):
             y = lax.psum_scatter(y, model, scatter_dimension=1, tiled=True)
         elif model is not None:
             y = lax.psum(y, model)
-        stats = self._stats(logits, experts, probs, sorted_e, n)
         return y, stats
 
-    def _stats(self, logits, experts, probs, sorted_e, n):
-        """The call's statistics over every token (summed over the token axes).
+    def _stats(self, logits, experts, probs, sorted_e, n, overflow=None):
+        """`(stats, overflow)`: the call's statistics over every token (summed over the
+        token axes), and `overflow` (`_local_overflow`; None passes through) summed with
+        them, the same on every device that routes these tokens.
 
         One float32 all-reduce carries them all (each collective is a rendezvous of every
         device; two, one per dtype, cost a tenth of a small model's step on the CPU mesh):
@@ -670,7 +833,8 @@ class ParallelMoE(nnx.Module):
         E, k = self.num_experts, self.top_k
         counts = router_lib.tokens_per_expert(experts, E)
         dropped = jnp.sum(sorted_e == E, dtype=jnp.int32)[None]
-        ints = jnp.concatenate([counts, dropped])  # [E + 1]
+        extra = [] if overflow is None else [jnp.asarray(overflow, jnp.int32)[None]]
+        ints = jnp.concatenate([counts, dropped, *extra])  # [E + 1 (+ 1)]
         hi, lo = (
             (ints >> _COUNT_SHIFT).astype(jnp.float32),
             (ints & _COUNT_MASK).astype(jnp.float32),
@@ -689,15 +853,17 @@ class ParallelMoE(nnx.Module):
         if over_model and lax.axis_size(model) > 1:
             packed = packed / lax.axis_size(model)
         prob_sums, z, N = packed[:E], packed[E], packed[E + 1]
-        hi, lo = packed[E + 2 : 2 * E + 3], packed[2 * E + 3 :]
+        n_ints = ints.shape[0]
+        hi, lo = packed[E + 2 : E + 2 + n_ints], packed[E + 2 + n_ints :]
         ints = (jnp.round(hi).astype(jnp.int32) << _COUNT_SHIFT) + jnp.round(lo).astype(jnp.int32)
         counts, dropped = ints[:E], ints[E]
-        return dict(
+        stats = dict(
             load_balancing_loss=router_lib.load_balancing_loss(counts, prob_sums, N, k),
             router_z_loss=z / N,
             tokens_per_expert=counts,
             dropped_tokens=dropped,
         )
+        return stats, (None if overflow is None else ints[E + 1])
 
     # --- calls --------------------------------------------------------------------------
 

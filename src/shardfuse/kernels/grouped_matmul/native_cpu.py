@@ -154,10 +154,25 @@ def swiglu_experts_supported(rows, gate_up, down) -> bool:
 
 @jax.custom_vjp
 def _swiglu_experts(rows, ids, gate_up, down):
-    return _experts_forward(rows, ids, gate_up, down)[0]
+    return swiglu_experts_forward(rows, ids, gate_up, down)[0]
 
 
-def _experts_forward(rows, ids, gate_up, down):
+def swiglu_experts_forward(rows, ids, gate_up, down):
+    """`swiglu_experts`' forward custom call alone, for callers that write their own VJP:
+    `(y, h)`, `y` as `swiglu_experts` gives it and `h [R, 2H]` the up projection of the
+    rows sorted by expert (what `swiglu_experts_backward` takes; rows past the held ones
+    zero). No checks: the operands must pass `swiglu_experts_supported`, `ids` int32, all
+    of one varying type inside `shard_map` (`vma.match_varying`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.kernels.grouped_matmul import native_cpu
+      >>> ids = jnp.array([1, 5, 0], jnp.int32)
+      >>> y, h = native_cpu.swiglu_experts_forward(
+      ...     jnp.ones((3, 4)), ids, jnp.ones((2, 4, 6)), jnp.ones((2, 3, 4)))
+      >>> y.shape, h.shape
+      ((3, 4), (3, 6))
+    """
     R, H = rows.shape[0], down.shape[1]
     out_types = (
         vma.ffi_result(rows.shape, rows.dtype, rows),
@@ -167,8 +182,30 @@ def _experts_forward(rows, ids, gate_up, down):
     return call(rows, ids, gate_up, down)
 
 
+def swiglu_experts_backward(rows, ids, gate_up, down, h, dy):
+    """`swiglu_experts`' backward custom call alone: `(d_rows, d_gate_up, d_down)` from the
+    forward's operands, its `h` (`swiglu_experts_forward`) and the output's cotangent `dy`
+    `[R, F]` (rows whose id is not held get a zero `d_rows`). No checks, as
+    `swiglu_experts_forward`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from shardfuse.kernels.grouped_matmul import native_cpu
+      >>> rows, ids = jnp.ones((3, 4)), jnp.array([1, 5, 0], jnp.int32)
+      >>> gate_up, down = jnp.ones((2, 4, 6)), jnp.ones((2, 3, 4))
+      >>> y, h = native_cpu.swiglu_experts_forward(rows, ids, gate_up, down)
+      >>> d_rows, d_gate_up, d_down = native_cpu.swiglu_experts_backward(
+      ...     rows, ids, gate_up, down, h, jnp.ones_like(y))
+      >>> d_rows[1].tolist()  # row 1's expert is not held
+      [0.0, 0.0, 0.0, 0.0]
+    """
+    out_types = tuple(vma.ffi_result(x.shape, x.dtype, rows) for x in (rows, gate_up, down))
+    call = jax.ffi.ffi_call(_EXPERTS_BACKWARD, out_types, vmap_method="sequential")
+    return call(rows, ids, gate_up, down, h, dy.astype(rows.dtype))
+
+
 def _swiglu_experts_fwd(rows, ids, gate_up, down):
-    y, h = _experts_forward(rows, ids, gate_up, down)
+    y, h = swiglu_experts_forward(rows, ids, gate_up, down)
     # The up projection (the backward's residual): named as the unfused path names it, so
     # that remat policies saving "moe_up" keep it.
     h = checkpoint_name(h, "moe_up")
@@ -176,10 +213,7 @@ def _swiglu_experts_fwd(rows, ids, gate_up, down):
 
 
 def _swiglu_experts_bwd(residuals, dy):
-    rows, ids, gate_up, down, h = residuals
-    out_types = tuple(vma.ffi_result(x.shape, x.dtype, rows) for x in (rows, gate_up, down))
-    call = jax.ffi.ffi_call(_EXPERTS_BACKWARD, out_types, vmap_method="sequential")
-    d_rows, d_gate_up, d_down = call(rows, ids, gate_up, down, h, dy.astype(rows.dtype))
+    d_rows, d_gate_up, d_down = swiglu_experts_backward(*residuals, dy)
     return d_rows, None, d_gate_up, d_down
 
 
