@@ -101,13 +101,21 @@ def _mutated_fails(monkeypatch, patch, case):
 
 def test_planted_wrong_unsort_is_caught(monkeypatch):
     original = moe_lib.ParallelMoE._experts
+    original_fused = moe_lib.native_cpu_gmm.swiglu_experts_forward
 
     def shifted(self, *args):  # results unsorted onto the neighbouring rows
         return jnp.roll(original(self, *args), 1, axis=0)
 
+    def shifted_fused(*args):  # the same in the capped dispatch's fused experts
+        y, h = original_fused(*args)
+        return jnp.roll(y, 1, axis=0), h
+
+    def patch(m):
+        m.setattr(moe_lib.ParallelMoE, "_experts", shifted)
+        m.setattr(moe_lib.native_cpu_gmm, "swiglu_experts_forward", shifted_fused)
+
     case = HAND[0]  # passes unmutated (test_moe_equals_oracle)
-    _mutated_fails(monkeypatch, lambda m: m.setattr(moe_lib.ParallelMoE, "_experts", shifted),
-                   case)  # fmt: skip
+    _mutated_fails(monkeypatch, patch, case)
 
 
 def test_planted_down_bias_on_every_model_shard_is_caught(monkeypatch):

@@ -6,8 +6,8 @@ Both branches are reached by construction, not by chance: the inputs route every
 tokens evenly over the destinations (2 rows to each, the chunk 4 of 8) or all of them to
 device 0 (8 rows, past the chunk). Outputs, statistics and every gradient equal the
 one-device oracle in both, under Explicit and Auto meshes, eagerly and under `jit`; a
-planted mutant that never falls back fails the oracle; the compiled layer moves the capped
-bytes.
+planted mutant that never falls back fails the oracle. (What the compiled layer moves:
+tests/layers/test_moe_structure.py.)
 """
 
 import jax
@@ -19,7 +19,6 @@ from shardfuse.collectives import expert_dispatch
 from shardfuse.layers import _sharding
 from shardfuse.layers import moe as moe_lib
 from tests.layers.moe_cases import Case, build, check_case
-from tests.layers.test_moe_structure import _compiled, all_to_all_bytes
 
 F, E, K, EP, TOKENS = 8, 8, 2, 4, 4  # 4 tokens a device: A = 8 rows, chunk 4
 
@@ -79,33 +78,3 @@ def test_a_capped_dispatch_that_never_falls_back_fails_the_oracle(monkeypatch):
     finally:
         monkeypatch.undo()
         _sharding._compiled.clear_cache()
-
-
-def test_the_capped_branch_moves_the_capped_bytes():
-    """The compiled forward holds both branches' all-to-alls: the capped one moves `EP x
-    chunk` rows each way (`DENSE_CHUNK_FACTOR` times the ragged bytes leave a device), the
-    fallback `EP x A`."""
-    case = _case()
-    moe, x = _routed(case, "balanced")
-    A, chunk = TOKENS * K, expert_dispatch.dense_chunk(TOKENS * K, EP)
-    by_rows = all_to_all_bytes_by_rows(_compiled(moe, x, grad=False).as_text())
-    assert by_rows == {
-        chunk: EP * chunk * (F + 2) * 4 + EP * chunk * F * 4,  # dispatch (+ ids), combine
-        A: EP * A * (F + 2) * 4 + EP * A * F * 4,
-    }
-    ideal = 2 * A * F * 4 * (EP - 1) / EP  # ragged, balanced routing
-    leaving = 2 * EP * chunk * F * 4 * (EP - 1) / EP  # the rows alone
-    assert leaving == pytest.approx(expert_dispatch.DENSE_CHUNK_FACTOR * ideal)
-
-
-def all_to_all_bytes_by_rows(hlo: str) -> dict:
-    """`all_to_all_bytes` of each all-to-all line, keyed by its chunk's rows (the second
-    dimension of its `[1, rows, columns]` elements)."""
-    out = {}
-    for line in hlo.splitlines():
-        if " all-to-all(" not in line or "=" not in line:
-            continue
-        result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
-        rows = int(result.split("[", 1)[1].split(",")[1])
-        out[rows] = out.get(rows, 0) + sum(all_to_all_bytes(line).values())
-    return out

@@ -2,12 +2,15 @@
 
 Measured in the optimized HLO of one MoE layer (per device):
 
-- all-to-all: the dense CPU path sends `EP x A x F` floats each way (`A = tokens x k`),
-  `EP^2 / (EP - 1)` times the ideal `2 x A x F x bytes x (EP - 1) / EP` in operand bytes,
-  `EP` times it in bytes that leave the device; the expert ids ride in the dispatch as two
-  more columns of the rows' dtype (`(F + 2) / F` of the dispatch's bytes, no separate
-  all-to-all). On GPU/TPU the ragged path sends only the routed rows (not measurable here: XLA:CPU
-  has no ragged-all-to-all).
+- all-to-all: the dense CPU path sends `EP x C x F` floats each way (`A = tokens x k`
+  routed rows a device, `C = expert_dispatch.dense_chunk(A, EP)` a destination: `2 A /
+  EP` where that is below `A`), `2 EP / (EP - 1)` times the ideal `2 x A x F x bytes x
+  (EP - 1) / EP` in operand bytes and twice it in bytes that leave the device; where a
+  destination would get more than `C` rows the layer falls back to chunks of `A` (the
+  compiled program holds both: `EP^2 / (EP - 1)` and `EP` times the ideal). The expert ids
+  ride in the dispatch as two more columns of the rows' dtype (`(F + 2) / F` of the
+  dispatch's bytes, no separate all-to-all). On GPU/TPU the ragged path sends only the
+  routed rows (not measurable here: XLA:CPU has no ragged-all-to-all).
 - executed FLOPs: forward and backward on expert x data and expert x model x data (shared
   experts) are the active-parameter FLOPs plus the router's within 1.1x (measured: 1.003
   and 1.019): the HLO's dots plus the multiply-adds the grouped matmul kernels count
@@ -26,6 +29,7 @@ import pytest
 from flax import nnx
 
 import shardfuse as sf
+from shardfuse.collectives import expert_dispatch
 from shardfuse.kernels import registry
 
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8)\[([\d,]*)\]")
@@ -49,6 +53,19 @@ def all_to_all_bytes(hlo: str) -> dict:
     return out
 
 
+def all_to_all_bytes_by_rows(hlo: str) -> dict:
+    """`{rows: bytes}`: the result bytes of the all-to-alls whose elements are `[1, rows,
+    columns]` (the dense dispatch's chunks of `rows` a destination), every dtype."""
+    out = {}
+    for line in hlo.splitlines():
+        if " all-to-all(" not in line or "=" not in line:
+            continue
+        result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
+        for dtype, shape in _shapes(result):
+            out[shape[1]] = out.get(shape[1], 0) + math.prod(shape) * _BYTES[dtype]
+    return out
+
+
 def _compiled(moe, x, *, grad: bool):
     graphdef, state, rest = nnx.split(moe, nnx.Param, ...)
 
@@ -69,15 +86,22 @@ def test_dense_dispatch_moves_the_stated_all_to_all_bytes():
     moe = sf.layers.ParallelMoE(F, 8, num_experts=8, top_k=k, mesh=mesh, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (8, 8, F))  # 8 tokens per device
     A = 8 * k  # routed rows per device
-    moved = all_to_all_bytes(_compiled(moe, x, grad=False).as_text())
-    ideal = 2 * A * F * 4 * (ep - 1) / ep  # ragged, balanced routing
-    # dispatch (the rows and their two id columns) + combine, per-destination padding
-    assert moved["f32"] == ep * A * (F + 2) * 4 + ep * A * F * 4
-    rows = 2 * ep * A * F * 4  # the rows alone
-    assert rows / ideal == pytest.approx(ep**2 / (ep - 1))  # the CPU path's factor
-    assert rows * (ep - 1) / ep == pytest.approx(ep * ideal)  # bytes leaving a device
-    assert moved["f32"] / rows == pytest.approx((2 * F + 2) / (2 * F))  # the ids: 2 columns
+    C = expert_dispatch.dense_chunk(A, ep)
+    assert C == 2 * A // ep < A
+    hlo = _compiled(moe, x, grad=False).as_text()
+    moved = all_to_all_bytes(hlo)
     assert "s32" not in moved  # one all-to-all carries rows and ids (the counts: removed)
+    # the capped dispatch (the rows and their two id columns) and combine, and the
+    # fallback's, both in the program (a conditional): nothing else
+    by_rows = all_to_all_bytes_by_rows(hlo)
+    assert by_rows == {rows: ep * rows * (F + 2) * 4 + ep * rows * F * 4 for rows in (C, A)}
+    ideal = 2 * A * F * 4 * (ep - 1) / ep  # ragged, balanced routing
+    for rows, factor in ((C, 2 * ep / (ep - 1)), (A, ep**2 / (ep - 1))):
+        sent = 2 * ep * rows * F * 4  # the rows alone
+        assert sent / ideal == pytest.approx(factor)  # the CPU path's factor
+        assert by_rows[rows] / sent == pytest.approx((2 * F + 2) / (2 * F))  # the ids
+    leaving = 2 * ep * C * F * 4 * (ep - 1) / ep  # bytes leaving a device, capped
+    assert leaving == pytest.approx(expert_dispatch.DENSE_CHUNK_FACTOR * ideal)
 
 
 def _largest_buffer(hlo: str) -> int:

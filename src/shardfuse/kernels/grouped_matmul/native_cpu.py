@@ -252,7 +252,7 @@ def swiglu_experts(rows, ids, gate_up, down):
       >>> rows = jnp.ones((3, 4))
       >>> gate_up, down = jnp.ones((2, 4, 6)), jnp.ones((2, 3, 4))
       >>> y = native_cpu.swiglu_experts(rows, jnp.array([1, 5, 0]), gate_up, down)
-      >>> y[:, 0].round(2).tolist()  # 3 x silu(4) x 4; row 1's expert is not held: 0
+      >>> [round(v, 2) for v in y[:, 0].tolist()]  # 3 x silu(4) x 4; row 1's expert: not held
       [47.14, 0.0, 47.14]
     """
     if not swiglu_experts_supported(rows, gate_up, down):
