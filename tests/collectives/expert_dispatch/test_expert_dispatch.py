@@ -31,26 +31,28 @@ def _routing(seed, ep, *, dropped=1):
     return rows, experts
 
 
-def _expected_receive(rows, experts, ep):
-    """NumPy: each device's receive buffer and its experts (padding NaN / E)."""
+def _expected_receive(rows, experts, ep, chunk=A):
+    """NumPy: each device's receive buffer and its experts (padding NaN / E): chunk s
+    holds device s's first `chunk` rows for this device."""
     per = E // ep
-    buffers = np.full((ep, ep, A, F), np.nan, np.float32)
-    ids = np.full((ep, ep, A), E, np.int32)
+    buffers = np.full((ep, ep, chunk, F), np.nan, np.float32)
+    ids = np.full((ep, ep, chunk), E, np.int32)
     for d in range(ep):
         for s in range(ep):
             mine = (experts[s] // per == d) & (experts[s] < E)
-            buffers[d, s, : mine.sum()] = rows[s][mine]
-            ids[d, s, : mine.sum()] = experts[s][mine]
-    return buffers.reshape(ep, ep * A, F), ids.reshape(ep, ep * A)
+            n = min(mine.sum(), chunk)
+            buffers[d, s, :n] = rows[s][mine][:n]
+            ids[d, s, :n] = experts[s][mine][:n]
+    return buffers.reshape(ep, ep * chunk, F), ids.reshape(ep, ep * chunk)
 
 
-def _run(mesh, implementation, rows, experts, pad_value=np.nan):
+def _run(mesh, implementation, rows, experts, pad_value=np.nan, chunk=None):
     """dispatch, then `results = 2 * received + expert id`, then combine; per device."""
 
     def local(rows, experts):
         received, received_ids, plan = expert_dispatch.dispatch(
             rows[0], experts[0], num_experts=E, axis_name="expert",
-            implementation=implementation, pad_value=pad_value,
+            implementation=implementation, pad_value=pad_value, chunk=chunk,
         )  # fmt: skip
         results = 2 * received + received_ids[:, None].astype(rows.dtype)
         back = expert_dispatch.combine(results, plan, axis_name="expert",
@@ -75,6 +77,71 @@ def test_dense_dispatch_and_combine_match_their_definition(ep):
     want_back = np.where(valid[..., None], 2 * rows + experts[..., None].astype(np.float32), 0)
     assert np.isfinite(back).all()  # the NaN padding never comes back
     np.testing.assert_array_equal(back, want_back)
+
+
+@pytest.mark.parametrize("ep", [4, 8])
+def test_a_capped_dense_dispatch_sends_each_destinations_first_chunk(ep):
+    """`chunk` rows a destination (`dense_chunk`): each device's first `chunk` rows for a
+    destination arrive and come back; the rest are not sent, come back zero, and
+    `overflows` says so."""
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    chunk = expert_dispatch.dense_chunk(A, ep)
+    assert chunk < A
+    rows, experts = _routing(ep + 10, ep, dropped=1)
+    experts[0, : A - 1] = 0  # device 0 sends all its rows to device 0: past the chunk
+    received, ids, back = (np.asarray(a) for a in _run(mesh, "dense", rows, experts,
+                                                        chunk=chunk))  # fmt: skip
+    want_rows, want_ids = _expected_receive(rows, experts, ep, chunk)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(received, want_rows)
+    per = E // ep
+    sent = np.zeros(experts.shape, bool)
+    for s in range(ep):
+        for d in range(ep):
+            mine = np.flatnonzero((experts[s] // per == d) & (experts[s] < E))
+            sent[s, mine[:chunk]] = True
+    assert not sent[0, chunk : A - 1].any()  # device 0's rows past its chunk
+    want_back = np.where(sent[..., None], 2 * rows + experts[..., None].astype(np.float32), 0)
+    np.testing.assert_array_equal(back, want_back)
+    flags = [
+        int(expert_dispatch.overflows(jnp.asarray(e), num_experts=E, ep=ep, chunk=chunk))
+        for e in experts
+    ]
+    assert flags == [int((~sent[s] & (experts[s] < E)).any()) for s in range(ep)]
+    assert flags[0] == 1
+
+
+def test_combine_transpose_is_the_combines_vjp():
+    ep = 4
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    rows, experts = _routing(3, ep, dropped=2)
+    chunk = expert_dispatch.dense_chunk(A, ep)
+    values = np.random.default_rng(4).normal(size=(ep, A, F)).astype(np.float32)
+
+    def local(rows, experts, values):
+        _, _, plan = expert_dispatch.dispatch(rows[0], experts[0], num_experts=E,
+                                              axis_name="expert", implementation="dense",
+                                              chunk=chunk)  # fmt: skip
+        combine = functools.partial(expert_dispatch.combine, plan=plan, axis_name="expert",
+                                    implementation="dense")  # fmt: skip
+        # a primal varying over the axis, as the layer's results are (an invariant one's
+        # cotangent would be summed over the axis)
+        _, vjp = jax.vjp(combine, jnp.zeros((ep * chunk, F), jnp.float32) + 0 * rows.sum())
+        mine = expert_dispatch.combine_transpose(values[0], plan, axis_name="expert")
+        return mine[None], vjp(values[0])[0][None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 3,
+                       out_specs=(P("expert"), P("expert")))  # fmt: skip
+    put = functools.partial(jax.device_put, device=NamedSharding(mesh, P("expert")))
+    mine, theirs = jax.jit(fn)(put(rows), put(experts), put(values))
+    np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+def test_chunk_needs_the_dense_implementation():
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    rows, experts = _routing(0, 2)
+    with pytest.raises(ValueError, match="chunk=3 needs implementation='dense'"):
+        _run(mesh, "ragged", rows, experts, chunk=3)
 
 
 @pytest.mark.parametrize(
