@@ -41,15 +41,18 @@ def _shapes(text):
         yield dtype, tuple(int(d) for d in dims.split(",") if d)
 
 
+def _all_to_all_results(hlo: str):
+    """`(dtype, shape)` of every element of every all-to-all's result in `hlo`."""
+    for line in hlo.splitlines():
+        if " all-to-all(" in line and "=" in line:
+            yield from _shapes(line.split("=", 1)[1].split(" all-to-all(", 1)[0])
+
+
 def all_to_all_bytes(hlo: str) -> dict:
     """Result bytes of every all-to-all in `hlo`, by dtype (a tuple result: its elements)."""
     out = {}
-    for line in hlo.splitlines():
-        if " all-to-all(" not in line or "=" not in line:
-            continue
-        result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
-        for dtype, shape in _shapes(result):
-            out[dtype] = out.get(dtype, 0) + math.prod(shape) * _BYTES[dtype]
+    for dtype, shape in _all_to_all_results(hlo):
+        out[dtype] = out.get(dtype, 0) + math.prod(shape) * _BYTES[dtype]
     return out
 
 
@@ -57,12 +60,8 @@ def all_to_all_bytes_by_rows(hlo: str) -> dict:
     """`{rows: bytes}`: the result bytes of the all-to-alls whose elements are `[1, rows,
     columns]` (the dense dispatch's chunks of `rows` a destination), every dtype."""
     out = {}
-    for line in hlo.splitlines():
-        if " all-to-all(" not in line or "=" not in line:
-            continue
-        result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
-        for dtype, shape in _shapes(result):
-            out[shape[1]] = out.get(shape[1], 0) + math.prod(shape) * _BYTES[dtype]
+    for dtype, shape in _all_to_all_results(hlo):
+        out[shape[1]] = out.get(shape[1], 0) + math.prod(shape) * _BYTES[dtype]
     return out
 
 
