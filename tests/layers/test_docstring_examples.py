@@ -11,6 +11,7 @@ from shardfuse.layers import (
     linear,
     mlp,
     moe,
+    moe_capped,
     options,
     router,
     row_linear,
@@ -19,7 +20,7 @@ from shardfuse.layers import (
 
 @pytest.mark.parametrize(
     "module",
-    [linear, row_linear, mlp, moe, router, attention, block, options, _sharding],
+    [linear, row_linear, mlp, moe, moe_capped, router, attention, block, options, _sharding],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

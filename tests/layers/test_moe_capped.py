@@ -1,4 +1,4 @@
-"""The capped dense dispatch (`moe.capped_expert_parallel`, the CPU's expert-parallel path):
+"""The capped dense dispatch (`moe_capped.capped_expert_parallel`, the CPU's expert-parallel path):
 `expert_dispatch.dense_chunk` rows a destination, and the full-size dispatch where a
 destination would get more (dropless either way).
 

@@ -142,7 +142,7 @@ def test_a_moe_layer_runs_its_experts_as_one_call_each_way():
     with jax.set_mesh(mesh):
         x = jax.reshard(x, jax.sharding.PartitionSpec(("expert", "data")))
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
-    # On this mesh the layer runs the capped dispatch (`moe.capped_expert_parallel`): a
+    # On this mesh the layer runs the capped dispatch (`moe_capped.capped_expert_parallel`): a
     # conditional whose branches each run the experts once each way (the fallback's
     # backward recomputes its forward first). Per computation:
     calls = []
